@@ -1,0 +1,34 @@
+# `make test` and `make demo` each build .venv on first use, then run.
+# Without an NVIDIA GPU the CPU build of torch is installed (the default wheel pulls several GB
+# of CUDA libraries); override with `make TORCH_SPEC=... test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),torch,torch==2.13.0)
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/gpukit doctor
+	$(BIN)/gpukit devices
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

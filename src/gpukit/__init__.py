@@ -1,0 +1,28 @@
+"""gpukit: deep learning on GPUs made correct, fast and understandable, on top of PyTorch.
+
+>>> import gpukit as gk
+>>> dev = gk.device()            # the best device here: GPUKIT_DEVICE, else cuda:0, mps, cpu
+>>> x = gk.to({"x": [1, 2]}, dev)
+"""
+
+from gpukit.devices import Device, cpu, device, devices, gpu, on
+from gpukit.errors import DeviceError, GpukitError
+from gpukit.move import to
+from gpukit.placement import PlacementReport, placement
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Device",
+    "DeviceError",
+    "GpukitError",
+    "PlacementReport",
+    "__version__",
+    "cpu",
+    "device",
+    "devices",
+    "gpu",
+    "on",
+    "placement",
+    "to",
+]

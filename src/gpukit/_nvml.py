@@ -1,0 +1,114 @@
+"""GPU facts from NVML (the library behind nvidia-smi), read once into plain data.
+
+NVML is optional: without the NVIDIA driver, or without the ``nvidia-ml-py`` package, ``read()``
+returns an ``NvmlInfo`` with ``available=False`` and the reason, and callers fall back to what
+torch reports. NVML sees every GPU of the machine, whatever ``CUDA_VISIBLE_DEVICES`` says, and
+numbers them in PCI bus order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    """One GPU as NVML sees it; memory in bytes, utilisation in percent."""
+
+    index: int
+    name: str
+    uuid: str
+    pci_bus_id: str = ""
+    memory_total: int | None = None
+    memory_used: int | None = None
+    memory_free: int | None = None
+    utilization: int | None = None
+    capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class NvmlInfo:
+    """What NVML says about the machine, or why it could not say."""
+
+    available: bool
+    error: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: tuple[int, int] | None = None  # the newest CUDA the driver supports
+    gpus: tuple[NvmlGpu, ...] = field(default_factory=tuple)
+
+
+def read() -> NvmlInfo:
+    """Read the driver and every GPU from NVML; never raises."""
+    try:
+        nvml: Any = importlib.import_module("pynvml")
+    except ImportError:
+        return NvmlInfo(False, "the nvidia-ml-py package is not installed")
+    try:
+        nvml.nvmlInit()
+    except Exception as err:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        return NvmlInfo(False, _describe(err))
+    try:
+        return _read_initialised(nvml)
+    except Exception as err:
+        return NvmlInfo(False, f"NVML failed while reading: {_describe(err)}")
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def _read_initialised(nvml: Any) -> NvmlInfo:
+    driver = _text(nvml.nvmlSystemGetDriverVersion())
+    cuda = _optional(nvml.nvmlSystemGetCudaDriverVersion)
+    gpus = tuple(_read_gpu(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount())))
+    return NvmlInfo(
+        available=True,
+        driver_version=driver,
+        cuda_driver_version=(cuda // 1000, (cuda % 1000) // 10) if cuda else None,
+        gpus=gpus,
+    )
+
+
+def _read_gpu(nvml: Any, index: int) -> NvmlGpu:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
+    util = _optional(nvml.nvmlDeviceGetUtilizationRates, handle)
+    capability = _optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    pci = _optional(nvml.nvmlDeviceGetPciInfo, handle)
+    return NvmlGpu(
+        index=index,
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        uuid=_text(_optional(nvml.nvmlDeviceGetUUID, handle) or ""),
+        pci_bus_id=_text(getattr(pci, "busId", "") or ""),
+        memory_total=int(memory.total) if memory is not None else None,
+        memory_used=int(memory.used) if memory is not None else None,
+        memory_free=int(memory.free) if memory is not None else None,
+        utilization=int(util.gpu) if util is not None else None,
+        capability=(int(capability[0]), int(capability[1])) if capability else None,
+    )
+
+
+def _optional(call: Callable[..., T], *args: Any) -> T | None:
+    """Some queries are unsupported on some GPUs (NVML_ERROR_NOT_SUPPORTED): None then."""
+    try:
+        return call(*args)
+    except Exception:
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _describe(err: Exception) -> str:
+    text = str(err) or type(err).__name__
+    if "LibraryNotFound" in type(err).__name__ or "Library Not Found" in text:
+        return "libnvidia-ml.so not found: no NVIDIA driver is installed"
+    if "DriverNotLoaded" in type(err).__name__ or "Driver Not Loaded" in text:
+        return "the NVIDIA kernel driver is not loaded"
+    return text

@@ -1,0 +1,51 @@
+"""``gpukit``: the command line. Each subcommand lives in its own module of this package and
+provides ``NAME``, ``register(subparsers)`` and ``run(args) -> exit code``.
+
+Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor check FAILed);
+2 bad input (a usage error or a GpukitError, printed in one or two lines without a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from gpukit import __version__
+from gpukit.cli import devices, doctor
+from gpukit.errors import GpukitError
+
+COMMANDS = (doctor, devices)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpukit",
+        description="Deep learning on GPUs made correct, fast and understandable.",
+        epilog="Run `gpukit COMMAND --help` for a command's options and an example.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpukit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except GpukitError as err:
+        print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`gpukit doctor --json | head`): silence the final flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

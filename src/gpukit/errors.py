@@ -1,0 +1,26 @@
+"""The errors gpukit raises for mistakes a user can fix.
+
+Every message says what was given, what exists or is allowed, and how to fix it. The CLI prints
+a :class:`GpukitError` in one or two lines, without a traceback, and exits with code 2.
+
+>>> import gpukit as gk
+>>> try:
+...     gk.device("tpu:0")
+... except gk.GpukitError as err:
+...     print(type(err).__name__)
+DeviceError
+"""
+
+from __future__ import annotations
+
+
+class GpukitError(Exception):
+    """Base class of every error gpukit raises on bad input or an impossible request."""
+
+
+class DeviceError(GpukitError, ValueError):
+    """A device spec that is malformed, names a missing device, or asks for what the build lacks.
+
+    It is also a ``ValueError``, so code that already catches torch's ``ValueError`` for a bad
+    device string keeps working.
+    """

@@ -1,0 +1,67 @@
+"""Shared fixtures: a clean environment for every test, and a machine with pretend GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from gpukit import _hw
+
+GiB = 1024**3
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and count < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; torch sees none here"))
+        if "multigpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; torch sees {count}"))
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start with none of the variables that steer device choice (restored after)."""
+    for name in ("GPUKIT_DEVICE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@dataclass
+class FakeCuda:
+    """The pretend CUDA machine: which device is current, as a stack of scopes."""
+
+    props: list[_hw.CudaProperties]
+    current: list[int] = field(default_factory=lambda: [0])
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Call ``fake_gpus(n)`` to make gpukit believe torch is a CUDA build seeing n GPUs."""
+
+    def install(
+        n: int = 2, name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)
+    ) -> FakeCuda:
+        fake = FakeCuda(
+            [_hw.CudaProperties(name, 80 * GiB, capability, f"GPU-{i:08d}") for i in range(n)]
+        )
+
+        @contextmanager
+        def scope(index: int) -> Iterator[None]:
+            fake.current.append(index)
+            try:
+                yield
+            finally:
+                fake.current.pop()
+
+        monkeypatch.setattr(_hw, "torch_build", lambda: "cuda")
+        monkeypatch.setattr(_hw, "cuda_count", lambda: n)
+        monkeypatch.setattr(_hw, "cuda_properties", lambda i: fake.props[i])
+        monkeypatch.setattr(_hw, "cuda_current", lambda: fake.current[-1])
+        monkeypatch.setattr(_hw, "cuda_device_scope", scope)
+        return fake
+
+    return install

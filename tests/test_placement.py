@@ -1,0 +1,72 @@
+"""gk.placement: counts and bytes per device, and where a model is split."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gpukit as gk
+
+
+def test_single_device_model_counts_parameters_and_buffers() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = gk.placement(model)
+    d = report.to_dict()
+    assert list(d["devices"]) == ["cpu"]
+    cpu = d["devices"]["cpu"]
+    assert cpu["parameters"] == {"count": 4, "elements": 4 * 3 + 3 + 3 + 3, "bytes": 21 * 4}
+    # running_mean, running_var (float32) and num_batches_tracked (int64)
+    assert cpu["buffers"] == {"count": 3, "elements": 7, "bytes": 3 * 4 * 2 + 8}
+    assert cpu["total_bytes"] == 21 * 4 + 32
+    assert d["split_modules"] == []
+    text = str(report)
+    assert "Placement of Sequential" in text and "cpu" in text and "84 B" in text
+
+
+def test_tied_weights_count_once() -> None:
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    report = gk.placement(nn.ModuleList([emb, head]))
+    assert report.to_dict()["devices"]["cpu"]["parameters"]["count"] == 1
+
+
+def test_model_split_across_devices_warns_and_names_the_split() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.warns(UserWarning, match="split across devices cpu, meta"):
+        report = gk.placement(model)
+    d = report.to_dict()
+    assert set(d["devices"]) == {"cpu", "meta"}
+    assert d["devices"]["meta"]["parameters"]["count"] == 2
+    assert d["split_modules"] == [
+        {"module": "(model)", "devices": ["cpu", "meta"], "parts": {"cpu": ["0"], "meta": ["1"]}}
+    ]
+    assert "split across devices: (model) -> cpu: 0; meta: 1" in str(report)
+
+
+def test_layer_with_weight_and_bias_apart_is_the_split_reported() -> None:
+    inner = nn.Linear(2, 2)
+    inner.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    model = nn.Sequential(nn.Sequential(inner), nn.ReLU())
+    with pytest.warns(UserWarning):
+        report = gk.placement(model)
+    assert [s.module for s in report.split] == ["0.0"]
+    assert report.split[0].parts == {"cpu": ["weight"], "meta": ["bias"]}
+
+
+def test_tensors_in_containers_are_reported_as_tensors() -> None:
+    report = gk.placement({"x": torch.ones(2, 3), "y": [torch.ones(4, dtype=torch.float16)]})
+    cpu = report.to_dict()["devices"]["cpu"]
+    assert cpu["tensors"] == {"count": 2, "elements": 10, "bytes": 6 * 4 + 4 * 2}
+    assert cpu["parameters"]["count"] == 0
+    assert gk.placement(torch.ones(3)).to_dict()["devices"]["cpu"]["tensors"]["count"] == 1
+
+
+def test_placement_of_something_without_tensors_is_an_error() -> None:
+    with pytest.raises(gk.GpukitError, match=r"got a str: pass an nn\.Module, a tensor"):
+        gk.placement("model.pt")
