@@ -65,3 +65,12 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
         return fake
 
     return install
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make gpukit believe torch is a CPU-only build, whatever this machine has."""
+    monkeypatch.setattr(_hw, "torch_build", lambda: "cpu")
+    monkeypatch.setattr(_hw, "cuda_count", lambda: 0)
+    monkeypatch.setattr(_hw, "mps_built", lambda: False)
+    monkeypatch.setattr(_hw, "mps_available", lambda: False)

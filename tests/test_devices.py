@@ -10,7 +10,7 @@ from gpukit import _hw
 from gpukit.devices import Device
 
 
-def test_cpu_only_machine_lists_just_the_cpu() -> None:
+def test_cpu_only_machine_lists_just_the_cpu(cpu_only) -> None:
     found = gk.devices()
     assert [str(d) for d in found] == ["cpu"]
     assert found[0].name and found[0].total_memory
@@ -32,7 +32,7 @@ def test_cpu_only_machine_lists_just_the_cpu() -> None:
     ],
     ids=repr,
 )
-def test_cpu_spellings_resolve_on_cpu_machine(spec: object) -> None:
+def test_cpu_spellings_resolve_on_cpu_machine(cpu_only, spec: object) -> None:
     dev = gk.device(spec)
     assert dev == Device("cpu") and str(dev) == "cpu" and dev.torch == torch.device("cpu")
 
@@ -40,14 +40,14 @@ def test_cpu_spellings_resolve_on_cpu_machine(spec: object) -> None:
 @pytest.mark.parametrize(
     "spec", ["gpu", "gpu:0", "/gpu:0", "cuda:0", 0, torch.device("cuda")], ids=repr
 )
-def test_gpu_on_cpu_only_build_names_the_build_and_the_fix(spec: object) -> None:
+def test_gpu_on_cpu_only_build_names_the_build_and_the_fix(cpu_only, spec: object) -> None:
     with pytest.raises(gk.DeviceError) as err:
         gk.device(spec)
     text = str(err.value)
     assert "CPU-only" in text and "this machine has cpu" in text and "install a CUDA build" in text
 
 
-def test_malformed_spec_lists_machine_devices_and_spellings() -> None:
+def test_malformed_spec_lists_machine_devices_and_spellings(cpu_only) -> None:
     with pytest.raises(
         gk.DeviceError,
         match=r"invalid device 'cuda:x'.*this machine has cpu.*"
@@ -115,13 +115,13 @@ def test_out_of_range_index_lists_devices_and_valid_range(fake_gpus) -> None:
     )
 
 
-def test_index_hidden_by_cuda_visible_devices(fake_gpus, monkeypatch) -> None:
+def test_index_beyond_what_cuda_visible_devices_leaves(fake_gpus, monkeypatch) -> None:
     fake_gpus(1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     with pytest.raises(
         gk.DeviceError,
-        match=r"index 1 is hidden by CUDA_VISIBLE_DEVICES='2'.*"
-        r"1 GPU visible, renumbered from 0.*use gpu:0",
+        match=r"index 1 is beyond the 1 GPU that CUDA_VISIBLE_DEVICES='2' leaves visible, "
+        r"renumbered from 0.*use gpu:0",
     ):
         gk.device("cuda:1")
 
@@ -145,7 +145,7 @@ def test_soft_placement_falls_back_with_a_warning_naming_both(fake_gpus) -> None
         assert str(gk.device("gpu:7", soft=True)) == "cuda:0"
 
 
-def test_soft_placement_on_cpu_machine_falls_back_to_cpu() -> None:
+def test_soft_placement_on_cpu_machine_falls_back_to_cpu(cpu_only) -> None:
     with pytest.warns(UserWarning, match="using cpu instead"):
         assert gk.device("/gpu:1", soft=True) == gk.cpu()
 
@@ -155,9 +155,7 @@ def test_soft_placement_does_not_excuse_malformed_specs() -> None:
         gk.device("gpu:one", soft=True)
 
 
-def test_mps_missing_says_why() -> None:
-    if _hw.mps_available():
-        pytest.skip("this machine has MPS")
+def test_mps_missing_says_why(cpu_only) -> None:
     with pytest.raises(gk.DeviceError, match="MPS"):
         gk.device("mps")
 
@@ -177,7 +175,7 @@ def test_gpukit_device_variable_chooses_the_default(fake_gpus, monkeypatch) -> N
     assert str(gk.device("gpu:0")) == "cuda:0"  # an explicit spec wins over the variable
 
 
-def test_bad_gpukit_device_variable_is_named(monkeypatch) -> None:
+def test_bad_gpukit_device_variable_is_named(cpu_only, monkeypatch) -> None:
     monkeypatch.setenv("GPUKIT_DEVICE", "tpu:0")
     with pytest.raises(gk.DeviceError, match="GPUKIT_DEVICE='tpu:0' is not a device"):
         gk.device()
@@ -201,7 +199,7 @@ def test_device_objects_compare_by_type_and_index() -> None:
     }
 
 
-def test_a_device_object_is_checked_against_the_machine() -> None:
+def test_a_device_object_is_checked_against_the_machine(cpu_only) -> None:
     with pytest.raises(gk.DeviceError, match="unknown device 'cuda:0': this torch build"):
         gk.device(Device("cuda", 0))
 
@@ -239,7 +237,7 @@ def test_on_restores_the_device_when_the_body_raises() -> None:
     assert torch.get_default_device() == before
 
 
-def test_on_rejects_a_missing_device_before_changing_anything() -> None:
+def test_on_rejects_a_missing_device_before_changing_anything(cpu_only) -> None:
     before = torch.get_default_device()
     with pytest.raises(gk.DeviceError), gk.on("gpu:0"):
         pass
@@ -254,3 +252,43 @@ def test_real_gpus_are_listed_with_name_memory_and_capability() -> None:
     with gk.on("gpu:0"):
         assert torch.ones(1).device == torch.device("cuda:0")
         assert torch.cuda.current_device() == 0
+
+
+def test_gpu_where_cuda_cannot_start_is_missing_with_the_reason(fake_gpus, monkeypatch) -> None:
+    fake = fake_gpus(2)
+
+    def properties(i: int) -> _hw.CudaProperties:
+        if i == 1:
+            raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+        return fake.props[i]
+
+    monkeypatch.setattr(_hw, "cuda_properties", properties)
+    assert [str(d) for d in gk.devices()] == ["cpu", "cuda:0"]  # the rest stays usable
+    assert str(gk.device("cpu")) == "cpu"
+    with pytest.raises(
+        gk.DeviceError,
+        match=r"CUDA cannot start on GPU 1: CUDA error: all "
+        r"CUDA-capable devices are busy",
+    ):
+        gk.device("gpu:1")
+
+
+def test_device_objects_are_validated_like_their_spelling(cpu_only) -> None:
+    with pytest.raises(gk.DeviceError, match="only one cpu device"):
+        gk.device(Device("cpu", 3))
+    with pytest.raises(gk.DeviceError, match="negative"):
+        gk.device(Device("cuda", -1))
+    with pytest.raises(gk.DeviceError, match="TPUs are not supported"):
+        gk.device(Device("tpu"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["cuda:" + "9" * 5000, "9" * 5000, "/gpu:" + "9" * 30])
+def test_absurd_indices_are_device_errors(spec: str) -> None:
+    with pytest.raises(gk.DeviceError, match="too large"):
+        gk.device(spec)
+
+
+def test_soft_fallback_warning_points_at_the_callers_line(cpu_only) -> None:
+    with pytest.warns(UserWarning) as caught:
+        gk.device("gpu:2", soft=True)
+    assert caught[0].filename == __file__

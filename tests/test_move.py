@@ -88,7 +88,7 @@ def test_tensor_to_meta_device_is_refused_as_a_device() -> None:
         gk.to(torch.ones(1), "meta")
 
 
-def test_missing_target_raises_before_touching_anything() -> None:
+def test_missing_target_raises_before_touching_anything(cpu_only) -> None:
     x = torch.ones(1)
     with pytest.raises(gk.DeviceError, match="CPU-only"):
         gk.to({"x": x}, "gpu:0")

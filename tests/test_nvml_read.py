@@ -27,6 +27,7 @@ def test_missing_driver_library_degrades_with_a_reason(monkeypatch) -> None:
     info = _nvml.read()
     assert not info.available and info.gpus == ()
     assert info.error == "libnvidia-ml.so not found: no NVIDIA driver is installed"
+    assert info.absence == "no-driver"
 
 
 def test_missing_package_degrades_with_a_reason(monkeypatch) -> None:
@@ -34,15 +35,29 @@ def test_missing_package_degrades_with_a_reason(monkeypatch) -> None:
     install_pynvml(monkeypatch, None)
     info = _nvml.read()
     assert not info.available and "nvidia-ml-py" in (info.error or "")
+    assert info.absence == "no-package"
 
 
-def test_failure_while_reading_degrades(monkeypatch) -> None:
-    module = fake_pynvml([{"name": "X"}])
+def test_one_lost_gpu_keeps_the_driver_and_the_other_gpus(monkeypatch) -> None:
+    module = fake_pynvml([{"name": "NVIDIA A100", "uuid": "GPU-a"}, {"name": "lost"}])
+    real_name = module.nvmlDeviceGetName  # type: ignore[attr-defined]
 
-    def lost(handle: object) -> str:
-        raise NVMLError("GPU is lost")
+    def name(handle: dict) -> bytes:
+        if handle["name"] == "lost":
+            raise NVMLError("GPU is lost")
+        return real_name(handle)
 
-    module.nvmlDeviceGetName = lost  # type: ignore[attr-defined]
+    module.nvmlDeviceGetName = name  # type: ignore[attr-defined]
     install_pynvml(monkeypatch, module)
     info = _nvml.read()
-    assert not info.available and "GPU is lost" in (info.error or "")
+    assert info.available and info.driver_version == "550.54.15"
+    assert info.gpus[0].name == "NVIDIA A100" and info.gpus[0].error is None
+    assert info.gpus[1].error == "GPU is lost"
+
+
+def test_nvml_that_fails_to_start_is_an_error_not_an_absence(monkeypatch) -> None:
+    mismatch = NVMLError("Driver/library version mismatch")
+    install_pynvml(monkeypatch, fake_pynvml([], init_error=mismatch))
+    info = _nvml.read()
+    assert not info.available and info.absence == "error"
+    assert info.error == "Driver/library version mismatch"

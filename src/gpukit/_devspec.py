@@ -96,7 +96,7 @@ def _parse_text(text: str) -> Spec:
     if s == "auto":
         return AUTO
     if _INTEGER.fullmatch(s):
-        return _checked("cuda", int(s))
+        return _checked("cuda", _whole(s))
     if s.startswith("/"):
         return _parse_tensorflow(s)
     match = _PLAIN.fullmatch(s)
@@ -125,7 +125,14 @@ def _index(text: str | None) -> int | None:
         raise SpecError("the index after ':' is missing")
     if not _INTEGER.fullmatch(text):
         raise SpecError(f"the index {text!r} is not a whole number")
-    return int(text)
+    return _whole(text)
+
+
+def _whole(digits: str) -> int:
+    # int() refuses strings over 4300 digits with a plain ValueError; no machine has 10**9 GPUs.
+    if len(digits.lstrip("+-")) > 9:
+        raise SpecError(f"the index {digits[:12]}... is too large", "device indices count from 0")
+    return int(digits)
 
 
 def _from_kind(kind: str, index: int | None) -> Spec:

@@ -8,6 +8,7 @@ machine with GPUs it does not have.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 from collections.abc import Iterator
@@ -48,7 +49,11 @@ def cuda_count() -> int:
 
 
 def cuda_properties(index: int) -> CudaProperties:
-    """Name, memory and compute capability of CUDA device ``index``."""
+    """Name, memory and compute capability of CUDA device ``index``.
+
+    Raises whatever torch raises when CUDA cannot start on that GPU (exclusive mode, ECC
+    errors, no memory left for a context); callers decide how to report it.
+    """
     props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
     return CudaProperties(
@@ -60,8 +65,14 @@ def cuda_properties(index: int) -> CudaProperties:
 
 
 def cuda_current() -> int:
-    """The current CUDA device's index (what a bare ``"cuda"`` means to torch)."""
-    return int(torch.cuda.current_device()) if cuda_count() else 0
+    """The current CUDA device's index (what a bare ``"cuda"`` means to torch); 0 when CUDA
+    cannot start, so that the caller reports the failure on a concrete device."""
+    if not cuda_count():
+        return 0
+    try:
+        return int(torch.cuda.current_device())
+    except Exception:
+        return 0
 
 
 def cuda_device_scope(index: int) -> contextlib.AbstractContextManager[object]:
@@ -81,6 +92,7 @@ def mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
+@functools.cache
 def cpu_name() -> str:
     """The processor's model name, as the OS describes it."""
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -100,6 +112,7 @@ def _meminfo() -> Iterator[tuple[str, int]]:
                 yield key, int(parts[0]) * 1024
 
 
+@functools.cache
 def ram_total() -> int | None:
     """Physical memory in bytes, or None where the OS does not say."""
     try:

@@ -12,9 +12,12 @@ import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
+# Why NVML gave nothing: the package or the driver is not there (normal without a GPU), or it
+# is there and failed (a driver/library version mismatch after an upgrade, say).
+Absence = Literal["no-package", "no-driver", "error"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class NvmlGpu:
     memory_free: int | None = None
     utilization: int | None = None
     capability: tuple[int, int] | None = None
+    error: str | None = None  # this GPU could not be read (e.g. "GPU is lost")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class NvmlInfo:
 
     available: bool
     error: str | None = None
+    absence: Absence | None = None  # set when not available
     driver_version: str | None = None
     cuda_driver_version: tuple[int, int] | None = None  # the newest CUDA the driver supports
     gpus: tuple[NvmlGpu, ...] = field(default_factory=tuple)
@@ -48,15 +53,15 @@ def read() -> NvmlInfo:
     try:
         nvml: Any = importlib.import_module("pynvml")
     except ImportError:
-        return NvmlInfo(False, "the nvidia-ml-py package is not installed")
+        return NvmlInfo(False, "the nvidia-ml-py package is not installed", "no-package")
     try:
         nvml.nvmlInit()
     except Exception as err:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-        return NvmlInfo(False, _describe(err))
+        return NvmlInfo(False, *_describe(err))
     try:
         return _read_initialised(nvml)
     except Exception as err:
-        return NvmlInfo(False, f"NVML failed while reading: {_describe(err)}")
+        return NvmlInfo(False, f"NVML failed while reading: {_describe(err)[0]}", "error")
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
@@ -65,13 +70,21 @@ def read() -> NvmlInfo:
 def _read_initialised(nvml: Any) -> NvmlInfo:
     driver = _text(nvml.nvmlSystemGetDriverVersion())
     cuda = _optional(nvml.nvmlSystemGetCudaDriverVersion)
-    gpus = tuple(_read_gpu(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount())))
+    gpus = tuple(_read_gpu_or_error(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount())))
     return NvmlInfo(
         available=True,
         driver_version=driver,
         cuda_driver_version=(cuda // 1000, (cuda % 1000) // 10) if cuda else None,
         gpus=gpus,
     )
+
+
+def _read_gpu_or_error(nvml: Any, index: int) -> NvmlGpu:
+    """One lost GPU must not hide the driver and the other GPUs."""
+    try:
+        return _read_gpu(nvml, index)
+    except Exception as err:
+        return NvmlGpu(index, "(unreadable)", "", error=_describe(err)[0])
 
 
 def _read_gpu(nvml: Any, index: int) -> NvmlGpu:
@@ -105,10 +118,10 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _describe(err: Exception) -> str:
+def _describe(err: Exception) -> tuple[str, Absence]:
     text = str(err) or type(err).__name__
     if "LibraryNotFound" in type(err).__name__ or "Library Not Found" in text:
-        return "libnvidia-ml.so not found: no NVIDIA driver is installed"
+        return "libnvidia-ml.so not found: no NVIDIA driver is installed", "no-driver"
     if "DriverNotLoaded" in type(err).__name__ or "Driver Not Loaded" in text:
-        return "the NVIDIA kernel driver is not loaded"
-    return text
+        return "the NVIDIA kernel driver is not loaded", "no-driver"
+    return text, "error"

@@ -9,7 +9,6 @@ Device(cpu, ...)
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 from gpukit import _env, _hw
 from gpukit._devspec import AUTO, SPELLINGS, DeviceType, Spec, SpecError, parse
 from gpukit._format import format_bytes
-from gpukit.errors import DeviceError
+from gpukit.errors import DeviceError, warn_user
 
 DeviceSpec = Any  # str | int | torch.device | Device | None; Any keeps call sites simple to type
 
@@ -76,13 +75,9 @@ def devices() -> list[Device]:
     >>> gk.devices()[0]
     Device(cpu, ...)
     """
-    found = [Device("cpu", 0, _hw.cpu_name(), _hw.ram_total())]
-    for i in range(_hw.cuda_count()):
-        props = _hw.cuda_properties(i)
-        found.append(Device("cuda", i, props.name, props.total_memory, props.capability))
-    if _hw.mps_available():
-        found.append(Device("mps", 0, "Apple GPU (Metal)", _hw.ram_total()))
-    return found
+    found = [_lookup("cpu", 0), *(_lookup("cuda", i) for i in range(_hw.cuda_count()))]
+    found.append(_lookup("mps", 0))
+    return [d for d in found if d is not None]
 
 
 def device(spec: DeviceSpec = None, *, soft: bool = False) -> Device:
@@ -100,16 +95,15 @@ def device(spec: DeviceSpec = None, *, soft: bool = False) -> Device:
     >>> gk.device("gpu:7", soft=True)  # doctest: +SKIP
     Device(cpu, ...)
     """
-    if isinstance(spec, Device):
-        parsed = Spec(spec.type, spec.index)
-    else:
-        try:
-            parsed = parse(spec)
-        except SpecError as err:
-            raise DeviceError(
-                f"invalid device {_show(spec)}: {err.problem}; this machine has {_listing()} "
-                f"({err.fix})"
-            ) from None
+    try:
+        # A Device is re-checked as its spelling: Device("tpu") or Device("cpu", 3) are refused
+        # like the strings would be.
+        parsed = parse(f"{spec.type}:{spec.index}" if isinstance(spec, Device) else spec)
+    except SpecError as err:
+        raise DeviceError(
+            f"invalid device {_show(spec)}: {err.problem}; this machine has {_listing()} "
+            f"({err.fix})"
+        ) from None
     if parsed == AUTO:
         return _auto(soft)
     return _resolve(parsed, spec, soft)
@@ -153,17 +147,13 @@ def _resolve(parsed: Spec, given: DeviceSpec, soft: bool) -> Device:
     index = parsed.index
     if kind == "cuda" and index is None:
         index = _hw.cuda_current()
-    found = {(d.type, d.index): d for d in devices()}
-    match = found.get((kind, index or 0))
+    match = _lookup(kind, index or 0)
     if match is not None:
         return match
     problem, fix = _why_missing(kind, index or 0)
     if soft:
         fallback = _best()
-        warnings.warn(
-            f"device {_show(given)} is not available ({problem}); using {fallback} instead",
-            stacklevel=3,
-        )
+        warn_user(f"device {_show(given)} is not available ({problem}); using {fallback} instead")
         return fallback
     raise DeviceError(
         f"unknown device {_show(given)}: {problem}; this machine has {_listing()} ({fix})"
@@ -188,12 +178,34 @@ def _auto(soft: bool) -> Device:
 
 def _best() -> Device:
     """cuda:0, else mps, else cpu: the fastest device that is surely there."""
-    found = devices()
     for kind in ("cuda", "mps"):
-        for d in found:
-            if d.type == kind:
-                return d
-    return found[0]
+        found = _lookup(kind, 0)
+        if found is not None:
+            return found
+    return _cpu()
+
+
+def _lookup(kind: DeviceType, index: int) -> Device | None:
+    """The device if this process can use it, else None; asks only about that one device."""
+    if kind == "cpu":
+        return _cpu() if index == 0 else None
+    if kind == "mps":
+        return (
+            Device("mps", 0, "Apple GPU (Metal)", _hw.ram_total())
+            if (index == 0 and _hw.mps_available())
+            else None
+        )
+    if not 0 <= index < _hw.cuda_count():
+        return None
+    try:
+        props = _hw.cuda_properties(index)
+    except Exception:  # CUDA cannot start on it: unusable, and _why_missing says why
+        return None
+    return Device("cuda", index, props.name, props.total_memory, props.capability)
+
+
+def _cpu() -> Device:
+    return Device("cpu", 0, _hw.cpu_name(), _hw.ram_total())
 
 
 def _why_missing(kind: DeviceType, index: int) -> tuple[str, str]:
@@ -217,14 +229,28 @@ def _why_missing(kind: DeviceType, index: int) -> tuple[str, str]:
                 f"unset CUDA_VISIBLE_DEVICES or list the GPUs to use, {soft}",
             )
         return "torch finds no GPU", f"run `gpukit doctor` to see why, {soft}"
+    if index < count:
+        return (
+            f"CUDA cannot start on GPU {index}: {_start_error(index)}",
+            f"`nvidia-smi` shows whether another process holds it or it is in a bad state; "
+            f"`gpukit doctor` checks the setup, {soft}",
+        )
     use = f"use gpu:0..{count - 1}" if count > 1 else "use gpu:0"
     if visible is not None:
         return (
-            f"index {index} is hidden by CUDA_VISIBLE_DEVICES={visible!r}, which leaves "
-            f"{count} GPU{'s' if count > 1 else ''} visible, renumbered from 0",
+            f"index {index} is beyond the {count} GPU{'s' if count > 1 else ''} that "
+            f"CUDA_VISIBLE_DEVICES={visible!r} leaves visible, renumbered from 0",
             f"{use}, or add the GPU to CUDA_VISIBLE_DEVICES, {soft}",
         )
     return f"there is no GPU {index}", f"{use}, {soft}"
+
+
+def _start_error(index: int) -> str:
+    try:
+        _hw.cuda_properties(index)
+    except Exception as err:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return "unknown error"
 
 
 def _listing() -> str:

@@ -13,6 +13,12 @@ DeviceError
 
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
 
 class GpukitError(Exception):
     """Base class of every error gpukit raises on bad input or an impossible request."""
@@ -24,3 +30,16 @@ class DeviceError(GpukitError, ValueError):
     It is also a ``ValueError``, so code that already catches torch's ``ValueError`` for a bad
     device string keeps working.
     """
+
+
+def warn_user(message: str) -> None:
+    """``warnings.warn`` attributed to the first caller outside gpukit, so the warning names
+    the user's line however deep inside gpukit it was raised."""
+    level = 2  # 1 is this function's own warnings.warn line, 2 its caller
+    frame = sys._getframe(1)
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
+        _PACKAGE_DIR
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, UserWarning, stacklevel=level)

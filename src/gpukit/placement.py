@@ -157,27 +157,32 @@ def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
-def _subtree_devices(module: nn.Module) -> set[str]:
-    tensors = list(module.parameters()) + list(module.buffers())
-    return {str(t.device) for t in tensors}
-
-
 def _split_modules(model: nn.Module) -> list[SplitModule]:
     """The deepest modules whose subtree spans devices: exactly where each split happens."""
+    subtree: dict[int, set[str]] = {}  # id(module) -> devices of its subtree, filled bottom-up
+
+    def devices_of(module: nn.Module) -> set[str]:
+        if id(module) not in subtree:
+            own = {str(t.device) for t in _own_tensors(module).values()}
+            subtree[id(module)] = own.union(*(devices_of(c) for c in module.children()))
+        return subtree[id(module)]
+
     found = []
     for name, module in model.named_modules():
-        if len(_subtree_devices(module)) < 2:
-            continue
-        if any(len(_subtree_devices(child)) > 1 for child in module.children()):
-            continue  # the split is further down
+        if len(devices_of(module)) < 2 or any(len(devices_of(c)) > 1 for c in module.children()):
+            continue  # not split here, or split further down
         parts: dict[str, list[str]] = {}
         for child_name, child in module.named_children():
-            for dev in sorted(_subtree_devices(child)):
+            for dev in sorted(devices_of(child)):
                 parts.setdefault(dev, []).append(child_name)
-        own = list(module.named_parameters(recurse=False)) + list(
-            module.named_buffers(recurse=False)
-        )
-        for tensor_name, t in own:
+        for tensor_name, t in _own_tensors(module).items():
             parts.setdefault(str(t.device), []).append(tensor_name)
         found.append(SplitModule(name, dict(sorted(parts.items()))))
     return found
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **dict(module.named_parameters(recurse=False)),
+        **dict(module.named_buffers(recurse=False)),
+    }

@@ -35,7 +35,7 @@ def test_doctor_json_on_this_machine_exits_zero() -> None:
 def test_doctor_table_ends_with_counts(capsys) -> None:
     assert main(["doctor", "--no-alloc"]) == 0
     out = capsys.readouterr().out
-    assert "gpukit doctor" in out and "FAIL" in out and out.rstrip().endswith("0 FAIL")
+    assert "gpukit doctor" in out and "│ torch " in out and out.rstrip().endswith(" 0 FAIL")
 
 
 def test_doctor_exits_one_when_a_check_fails(monkeypatch, capsys) -> None:

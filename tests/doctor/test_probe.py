@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from gpukit import _hw
 from gpukit.doctor import diagnose
 from gpukit.doctor.probe import read_system, read_torch
 
@@ -33,10 +36,38 @@ def test_pretend_gpus_are_read_and_a_failing_allocation_is_recorded(fake_gpus, m
     assert [g.name for g in info.gpus] == ["NVIDIA H100 80GB HBM3"] * 2
     assert all(g.bf16 and g.capability == (8, 0) for g in info.gpus)
     assert info.p2p == ((True, True), (False, True))
-    # This CPU build cannot allocate on cuda:0: the test allocation catches that and says so.
-    if torch.version.cuda is None:
-        assert all(g.alloc_error for g in info.gpus)
-        assert read_torch(test_allocation=False).gpus[0].alloc_error is None
+    # torch cannot allocate on a pretend GPU: the test allocation catches that and says so.
+    assert all(g.alloc_error and g.allocation == g.alloc_error for g in info.gpus)
+    assert read_torch(test_allocation=False).gpus[0].allocation == "skipped"
+
+
+def test_a_gpu_where_cuda_cannot_start_is_recorded_not_raised(fake_gpus, monkeypatch) -> None:
+    fake = fake_gpus(2)
+
+    def properties(i: int) -> _hw.CudaProperties:
+        if i == 0:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+        return fake.props[i]
+
+    monkeypatch.setattr(_hw, "cuda_properties", properties)
+    info = read_torch(test_allocation=False)
+    assert [g.index for g in info.gpus] == [1]
+    assert info.unreadable == ((0, "CUDA error: uncorrectable ECC error encountered"),)
+    assert info.p2p == ()
+
+
+def test_cuda_properties_gives_nvml_style_uuids(monkeypatch) -> None:
+    props = SimpleNamespace(
+        name="NVIDIA H100",
+        total_memory=80,
+        major=9,
+        minor=0,
+        uuid="1e2b3c4d-0000-1111-2222-333344445555",
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    read = _hw.cuda_properties(0)
+    assert read.uuid == "GPU-1e2b3c4d-0000-1111-2222-333344445555"
+    assert (read.name, read.total_memory, read.capability) == ("NVIDIA H100", 80, (9, 0))
 
 
 def test_diagnose_this_machine_is_not_a_failure() -> None:

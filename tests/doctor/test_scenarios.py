@@ -9,6 +9,7 @@ from gpukit.doctor import Check, DoctorReport, evaluate
 from gpukit.doctor.checks import has_kernels
 from tests.fakes import (
     GiB,
+    NVMLError,
     NVMLError_LibraryNotFound,
     cpu_torch,
     cuda_torch,
@@ -254,3 +255,72 @@ def test_json_schema_is_stable(monkeypatch) -> None:
     }
     assert data["nvml"]["cuda_driver_version"] == "12.4"
     assert data["nvml"]["gpus"][0]["uuid"] == "GPU-00000000"
+
+
+def test_nvml_library_mismatch_fails_with_reboot_fix(monkeypatch) -> None:
+    install_pynvml(
+        monkeypatch, fake_pynvml([], init_error=NVMLError("Driver/library version mismatch"))
+    )
+    report = evaluate(system(), cuda_torch(0), _nvml.read())
+    driver = check(report, "nvidia driver")
+    assert driver.status == "FAIL" and "Driver/library version mismatch" in driver.detail
+    assert "reboot" in driver.fix and not report.ok
+
+
+def test_gpu_where_cuda_cannot_start_fails_and_the_rest_is_reported(monkeypatch) -> None:
+    info = cuda_torch(1, unreadable=((1, "CUDA error: all CUDA-capable devices are busy"),))
+    report = run(monkeypatch, info, h100s(2))
+    bad = check(report, "gpu cuda:1")
+    assert bad.status == "FAIL" and "devices are busy" in bad.detail
+    assert check(report, "gpu cuda:0").status == "OK"
+    assert "cuda:1 (cannot start)" in check(report, "gpus").detail
+
+
+def test_skipped_test_allocation_says_skipped(monkeypatch) -> None:
+    info = cuda_torch((torch_gpu(0, alloc_tested=False),))
+    report = run(monkeypatch, info, h100s(1))
+    assert check(report, "gpu cuda:0").detail.endswith("test allocation skipped")
+    assert report.to_dict()["devices"][1]["test_allocation"] == "skipped"
+
+
+def test_old_driver_under_a_scheduler_blames_the_driver_not_the_variable(monkeypatch) -> None:
+    warning = "CUDA initialization: The NVIDIA driver on your system is too old"
+    info = cuda_torch(0, cuda_init_warning=warning)
+    report = run(monkeypatch, info, h100s(2), cuda=11040, CUDA_VISIBLE_DEVICES="0")
+    gpus = check(report, "gpus")
+    assert gpus.status == "FAIL" and "torch sees 0 of the 2 GPUs" in gpus.detail
+    assert "too old" in gpus.detail
+
+
+def test_cuda_visible_devices_by_uuid_prefix(monkeypatch) -> None:
+    info = cuda_torch((torch_gpu(0, uuid="GPU-00000001"),))
+    report = run(monkeypatch, info, h100s(2), CUDA_VISIBLE_DEVICES="GPU-0000000")
+    gpus = check(report, "gpus")  # an ambiguous prefix: which GPU is hidden is not known
+    assert gpus.status == "OK" and gpus.detail.endswith("hides the others")
+    report = run(monkeypatch, info, h100s(2), CUDA_VISIBLE_DEVICES="GPU-00000001")
+    gpus = check(report, "gpus")
+    assert gpus.status == "OK" and "hides 0: NVIDIA H100 80GB HBM3" in gpus.detail
+
+
+def test_mixed_models_without_uuids_are_not_matched_by_position(monkeypatch) -> None:
+    nvml = [
+        {"name": "NVIDIA RTX A2000", "uuid": "GPU-x", "util": 99, "used": 5 * GiB},
+        {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-y", "util": 1},
+    ]
+    info = cuda_torch((torch_gpu(0, uuid=None), torch_gpu(1, uuid=None, name="NVIDIA RTX A2000")))
+    gpu0 = check(run(monkeypatch, info, nvml), "gpu cuda:0")
+    assert "utilisation ?" in gpu0.detail and "79 GiB free" in gpu0.detail
+    ordered = run(monkeypatch, info, nvml, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    assert "utilisation 99%" in check(ordered, "gpu cuda:0").detail
+
+
+def test_numbering_warning_needs_two_visible_gpus(monkeypatch) -> None:
+    nvml = [{"name": "NVIDIA A100", "uuid": "GPU-00000000"}, {"name": "NVIDIA H100"}]
+    report = run(monkeypatch, cuda_torch(1), nvml, CUDA_VISIBLE_DEVICES="0")
+    assert "gpu numbering" not in {c.name for c in report.checks}
+
+
+def test_every_device_row_has_the_same_keys(monkeypatch) -> None:
+    rows = run(monkeypatch, cuda_torch(1), h100s(1)).to_dict()["devices"]
+    assert len(rows) == 2 and set(rows[0]) == set(rows[1])
+    assert rows[0]["bf16"] is None and rows[1]["bf16"] is True

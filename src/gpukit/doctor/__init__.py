@@ -8,6 +8,7 @@ True
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def evaluate(sys_info: SystemInfo, t: TorchInfo, nvml: _nvml.NvmlInfo) -> Doctor
         *checks.gpu_checks(t, nvml, env),
         *features.p2p_check(t),
         *features.precision_check(t),
-        *features.order_check(nvml, env),
+        *features.order_check(t, nvml, env),
         *features.mps_check(sys_info, t),
         *features.environment_check(sys_info),
     ]
@@ -51,7 +52,9 @@ def evaluate(sys_info: SystemInfo, t: TorchInfo, nvml: _nvml.NvmlInfo) -> Doctor
 
 
 def _device_rows(t: TorchInfo) -> list[dict[str, Any]]:
-    rows = [devices()[0].to_dict()]  # the CPU
+    """Every device with the same keys; None where a value does not apply."""
+    extra = {"free_memory": None, "bf16": None, "test_allocation": None}
+    rows = [{**d.to_dict(), **extra} for d in devices() if d.type != "cuda"]
     for g in t.gpus:
         rows.append(
             {
@@ -60,39 +63,35 @@ def _device_rows(t: TorchInfo) -> list[dict[str, Any]]:
                 "index": g.index,
                 "name": g.name,
                 "total_memory": g.total_memory,
-                "compute_capability": f"{g.capability[0]}.{g.capability[1]}",
+                "compute_capability": _capability(g.capability),
                 "free_memory": g.free_memory,
                 "bf16": g.bf16,
-                "test_allocation": "ok" if g.alloc_error is None else g.alloc_error,
+                "test_allocation": g.allocation,
             }
         )
     return rows
 
 
 def _nvml_dict(nvml: _nvml.NvmlInfo) -> dict[str, Any]:
-    cuda = nvml.cuda_driver_version
+    cuda = nvml.cuda_driver_version  # (major, minor), printed like a capability
     return {
         "available": nvml.available,
         "error": nvml.error,
+        "absence": nvml.absence,
         "driver_version": nvml.driver_version,
-        "cuda_driver_version": f"{cuda[0]}.{cuda[1]}" if cuda else None,
+        "cuda_driver_version": _capability(cuda),
         "gpus": [
             {
-                "index": g.index,
-                "name": g.name,
-                "uuid": g.uuid,
-                "pci_bus_id": g.pci_bus_id,
-                "memory_total": g.memory_total,
-                "memory_used": g.memory_used,
-                "memory_free": g.memory_free,
-                "utilization": g.utilization,
-                "compute_capability": f"{g.capability[0]}.{g.capability[1]}"
-                if g.capability
-                else None,
+                **{k: v for k, v in asdict(g).items() if k != "capability"},
+                "compute_capability": _capability(g.capability),
             }
             for g in nvml.gpus
         ],
     }
+
+
+def _capability(cc: tuple[int, int] | None) -> str | None:
+    return f"{cc[0]}.{cc[1]}" if cc else None
 
 
 __all__ = ["SCHEMA_VERSION", "Check", "DoctorReport", "Status", "diagnose", "evaluate"]

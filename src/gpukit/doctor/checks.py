@@ -159,19 +159,7 @@ def _nccl_check(t: TorchInfo, gpu_count: int) -> Check:
 def driver_check(t: TorchInfo, nvml: NvmlInfo) -> Check:
     """The NVIDIA driver, and whether it is new enough for torch's CUDA runtime."""
     if not nvml.available:
-        if t.gpus and t.build == "cuda":
-            fix = (
-                "pip install nvidia-ml-py"
-                if "not installed" in (nvml.error or "")
-                else "check the driver install: does nvidia-smi work?"
-            )
-            return Check(
-                "nvidia driver",
-                "WARN",
-                f"NVML unavailable ({nvml.error}): version unknown, showing what torch reports",
-                fix,
-            )
-        return Check("nvidia driver", "OK", f"none found: {nvml.error}")
+        return _driver_without_nvml(t, nvml)
     supports = nvml.cuda_driver_version
     detail = f"{nvml.driver_version}"
     if supports:
@@ -186,11 +174,10 @@ def driver_check(t: TorchInfo, nvml: NvmlInfo) -> Check:
         f"built for CUDA {supports[0]}.x"
     )
     if needed[0] > supports[0]:
-        why = f" — {t.cuda_init_warning.splitlines()[0]}" if t.cuda_init_warning else ""
         return Check(
             "nvidia driver",
             "FAIL",
-            f"{detail}: too old for torch's CUDA {t.cuda_runtime}{why}",
+            f"{detail}: too old for torch's CUDA {t.cuda_runtime}{_init_warning(t)}",
             upgrade,
         )
     return Check(
@@ -202,35 +189,113 @@ def driver_check(t: TorchInfo, nvml: NvmlInfo) -> Check:
     )
 
 
+def _driver_without_nvml(t: TorchInfo, nvml: NvmlInfo) -> Check:
+    if nvml.absence == "error":
+        # The library is there but will not start: after a driver upgrade without a reboot
+        # the kernel module and libnvidia-ml differ ("Driver/library version mismatch").
+        return Check(
+            "nvidia driver",
+            "FAIL",
+            f"NVML fails: {nvml.error}{_init_warning(t)}",
+            "reboot, or reinstall the NVIDIA driver so its kernel module and libraries match",
+        )
+    if t.build == "cuda" and (t.gpus or t.unreadable):
+        fix = (
+            "pip install nvidia-ml-py"
+            if nvml.absence == "no-package"
+            else "check the driver install: does nvidia-smi work?"
+        )
+        return Check(
+            "nvidia driver",
+            "WARN",
+            f"NVML unavailable ({nvml.error}): version unknown, showing what torch reports",
+            fix,
+        )
+    return Check("nvidia driver", "OK", f"none found: {nvml.error}")
+
+
+def _init_warning(t: TorchInfo) -> str:
+    return f" — {t.cuda_init_warning.splitlines()[0]}" if t.cuda_init_warning else ""
+
+
 def gpu_checks(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> list[Check]:
     """Which GPUs torch sees (and why it misses any), then one check per visible GPU."""
     checks = [_visibility_check(t, nvml, env)]
     matched = match_gpus(t, nvml, env)
     for gpu in t.gpus:
         checks.append(_gpu_check(gpu, matched.get(gpu.index), t))
+    for index, error in t.unreadable:
+        checks.append(
+            Check(
+                f"gpu cuda:{index}",
+                "FAIL",
+                f"CUDA cannot start on it: {error}",
+                "`nvidia-smi` shows whether another process holds it (exclusive compute mode), "
+                "it has ECC errors, or it needs a reset by an administrator",
+            )
+        )
     return checks
 
 
 def match_gpus(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> dict[int, NvmlGpu]:
-    """torch index -> the NVML GPU it is: by UUID, else through CUDA_VISIBLE_DEVICES indices."""
+    """torch index -> the NVML GPU it is.
+
+    By UUID where torch gives one; otherwise by position only where the numbering is
+    unambiguous (one GPU model, or CUDA_DEVICE_ORDER=PCI_BUS_ID): CUDA numbers mixed models
+    fastest first, NVML by PCI bus. A GPU left unmatched shows torch's numbers instead.
+    """
     if not nvml.available or not t.gpus:
         return {}
-    by_uuid = {g.uuid: g for g in nvml.gpus if g.uuid}
-    if all(gpu.uuid in by_uuid for gpu in t.gpus):
-        return {gpu.index: by_uuid[gpu.uuid] for gpu in t.gpus if gpu.uuid}
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    order = list(range(len(nvml.gpus)))
-    if visible is not None:
-        tokens = [p.strip() for p in visible.split(",") if p.strip()]
-        if not all(p.isdigit() for p in tokens):
-            return {}
-        order = [int(p) for p in tokens]
-    return {i: nvml.gpus[n] for i, n in enumerate(order[: len(t.gpus)]) if n < len(nvml.gpus)}
+    by_uuid = {_bare_uuid(g.uuid): g for g in nvml.gpus if g.uuid}
+    if any(gpu.uuid for gpu in t.gpus):
+        return {
+            gpu.index: by_uuid[_bare_uuid(gpu.uuid)]
+            for gpu in t.gpus
+            if gpu.uuid and _bare_uuid(gpu.uuid) in by_uuid
+        }
+    one_model = len({g.name for g in nvml.gpus}) == 1
+    if not one_model and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return {}
+    order = _visible_indices(env.get("CUDA_VISIBLE_DEVICES"), nvml)
+    if order is None:
+        return {}
+    return {g.index: nvml.gpus[order[g.index]] for g in t.gpus if g.index < len(order)}
+
+
+def _bare_uuid(uuid: str) -> str:
+    return uuid.lower().removeprefix("gpu-").removeprefix("mig-")
+
+
+def _visible_indices(visible: str | None, nvml: NvmlInfo) -> list[int] | None:
+    """NVML indices of the GPUs CUDA_VISIBLE_DEVICES names, in its order; None if some token
+    is neither an index nor a UUID (prefix) of a GPU NVML lists."""
+    if visible is None:
+        return list(range(len(nvml.gpus)))
+    found = []
+    for token in (p.strip() for p in visible.split(",") if p.strip()):
+        if token.isdigit() and int(token) < len(nvml.gpus):
+            found.append(int(token))
+            continue
+        hits = [
+            g.index
+            for g in nvml.gpus
+            if g.uuid
+            and _bare_uuid(g.uuid).startswith(_bare_uuid(token))
+            and len(_bare_uuid(token)) >= 4
+        ]
+        if len(hits) != 1:
+            return None
+        found.append(hits[0])
+    return found
 
 
 def _visibility_check(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> Check:
-    seen = len(t.gpus)
+    seen = len(t.gpus) + len(t.unreadable)
     names = ", ".join(f"cuda:{g.index} {g.name}" for g in t.gpus)
+    if t.unreadable:
+        names = ", ".join(
+            filter(None, [names, *(f"cuda:{i} (cannot start)" for i, _ in t.unreadable)])
+        )
     present = len(nvml.gpus) if nvml.available and t.build != "rocm" else None
     if not present or seen >= present:
         if seen:
@@ -252,6 +317,7 @@ def _visibility_check(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> Chec
         )
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
+        named = _visible_indices(visible, nvml)
         if seen == 0 and visible.strip() in ("", "-1"):
             return Check(
                 "gpus",
@@ -260,26 +326,28 @@ def _visibility_check(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> Chec
                 "gpukit runs on CPU",
                 "unset CUDA_VISIBLE_DEVICES, or list the GPUs to use (e.g. 0,1)",
             )
-        if seen == 0:
+        if seen == 0 and not named:
             return Check(
                 "gpus",
                 "WARN",
                 f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU of this machine ({listed})",
                 f"use indices 0..{present - 1} or the GPUs' UUIDs",
             )
-        shown = set(id(g) for g in match_gpus(t, nvml, env).values())
-        hidden = ", ".join(f"{g.index}: {g.name}" for g in nvml.gpus if id(g) not in shown)
-        return Check(
-            "gpus",
-            "OK",
-            f"torch sees {seen} of {present} ({names}); CUDA_VISIBLE_DEVICES="
-            f"{visible!r} hides {hidden or 'the others'}",
-        )
-    why = f": {t.cuda_init_warning.splitlines()[0]}" if t.cuda_init_warning else ""
+        if named is None or seen >= len(named):
+            hidden = ", ".join(
+                f"{g.index}: {g.name}" for g in nvml.gpus if named and g.index not in named
+            )
+            return Check(
+                "gpus",
+                "OK",
+                f"torch sees {seen} of {present} ({names}); CUDA_VISIBLE_DEVICES={visible!r} "
+                f"hides {hidden or 'the others'}",
+            )
+        # The variable names real GPUs, yet torch sees fewer: CUDA itself failed to start.
     return Check(
         "gpus",
         "FAIL",
-        f"torch sees {seen} of the {present} GPUs NVML reports{why}",
+        f"torch sees {seen} of the {present} GPUs NVML reports{_init_warning(t)}",
         "see the 'nvidia driver' check; `nvidia-smi` must list the GPUs",
     )
 
@@ -321,7 +389,7 @@ def _gpu_check(gpu: TorchGpu, nv: NvmlGpu | None, t: TorchInfo) -> Check:
             f"{detail}; nearly full",
             "other processes hold its memory: `nvidia-smi` lists them",
         )
-    return Check(name, "OK", f"{detail}; test allocation ok")
+    return Check(name, "OK", f"{detail}; test allocation {gpu.allocation}")
 
 
 def has_kernels(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
@@ -329,7 +397,7 @@ def has_kernels(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool
 
     Machine code (``sm_XY``) runs on the same major version at an equal or newer minor one; PTX
     (``compute_XY``) is compiled at load time for any newer GPU; ``sm_90a``-style code runs
-    only on exactly that GPU.
+    only on exactly that GPU; family code (``sm_100f``) on its major version from that minor on.
 
     >>> has_kernels((8, 9), ("sm_80", "sm_86"))
     True
@@ -343,7 +411,7 @@ def has_kernels(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool
         if not m:
             continue
         built = (int(m[2]) // 10, int(m[2]) % 10)
-        if m[3]:
+        if m[3] == "a":
             runs = built == capability
         elif m[1] == "sm":
             runs = built[0] == capability[0] and built[1] <= capability[1]

@@ -12,8 +12,9 @@ def p2p_check(t: TorchInfo) -> list[Check]:
     """Whether each pair of GPUs can copy directly (NVLink or PCIe peer-to-peer)."""
     if len(t.gpus) < 2:
         return []
+    index = [g.index for g in t.gpus]  # p2p rows follow t.gpus, which may skip an index
     missing = [
-        f"cuda:{i}->cuda:{j}"
+        f"cuda:{index[i]}->cuda:{index[j]}"
         for i, row in enumerate(t.p2p)
         for j, ok in enumerate(row)
         if i != j and not ok
@@ -53,10 +54,11 @@ def precision_check(t: TorchInfo) -> list[Check]:
     return [Check("precision", "OK", f"{bf16}; {tf32}")]
 
 
-def order_check(nvml: NvmlInfo, env: dict[str, str]) -> list[Check]:
-    """Different GPU models get different numbers in torch and nvidia-smi unless told not to."""
+def order_check(t: TorchInfo, nvml: NvmlInfo, env: dict[str, str]) -> list[Check]:
+    """Different GPU models get different numbers in torch and nvidia-smi unless told not to;
+    that matters only where this process sees two or more of them."""
     models = {g.name for g in nvml.gpus}
-    if len(models) < 2 or env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+    if len(models) < 2 or len(t.gpus) < 2 or env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
         return []
     return [
         Check(

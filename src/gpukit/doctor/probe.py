@@ -46,7 +46,15 @@ class TorchGpu:
     uuid: str | None = None
     free_memory: int | None = None
     bf16: bool = False
-    alloc_error: str | None = None  # None: the test allocation worked
+    alloc_tested: bool = True  # False with `gpukit doctor --no-alloc`
+    alloc_error: str | None = None  # None: the test allocation worked (or was not tried)
+
+    @property
+    def allocation(self) -> str:
+        """``"ok"``, ``"skipped"`` or the error of the test allocation."""
+        if not self.alloc_tested:
+            return "skipped"
+        return self.alloc_error or "ok"
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class TorchInfo:
     cuda_init_warning: str | None = None
     arch_list: tuple[str, ...] = ()
     gpus: tuple[TorchGpu, ...] = ()
+    unreadable: tuple[tuple[int, str], ...] = ()  # (index, error): CUDA cannot start on it
     p2p: tuple[tuple[bool, ...], ...] = ()  # p2p[i][j]: cuda:i can access cuda:j
     tf32_matmul: bool = False
     mps_built: bool = False
@@ -96,7 +105,13 @@ def read_torch(test_allocation: bool = True) -> TorchInfo:
     build = _hw.torch_build()
     cuda_available, init_warning = _cuda_available()
     cudnn_version, cudnn_error = _cudnn_version()
-    gpus = tuple(_read_gpu(i, test_allocation) for i in range(_hw.cuda_count()))
+    gpus: list[TorchGpu] = []
+    unreadable: list[tuple[int, str]] = []
+    for i in range(_hw.cuda_count()):
+        try:
+            gpus.append(_read_gpu(i, test_allocation))
+        except Exception as err:  # the doctor must report a GPU that cannot start, not crash
+            unreadable.append((i, _first_line(err)))
     return TorchInfo(
         version=torch.__version__,
         build=build,
@@ -112,8 +127,9 @@ def read_torch(test_allocation: bool = True) -> TorchInfo:
         cuda_available=cuda_available,
         cuda_init_warning=init_warning,
         arch_list=tuple(torch.cuda.get_arch_list()) if build != "cpu" else (),
-        gpus=gpus,
-        p2p=_p2p_matrix(len(gpus)),
+        gpus=tuple(gpus),
+        unreadable=tuple(unreadable),
+        p2p=_p2p_matrix([g.index for g in gpus]),
         tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
         mps_built=_hw.mps_built(),
         mps_available=_hw.mps_available(),
@@ -164,6 +180,7 @@ def _read_gpu(index: int, test_allocation: bool) -> TorchGpu:
         uuid=props.uuid,
         free_memory=free,
         bf16=props.capability >= (8, 0),
+        alloc_tested=test_allocation,
         alloc_error=error,
     )
 
@@ -176,18 +193,21 @@ def _test_allocation(index: int) -> str | None:
         del x
         torch.cuda.empty_cache()
     except Exception as err:
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+        return f"{type(err).__name__}: {_first_line(err)}"
     if total != 16 * 1024 * 1024:
         return f"wrong result from a test kernel: {total}"
     return None
 
 
-def _p2p_matrix(count: int) -> tuple[tuple[bool, ...], ...]:
-    if count < 2:
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _p2p_matrix(indices: list[int]) -> tuple[tuple[bool, ...], ...]:
+    if len(indices) < 2:
         return ()
-    return tuple(
-        tuple(i == j or _can_access_peer(i, j) for j in range(count)) for i in range(count)
-    )
+    return tuple(tuple(i == j or _can_access_peer(i, j) for j in indices) for i in indices)
 
 
 def _can_access_peer(i: int, j: int) -> bool:
