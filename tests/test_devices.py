@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpukit as gk
 from gpukit import _hw
@@ -292,3 +294,13 @@ def test_soft_fallback_warning_points_at_the_callers_line(cpu_only) -> None:
     with pytest.warns(UserWarning) as caught:
         gk.device("gpu:2", soft=True)
     assert caught[0].filename == __file__
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(), st.integers(), st.text(alphabet="/:gpucdajobGPUCD0123456789 -")))
+def test_any_spec_resolves_or_raises_a_gpukit_error(spec: object) -> None:
+    try:
+        dev = gk.device(spec)
+    except gk.GpukitError:
+        return
+    assert dev in gk.devices()

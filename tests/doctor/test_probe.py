@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from gpukit import _hw
+from gpukit.cli.__main__ import main
 from gpukit.doctor import diagnose
 from gpukit.doctor.probe import read_system, read_torch
+from tests.fakes import fake_pynvml, h100s, install_pynvml
 
 
 def test_reads_this_cpu_build() -> None:
@@ -83,3 +86,13 @@ def test_real_gpu_is_read_and_passes_the_test_allocation() -> None:
     assert info.build == "cuda" and info.gpus and info.arch_list and info.cudnn_version
     assert all(g.alloc_error is None and g.total_memory > 0 for g in info.gpus)
     assert diagnose().ok
+
+
+def test_whole_doctor_on_a_gpu_machine_with_cpu_only_torch(cpu_only, monkeypatch, capsys) -> None:
+    install_pynvml(monkeypatch, fake_pynvml(h100s(2)))
+    report = diagnose()
+    gpus = next(c for c in report.checks if c.name == "gpus")
+    assert gpus.status == "FAIL" and "NVML sees 2 NVIDIA GPUs" in gpus.detail
+    assert main(["doctor", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "FAIL" and data["nvml"]["driver_version"] == "550.54.15"
