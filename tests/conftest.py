@@ -36,11 +36,18 @@ class FakeCuda:
 
     props: list[_hw.CudaProperties]
     current: list[int] = field(default_factory=lambda: [0])
+    broken: dict[int, str] = field(default_factory=dict)  # index -> CUDA's error on start
+
+    def properties(self, index: int) -> _hw.CudaProperties:
+        if index in self.broken:
+            raise RuntimeError(self.broken[index])
+        return self.props[index]
 
 
 @pytest.fixture
 def fake_gpus(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Call ``fake_gpus(n)`` to make gpukit believe torch is a CUDA build seeing n GPUs."""
+    """Call ``fake_gpus(n)`` to make gpukit believe torch is a CUDA build seeing n GPUs;
+    set ``fake.broken[i] = message`` to make CUDA fail to start on GPU i."""
 
     def install(
         n: int = 2, name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)
@@ -59,7 +66,7 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
 
         monkeypatch.setattr(_hw, "torch_build", lambda: "cuda")
         monkeypatch.setattr(_hw, "cuda_count", lambda: n)
-        monkeypatch.setattr(_hw, "cuda_properties", lambda i: fake.props[i])
+        monkeypatch.setattr(_hw, "cuda_properties", fake.properties)
         monkeypatch.setattr(_hw, "cuda_current", lambda: fake.current[-1])
         monkeypatch.setattr(_hw, "cuda_device_scope", scope)
         return fake

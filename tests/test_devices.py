@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpukit as gk
-from gpukit import _hw
 from gpukit.devices import Device
 
 
@@ -256,15 +255,9 @@ def test_real_gpus_are_listed_with_name_memory_and_capability() -> None:
         assert torch.cuda.current_device() == 0
 
 
-def test_gpu_where_cuda_cannot_start_is_missing_with_the_reason(fake_gpus, monkeypatch) -> None:
+def test_gpu_where_cuda_cannot_start_is_missing_with_the_reason(fake_gpus) -> None:
     fake = fake_gpus(2)
-
-    def properties(i: int) -> _hw.CudaProperties:
-        if i == 1:
-            raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
-        return fake.props[i]
-
-    monkeypatch.setattr(_hw, "cuda_properties", properties)
+    fake.broken[1] = "CUDA error: all CUDA-capable devices are busy or unavailable"
     assert [str(d) for d in gk.devices()] == ["cpu", "cuda:0"]  # the rest stays usable
     assert str(gk.device("cpu")) == "cpu"
     with pytest.raises(

@@ -44,15 +44,9 @@ def test_pretend_gpus_are_read_and_a_failing_allocation_is_recorded(fake_gpus, m
     assert read_torch(test_allocation=False).gpus[0].allocation == "skipped"
 
 
-def test_a_gpu_where_cuda_cannot_start_is_recorded_not_raised(fake_gpus, monkeypatch) -> None:
+def test_a_gpu_where_cuda_cannot_start_is_recorded_not_raised(fake_gpus) -> None:
     fake = fake_gpus(2)
-
-    def properties(i: int) -> _hw.CudaProperties:
-        if i == 0:
-            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
-        return fake.props[i]
-
-    monkeypatch.setattr(_hw, "cuda_properties", properties)
+    fake.broken[0] = "CUDA error: uncorrectable ECC error encountered"
     info = read_torch(test_allocation=False)
     assert [g.index for g in info.gpus] == [1]
     assert info.unreadable == ((0, "CUDA error: uncorrectable ECC error encountered"),)
