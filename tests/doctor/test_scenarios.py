@@ -6,7 +6,7 @@ import pytest
 
 from gpukit import _nvml
 from gpukit.doctor import Check, DoctorReport, evaluate
-from gpukit.doctor.checks import has_kernels
+from gpukit.doctor.gpus import has_kernels
 from tests.fakes import (
     GiB,
     NVMLError,

@@ -15,7 +15,7 @@ import torch
 
 from gpukit import _nvml
 from gpukit.devices import devices
-from gpukit.doctor import checks, features
+from gpukit.doctor import checks, features, gpus
 from gpukit.doctor.probe import SystemInfo, TorchInfo, read_system, read_torch
 from gpukit.doctor.report import SCHEMA_VERSION, Check, DoctorReport, Status
 
@@ -32,7 +32,7 @@ def evaluate(sys_info: SystemInfo, t: TorchInfo, nvml: _nvml.NvmlInfo) -> Doctor
         *checks.system_checks(sys_info, torch.get_num_threads()),
         *checks.torch_checks(t, len(t.gpus)),
         checks.driver_check(t, nvml),
-        *checks.gpu_checks(t, nvml, env),
+        *gpus.gpu_checks(t, nvml, env),
         *features.p2p_check(t),
         *features.precision_check(t),
         *features.order_check(t, nvml, env),
