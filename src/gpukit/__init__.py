@@ -6,13 +6,14 @@
 """
 
 from gpukit.devices import Device, cpu, device, devices, gpu, on
-from gpukit.errors import DeviceError, GpukitError
+from gpukit.errors import ConfigError, DeviceError, GpukitError
 from gpukit.move import to
 from gpukit.placement import PlacementReport, placement
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
     "Device",
     "DeviceError",
     "GpukitError",

@@ -43,3 +43,8 @@ def warn_user(message: str) -> None:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+class ConfigError(GpukitError, ValueError):
+    """A setting that is not allowed: an unknown strategy, precision or workload, a batch too
+    small for the ranks, a missing checkpoint, a port in use."""
