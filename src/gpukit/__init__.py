@@ -5,10 +5,12 @@
 >>> x = gk.to({"x": [1, 2]}, dev)
 """
 
+from gpukit import strategies
 from gpukit.devices import Device, cpu, device, devices, gpu, on
 from gpukit.errors import ConfigError, DeviceError, GpukitError
 from gpukit.move import to
 from gpukit.placement import PlacementReport, placement
+from gpukit.runtime import Runtime
 
 __version__ = "0.1.0"
 
@@ -18,6 +20,7 @@ __all__ = [
     "DeviceError",
     "GpukitError",
     "PlacementReport",
+    "Runtime",
     "__version__",
     "cpu",
     "device",
@@ -25,5 +28,6 @@ __all__ = [
     "gpu",
     "on",
     "placement",
+    "strategies",
     "to",
 ]

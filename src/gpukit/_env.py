@@ -6,12 +6,15 @@ Other modules ask here, so the full list of variables lives in one file:
   (any spelling ``gk.device`` accepts, e.g. ``cpu`` or ``/gpu:1``).
 
 The CUDA variables that gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``,
-``CUDA_DEVICE_ORDER``) are read here too.
+``CUDA_DEVICE_ORDER``) and the variables a launcher such as torchrun sets for each process
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) are read here too.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 
 def default_device_spec() -> str | None:
@@ -28,3 +31,26 @@ def cuda_visible_devices() -> str | None:
 def cuda_device_order() -> str | None:
     """``CUDA_DEVICE_ORDER`` as set, or None when unset (CUDA then orders fastest first)."""
     return os.environ.get("CUDA_DEVICE_ORDER")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a job started by a launcher (torchrun, gpukit launch)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launched() -> LaunchEnv | None:
+    """The launcher's placement of this process, or None when no launcher started it."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return LaunchEnv(
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+    )

@@ -38,9 +38,15 @@ def to(obj: T, spec: DeviceSpec, *, copy: bool = False, non_blocking: bool | Non
     >>> gk.to((torch.zeros(1), "label"), "cpu")
     (tensor([0.]), 'label')
     """
-    target = device(spec).torch
-    mover = _Mover(target, copy, non_blocking)
-    return mover.move(obj)
+    return move_to(obj, device(spec).torch, copy=copy, non_blocking=non_blocking)
+
+
+def move_to(
+    obj: T, target: torch.device, *, copy: bool = False, non_blocking: bool | None = None
+) -> T:
+    """``to()`` for a target already resolved: what loops call per batch, without re-checking
+    the device every time."""
+    return _Mover(target, copy, non_blocking).move(obj)
 
 
 class _Mover:

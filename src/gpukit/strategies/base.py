@@ -1,0 +1,79 @@
+"""The strategy contract: how a model, its gradients and its ranks are spread over devices.
+
+A strategy never imports the Runtime; the Runtime calls these hooks and never asks which
+strategy it holds. Everything that differs between strategies is a method here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from gpukit.devices import Device
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+
+
+class Strategy:
+    """Base class. Subclasses set ``name`` and override what they do differently."""
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.devices: list[Device] = []
+        self.rank = 0
+        self.local_rank = 0
+        self.world_size = 1
+
+    @property
+    def device(self) -> Device:
+        """The device this process computes on."""
+        return self.devices[self.local_rank]
+
+    def configure(self, devices: list[Device]) -> None:
+        """Take the devices asked for; raise ConfigError if this strategy cannot use them."""
+        self.devices = devices
+
+    @property
+    def needs_launch(self) -> bool:
+        """True when more processes must be started before training can begin."""
+        return False
+
+    def setup_environment(self) -> None:
+        """Prepare this process: current CUDA device, process group."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Place the model; return what the training loop should call."""
+        return module.to(self.device.torch)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The user's own model inside whatever ``setup_module`` returned."""
+        return module
+
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+        """Whether the next backward should synchronise gradients across ranks."""
+
+    def check_gradients(self, module: nn.Module) -> None:
+        """Called once after the first backward, to catch setups that fail a step later."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        """``tensor`` combined over all ranks (a new tensor; the input is left alone)."""
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+
+    def sampler_placement(self) -> tuple[int, int]:
+        """(number of data shards, this rank's shard) for the data loader."""
+        return self.world_size, self.rank
+
+    def teardown(self) -> None:
+        """Release what ``setup_environment`` took."""

@@ -1,0 +1,147 @@
+"""DistributedDataParallel: one process per device, gradients averaged by all-reduce.
+
+Each process holds a full replica; ``torch.distributed`` (NCCL on GPUs, gloo on CPUs) sums the
+gradients bucket by bucket while the backward pass is still running.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gpukit import _env
+from gpukit.devices import Device
+from gpukit.errors import ConfigError
+from gpukit.strategies.base import ReduceOp, Strategy
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class DDP(Strategy):
+    """Distributed data parallel over processes started by ``Runtime.launch`` or a launcher.
+
+    >>> import gpukit as gk
+    >>> strategy = gk.strategies.DDP(find_unused_parameters=True)
+    >>> rt = gk.Runtime(strategy=strategy, devices=["cpu", "cpu"])
+    >>> rt.world_size
+    2
+    """
+
+    name: ClassVar[str] = "ddp"
+
+    def __init__(
+        self,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    ) -> None:
+        super().__init__()
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.bucket_cap_mb = bucket_cap_mb
+        self.timeout = timeout
+        self.launch_env: _env.LaunchEnv | None = None
+        self._owns_group = False
+
+    def configure(self, devices: list[Device]) -> None:
+        super().configure(devices)
+        # Read here, not in __init__: a strategy object built in the parent is configured
+        # again inside each process rt.launch starts.
+        self.launch_env = env = _env.launched()
+        if env is None:
+            self.world_size = len(devices)
+            return
+        if env.local_rank >= len(devices):
+            raise ConfigError(
+                f"local rank {env.local_rank} has no device: {len(devices)} given "
+                f"({', '.join(map(str, devices))}); give one device per process on this node"
+            )
+        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
+
+    @property
+    def needs_launch(self) -> bool:
+        return self.launch_env is None and self.world_size > 1 and not dist.is_initialized()
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not dist.is_initialized():
+            dist.init_process_group(
+                self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+            )
+            self._owns_group = True
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        options: dict[str, Any] = {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+        }
+        if self.bucket_cap_mb is not None:
+            options["bucket_cap_mb"] = self.bucket_cap_mb
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **options)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+        # What DistributedDataParallel.no_sync() toggles; set before the forward, since DDP
+        # decides in forward whether the coming backward all-reduces.
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = enabled
+
+    def check_gradients(self, module: nn.Module) -> None:
+        if self.find_unused_parameters or self.static_graph:
+            return
+        unused = [
+            name
+            for name, p in self.unwrap(module).named_parameters()
+            if p.requires_grad and p.grad is None
+        ]
+        if unused:
+            more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
+            shown = ", ".join(unused[:10]) + more
+            raise ConfigError(
+                f"ddp: {len(unused)} parameter(s) got no gradient in the first backward: {shown}. "
+                "DDP waits for every gradient and would fail at the next step. Use "
+                "strategy=gk.strategies.DDP(find_unused_parameters=True) if they are used only "
+                "sometimes, or freeze them with p.requires_grad_(False) if never"
+            )
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+        if op not in _OPS:
+            raise ConfigError(f"unknown reduce op {op!r}: use one of {', '.join(_OPS)}")
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=_OPS[op])
+        if op == "mean":
+            out = out / self.world_size
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def teardown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -1,0 +1,29 @@
+"""One process, one device: the plain training loop."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gpukit.devices import Device
+from gpukit.errors import ConfigError
+from gpukit.strategies.base import Strategy
+
+
+class SingleDevice(Strategy):
+    """Train on exactly one device; every hook is the base class's plain behaviour.
+
+    >>> import gpukit as gk
+    >>> rt = gk.Runtime(strategy="single", devices="cpu")
+    >>> rt.world_size
+    1
+    """
+
+    name: ClassVar[str] = "single"
+
+    def configure(self, devices: list[Device]) -> None:
+        if len(devices) != 1:
+            raise ConfigError(
+                f"strategy 'single' trains on one device, but {len(devices)} were given "
+                f"({', '.join(map(str, devices))}): use strategy='ddp' (or 'auto') for several"
+            )
+        super().configure(devices)

@@ -1,0 +1,110 @@
+"""DDP for real: 2 gloo processes on 127.0.0.1, compared with one process."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+from gpukit.launch import LaunchError
+
+GLOBAL_BATCH = 16
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(80, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+def _train(rt: gk.Runtime, epochs: int, shuffle: bool) -> dict[str, np.ndarray]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    per_rank = GLOBAL_BATCH // rt.world_size // rt.accumulate
+    loader = DataLoader(_data(), batch_size=per_rank, shuffle=shuffle)
+    model, optimizer, loader = rt.setup(model, optimizer, loader)
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+            rt.log(loss=loss)
+    assert rt.global_step == epochs * 80 // GLOBAL_BATCH
+    return {k: v.numpy() for k, v in rt.unwrap(model).state_dict().items()}
+
+
+@pytest.mark.parametrize(("accumulate", "shuffle"), [(1, True), (2, False)])
+def test_two_processes_match_one_on_the_same_global_batch(accumulate: int, shuffle: bool) -> None:
+    single = gk.Runtime(devices="cpu", seed=0, accumulate=accumulate).launch(_train, 2, shuffle)
+    ddp = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], seed=0, accumulate=accumulate)
+    assert ddp.strategy.needs_launch
+    distributed = ddp.launch(_train, 2, shuffle)
+    assert distributed.keys() == single.keys()
+    for name in single:
+        diff = np.abs(distributed[name] - single[name]).max()
+        assert diff <= 1e-6, f"{name}: max abs diff {diff}"
+
+
+def _fail_on_rank_one(rt: gk.Runtime) -> None:
+    rt.setup(nn.Linear(1, 1))
+    if rt.rank == 1:
+        raise ValueError("boom on rank 1")
+    rt.barrier()  # rank 0 would wait here forever if nobody stopped it
+
+
+def test_a_failing_rank_stops_the_job_and_shows_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        gk.Runtime(devices=2).launch(_fail_on_rank_one)
+    assert time.monotonic() - start < 30
+    text = str(err.value)
+    assert text.startswith("rank 1 failed") and "ValueError: boom on rank 1" in text
+    assert "Traceback" in text and "_fail_on_rank_one" in text
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(2, 1)
+        self.unused = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _unused_and_collectives(rt: gk.Runtime) -> dict[str, object]:
+    model = rt.setup(_HalfUsed())
+    mean = rt.all_reduce(torch.tensor([float(rt.rank)]))
+    biggest = rt.all_reduce(torch.tensor([float(rt.rank)]), op="max")
+    rt.log(value=float(rt.rank))
+    logged = rt.flush_logs()
+    try:
+        rt.backward(model(torch.ones(4, 2)).sum())
+    except gk.ConfigError as err:
+        return {"error": str(err), "mean": mean.item(), "max": biggest.item(), "log": logged}
+    return {"error": None}
+
+
+def test_unused_parameters_are_named_with_the_fix_and_collectives_work() -> None:
+    out = gk.Runtime(devices=["cpu", "cpu"]).launch(_unused_and_collectives)
+    assert "unused.weight, unused.bias" in str(out["error"])
+    assert "find_unused_parameters=True" in str(out["error"])
+    assert out["mean"] == 0.5 and out["max"] == 1.0 and out["log"]["value"] == 0.5
+
+
+def _use_half(rt: gk.Runtime) -> float:
+    model = rt.setup(_HalfUsed())
+    for _ in range(2):
+        rt.backward(model(torch.ones(4, 2)).sum())
+    return float(rt.unwrap(model).used.weight.grad.sum())
+
+
+def test_find_unused_parameters_option_lets_it_train() -> None:
+    strategy = gk.strategies.DDP(find_unused_parameters=True)
+    assert gk.Runtime(strategy=strategy, devices=2).launch(_use_half) == pytest.approx(16.0)

@@ -1,0 +1,108 @@
+"""Checkpoints: exact resume (one and two processes), pruning, and refusing bad folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+
+TOTAL_STEPS = 12  # 1.5 epochs of 64 samples at a global batch of 8
+
+
+def _run(rt: gk.Runtime, folder: str, stop_at: int | None, resume: bool) -> dict | None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    loader = DataLoader(data, batch_size=8 // rt.world_size, shuffle=True)
+    model, optimizer, loader = rt.setup(model, optimizer, loader)
+    if resume:
+        rt.load(folder)
+    while rt.global_step < TOTAL_STEPS:
+        for x, y in loader:
+            rt.backward(nn.functional.mse_loss(model(x), y))
+            rt.step(optimizer)
+            if rt.global_step == stop_at:
+                rt.save(folder)
+                return None
+            if rt.global_step == TOTAL_STEPS:
+                break
+    return {k: v.numpy().copy() for k, v in rt.unwrap(model).state_dict().items()}
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1-process", "2-process"])
+def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path: Path, devices) -> None:
+    def runtime() -> gk.Runtime:
+        return gk.Runtime(devices=devices, seed=0)
+
+    straight = runtime().launch(_run, str(tmp_path / "unused"), None, False)
+    assert runtime().launch(_run, str(tmp_path / "ck"), 5, False) is None  # stops mid-epoch 0
+    resumed = runtime().launch(_run, str(tmp_path / "ck"), None, True)
+    for name in straight:
+        assert np.array_equal(straight[name], resumed[name]), name
+
+
+def _setup(tmp_path: Path) -> tuple[gk.Runtime, nn.Module, torch.optim.Optimizer]:
+    rt = gk.Runtime(devices="cpu", seed=0)
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    return rt, model, optimizer
+
+
+def test_keeps_the_last_k_and_points_latest_at_the_newest(tmp_path: Path) -> None:
+    rt, model, optimizer = _setup(tmp_path)
+    for _ in range(4):
+        rt.backward(model(torch.ones(1, 2)).sum())
+        rt.step(optimizer)
+        rt.save(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step-00000003",
+        "step-00000004",
+    ]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000004"
+    assert sorted(p.name for p in (tmp_path / "step-00000004").iterdir()) == [
+        "model.safetensors",
+        "state.pt",
+    ]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    rt, _, _ = _setup(tmp_path)
+    with pytest.raises(gk.ConfigError, match=r"no checkpoint in .* \(no 'latest' file there\)"):
+        rt.load(tmp_path / "nothing-here")
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    rt, model, _ = _setup(tmp_path)
+    saved = rt.save(tmp_path)
+    (saved / "state.pt").write_bytes(b"not a checkpoint")
+    before = {p.name: p.read_bytes() for p in saved.iterdir()}
+    weights = model.weight.detach().clone()
+    with pytest.raises(gk.ConfigError, match=r"cannot be read .* left as it is"):
+        rt.load(tmp_path)
+    assert {p.name: p.read_bytes() for p in saved.iterdir()} == before
+    assert torch.equal(model.weight, weights)
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    rt, _, _ = _setup(tmp_path)
+    saved = rt.save(tmp_path)
+    torch.save({"format": 1, "evil": Path("/")}, saved / "state.pt")  # an arbitrary object
+    with pytest.raises(gk.ConfigError, match="cannot be read"):
+        rt.load(tmp_path)
+
+
+def test_latest_naming_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    rt, _, _ = _setup(tmp_path)
+    (tmp_path / "latest").write_text("step-00000099\n")
+    with pytest.raises(gk.ConfigError, match="missing or incomplete"):
+        rt.load(tmp_path)
