@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import devices, doctor
+from gpukit.cli import devices, doctor, launch
 from gpukit.errors import GpukitError
 
-COMMANDS = (doctor, devices)
+COMMANDS = (doctor, devices, launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,106 @@
+"""gpukit launch: torchrun-style scripts unchanged, several nodes on 127.0.0.1, failures."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpukit.launch import free_port
+
+SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+if os.environ.get("FAIL_RANK") == str(dist.get_rank()):
+    raise RuntimeError("rank " + os.environ["RANK"] + " gives up")
+dist.barrier()
+out = os.path.join(sys.argv[1], "rank" + os.environ["RANK"])
+with open(out, "w") as f:
+    f.write(f"{dist.get_world_size()} {os.environ['LOCAL_RANK']} {total.item()}")
+dist.destroy_process_group()
+"""
+
+
+def gpukit(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    import os
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "launch", *args],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_plain_torchrun_script_runs_on_two_processes(script: Path, tmp_path: Path) -> None:
+    done = gpukit("--nproc", "2", str(script), str(tmp_path))
+    output, _ = done.communicate(timeout=120)
+    assert done.returncode == 0, output
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2 0 1.0", "2 1 1.0"]
+
+
+def test_two_nodes_on_one_machine_form_one_four_process_job(script: Path, tmp_path: Path) -> None:
+    port = str(free_port())
+    common = ["--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [gpukit(*common, "--node-rank", str(r), str(script), str(tmp_path)) for r in (0, 1)]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs
+    results = {p.name: p.read_text() for p in tmp_path.glob("rank*")}
+    assert sorted(results) == ["rank0", "rank1", "rank2", "rank3"]
+    assert all(v.startswith("4 ") and v.endswith(" 6.0") for v in results.values())
+
+
+def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = gpukit("--nproc", "2", str(script), str(tmp_path), env={"FAIL_RANK": "1"})
+    output, _ = done.communicate(timeout=120)
+    assert done.returncode == 1
+    assert time.monotonic() - start < 30
+    assert "RuntimeError: rank 1 gives up" in output
+    assert "gpukit launch: rank 1 failed with exit code 1" in output
+
+
+def test_port_in_use_is_refused_before_starting(script: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = gpukit("--master-port", str(port), str(script), "x")
+        output, _ = done.communicate(timeout=60)
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.py"], "script 'missing.py' not found"),
+        (["--nproc", "0", "SCRIPT"], "--nproc 0: give at least 1"),
+        (["--nnodes", "2", "--node-rank", "2", "SCRIPT"], "--node-rank 2 is outside 0..1"),
+    ],
+)
+def test_bad_requests_are_one_line_errors(script: Path, args: list[str], message: str) -> None:
+    args = [str(script) if a == "SCRIPT" else a for a in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit", "launch", *args],
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
