@@ -23,7 +23,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/gpukit doctor
-	$(BIN)/gpukit devices
+	$(BIN)/gpukit train
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

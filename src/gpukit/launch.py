@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from gpukit import errors
 from gpukit.errors import ConfigError, GpukitError
 
 
@@ -58,13 +59,26 @@ def spawn(
             join=True,
         )
     except mp.ProcessRaisedException as err:
+        reported = _drain(results)
+        if "error" in reported:  # a GpukitError: the rank's own one-line message is the news
+            cls_name, message = reported["error"]
+            cls = getattr(errors, cls_name, GpukitError)
+            raise cls(f"rank {err.error_index}: {message}") from None
         raise LaunchError(f"rank {err.error_index} failed:\n{err}".rstrip()) from None
     except mp.ProcessExitedException as err:
         raise LaunchError(
             f"rank {err.error_index} exited with code {err.exit_code} before finishing "
             "(killed, out of memory, or os._exit)"
         ) from None
-    return pickle.loads(results.get()) if not results.empty() else None
+    return _drain(results).get("result")
+
+
+def _drain(results: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    while not results.empty():
+        kind, payload = pickle.loads(results.get())
+        found.setdefault(kind, payload)
+    return found
 
 
 def _worker(
@@ -88,12 +102,16 @@ def _worker(
     )
     from gpukit.runtime import Runtime
 
-    runtime = Runtime(**config)
     try:
-        result = fn(runtime, *args)
-    finally:
-        runtime.teardown()
+        runtime = Runtime(**config)
+        try:
+            result = fn(runtime, *args)
+        finally:
+            runtime.teardown()
+    except GpukitError as err:
+        results.put(pickle.dumps(("error", (type(err).__name__, str(err)))))
+        raise
     if runtime.is_global_zero:
         # Plain pickle copies tensors by value; torch's queue pickling would share memory
         # with a process that is about to exit.
-        results.put(pickle.dumps(result))
+        results.put(pickle.dumps(("result", result)))

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import devices, doctor, launch
+from gpukit.cli import bench, devices, doctor, launch, train
 from gpukit.errors import GpukitError
 
-COMMANDS = (doctor, devices, launch)
+COMMANDS = (doctor, devices, train, launch, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,90 @@
+"""gpukit bench: the classic experiments, each with a table, or JSON for scripts and records.
+
+Experiments:
+    overhead   the per-step cost of a training wrapper: one tiny-MLP training loop in plain
+               PyTorch, through gpukit's Runtime, and through Hugging Face Accelerate and
+               Lightning Fabric where those are installed (they are never required). CPU only,
+               one thread; every variant warms up, then R interleaved rounds time N steps of
+               each. Reports the median time per step and the median of the per-round ratios
+               to plain, with the machine, the versions, the date and the command.
+
+A result meant to be kept goes under benchmarks/results/ with --out, which writes the same JSON
+that --json prints.
+
+Example:
+    gpukit bench overhead
+    gpukit bench overhead --steps 500 --rounds 25 --out benchmarks/results/overhead-cpu.json
+    gpukit bench overhead --json | python -c "import json,sys; print(json.load(sys.stdin))"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gpukit.bench.overhead import run_overhead
+from gpukit.cli._common import add_json_flag, console, print_json
+from gpukit.errors import ConfigError
+
+NAME = "bench"
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        NAME,
+        help="run a benchmark: wrapper overhead per training step (more to come)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    experiments = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    overhead = experiments.add_parser(
+        "overhead",
+        help="per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_json_flag(overhead)
+    overhead.add_argument(
+        "--steps", type=int, default=200, metavar="N", help="steps timed per round (default 200)"
+    )
+    overhead.add_argument(
+        "--rounds", type=int, default=15, metavar="R", help="interleaved rounds (default 15)"
+    )
+    overhead.add_argument(
+        "--out", type=Path, metavar="FILE", help="also write the JSON result to FILE"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return _EXPERIMENTS[args.experiment](args)
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    # Checked before the run, so that a mistake costs no minute of measuring.
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: give a whole number of at least 1")
+    out: Path | None = args.out
+    if out is not None and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it first")
+    # On stderr, and only on a terminal, so that --json output stays clean for a pipe.
+    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
+        result = run_overhead(steps=args.steps, rounds=args.rounds)
+    data = result.to_dict()
+    if out is not None:
+        out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print_json(data)
+    else:
+        console().print(result.table())
+        if out is not None:
+            console().print(f"wrote {out}")
+    return 0
+
+
+_EXPERIMENTS = {"overhead": _overhead}

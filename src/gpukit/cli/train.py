@@ -1,0 +1,102 @@
+"""gpukit train: train a built-in or your own workload on every device, with the same loop.
+
+Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
+or package.module:function returning a Workload or (model, dataset, loss). With more than one
+device, one DDP process per device is started. Rank 0 shows a progress bar (loss, samples/s,
+ETA) and at the end a summary: throughput, MFU on GPUs, peak memory per device. With --out DIR:
+DIR/metrics.json, DIR/metrics.csv, DIR/loss.png and DIR/checkpoints/ (one per epoch; --resume
+continues from the newest exactly where it stopped).
+
+--batch-size is the global batch of one optimizer step: it is split over the devices and the
+--accumulate micro-steps, so it must be a multiple of devices x accumulate.
+
+Example:
+    gpukit train                                  # gpt on the best device
+    gpukit train --workload cnn --devices 2 --epochs 1 --out runs/cnn
+    gpukit train --workload mlp --max-steps 50 --out runs/mlp --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpukit._format import format_bytes
+from gpukit._table import make_table
+from gpukit.cli._common import console
+from gpukit.errors import ConfigError
+from gpukit.fit import TrainConfig, check, fit
+from gpukit.runtime import Runtime
+
+NAME = "train"
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        NAME,
+        help="train a workload (mlp, cnn, gpt or yours) on one or many devices",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    parser.add_argument("--strategy", default="auto", help="auto, single or ddp")
+    parser.add_argument("--precision", default="auto", help="auto, 32, bf16-mixed or 16-mixed")
+    parser.add_argument("--devices", default="auto", help="auto, all, N, or a list like 0,1")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after S optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch per step")
+    parser.add_argument("--lr", type=float, default=None, help="default: the workload's")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="read metrics back every N")
+    parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    devices: Any = int(args.devices) if args.devices.isdigit() else args.devices
+    for flag in ("epochs", "max_steps", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: give 1 or more")
+    rt = Runtime(
+        strategy=args.strategy,
+        precision=args.precision,
+        devices=devices,
+        accumulate=args.accumulate,
+        seed=args.seed,
+        log_every=args.log_every,
+    )
+    config = TrainConfig(
+        workload=args.workload,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        out=args.out,
+        resume=args.resume,
+    )
+    check(config, rt.world_size, rt.accumulate)
+    metrics = rt.launch(fit, config)
+    _summary(metrics)
+    return 0
+
+
+def _summary(m: dict[str, Any]) -> None:
+    out = console()
+    mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "- (CPU or unknown GPU peak)"
+    rows = [
+        ["workload", m["workload"]],
+        ["strategy / precision", f"{m['strategy']} x{m['world_size']} / {m['precision']}"],
+        ["steps (global batch)", f"{m['steps']} ({m['global_batch']})"],
+        ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],
+        ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
+        ["MFU", mfu],
+        *[[f"peak memory {dev}", format_bytes(b)] for dev, b in m["peak_memory"].items()],
+    ]
+    out.print(make_table("Training summary", ["", ""], rows))
+    if m.get("sample"):
+        out.print("[bold]Sample of generated text:[/]")
+        out.print(m["sample"], markup=False, highlight=False)

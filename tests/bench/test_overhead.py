@@ -1,0 +1,206 @@
+"""The wrapper-overhead benchmark: it measures the right loops, reports what it could not run,
+and refuses bad settings. Timings are only checked for being there, never for their size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gpukit._table import render_plain
+from gpukit.bench import overhead
+from gpukit.bench.overhead import make_batches, make_model_and_optimizer, run_overhead
+from gpukit.cli import bench
+from gpukit.errors import ConfigError
+
+Builder = Callable[[nn.Module, Optimizer], overhead.Loop]
+FRAMEWORK_MODULES = ("accelerate", "lightning", "lightning.fabric", "lightning_fabric")
+
+
+@pytest.fixture
+def no_frameworks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Accelerate and Fabric fail to import, whether or not they are installed."""
+    for name in FRAMEWORK_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: ImportError
+
+
+@pytest.fixture
+def fake_accelerate(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """An importable ``accelerate`` that does what the real one does on one CPU."""
+
+    class Accelerator:
+        def __init__(self, cpu: bool = False) -> None:
+            assert cpu, "the benchmark must ask for the CPU"
+
+        def prepare(self, *objects: object) -> tuple[object, ...]:
+            return objects
+
+        def backward(self, loss: torch.Tensor) -> None:
+            loss.backward()
+
+    module = types.ModuleType("accelerate")
+    module.Accelerator = Accelerator  # type: ignore[attr-defined]
+    module.__version__ = "0.0-fake"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "accelerate", module)
+    return module
+
+
+def trained(build: Builder, steps: int = 8) -> dict[str, torch.Tensor]:
+    """The weights after ``steps`` steps of ``build``'s loop from the benchmark's start,
+    on one thread as in the benchmark (a busy 2-core machine makes 2 threads crawl)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, optimizer = make_model_and_optimizer()
+        build(model, optimizer)(make_batches(steps))
+    finally:
+        torch.set_num_threads(threads)
+    return model.state_dict()
+
+
+def test_plain_and_gpukit_are_timed_every_round(no_frameworks: None) -> None:
+    result = run_overhead(steps=5, rounds=2)
+    assert [v.name for v in result.variants] == ["plain", "gpukit", "accelerate", "fabric"]
+    plain, gpukit = result.variant("plain"), result.variant("gpukit")
+    for v in (plain, gpukit):
+        assert v.available and v.note == "" and v.version
+        assert len(v.seconds) == 2 and all(s > 0 for s in v.seconds)
+        assert v.seconds_per_step is not None and v.seconds_per_step > 0
+        assert v.ratio is not None and v.ratio > 0
+    assert plain.ratio == 1.0 and plain.ratios == (1.0, 1.0)
+    assert result.environment["threads"] == 1 and result.environment["device"] == "cpu"
+
+
+def test_missing_frameworks_are_reported_not_installed(no_frameworks: None) -> None:
+    result = run_overhead(steps=5, rounds=2)
+    for name in ("accelerate", "fabric"):
+        v = result.variant(name)
+        assert not v.available and v.note == "not installed"
+        assert v.seconds_per_step is None and v.ratio is None and v.version is None
+    text = render_plain(result.table())
+    assert text.count("not installed") == 2 and "│ gpukit " in text
+
+
+def test_an_installed_framework_is_timed_beside_the_others(
+    no_frameworks: None, fake_accelerate: types.ModuleType
+) -> None:
+    v = run_overhead(steps=5, rounds=2).variant("accelerate")
+    assert v.available and v.version == "0.0-fake" and len(v.ratios) == 2
+
+
+def test_a_framework_that_breaks_costs_only_its_own_row(
+    no_frameworks: None, fake_accelerate: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(cpu: bool) -> None:
+        raise RuntimeError("needs a newer torch")
+
+    monkeypatch.setattr(fake_accelerate, "Accelerator", broken)
+    result = run_overhead(steps=5, rounds=2)
+    assert result.variant("accelerate").note == "failed: RuntimeError: needs a newer torch"
+    assert result.variant("gpukit").available
+
+
+def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) -> None:
+    data = json.loads(json.dumps(run_overhead(steps=5, rounds=2).to_dict()))
+    assert data["schema_version"] == 1 and data["benchmark"] == "overhead"
+    assert (data["steps"], data["rounds"], data["warmup_steps"]) == (5, 2, 5)
+    assert data["workload"]["device"] == "cpu" and data["workload"]["batch_size"] == 64
+    assert set(data["environment"]) >= {
+        "date", "command", "python", "torch", "cpu", "threads", "device", "gpukit"
+    }  # fmt: skip
+    assert [v["name"] for v in data["variants"]] == ["plain", "gpukit", "accelerate", "fabric"]
+    for v in data["variants"]:
+        assert set(v) == {
+            "name", "available", "version", "note", "seconds_per_step", "ratio_to_plain",
+            "seconds_per_step_by_round", "ratio_to_plain_by_round",
+        }  # fmt: skip
+    assert data["variants"][0]["ratio_to_plain"] == 1.0
+    assert data["variants"][2]["seconds_per_step"] is None
+
+
+def test_gpukit_loop_does_the_same_work_as_plain() -> None:
+    start = make_model_and_optimizer()[0].state_dict()
+    plain, gpukit = trained(overhead.plain_loop), trained(overhead.gpukit_loop)
+    assert plain.keys() == gpukit.keys()
+    for name in plain:
+        assert not torch.equal(plain[name], start[name]), f"{name} did not train"
+        assert torch.equal(plain[name], gpukit[name]), f"{name} differs"
+
+
+@pytest.mark.parametrize(
+    ("build", "module"),
+    [(overhead.accelerate_loop, "accelerate"), (overhead.fabric_loop, "lightning.fabric")],
+)
+def test_framework_loops_do_the_same_work_as_plain(build: Builder, module: str) -> None:
+    pytest.importorskip(module)
+    plain, other = trained(overhead.plain_loop), trained(build)
+    for name in plain:
+        torch.testing.assert_close(other[name], plain[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("steps", "rounds", "given"),
+    [(0, 15, "steps=0"), (200, 0, "rounds=0"), (-3, 15, "steps=-3"), (2.5, 15, "steps=2.5")],
+)
+def test_bad_steps_or_rounds_are_a_config_error(steps: int, rounds: int, given: str) -> None:
+    with pytest.raises(ConfigError, match="at least 1") as info:
+        run_overhead(steps=steps, rounds=rounds)
+    assert str(info.value).startswith(given)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """What `gpukit bench ...` parses to, with this module registered as __main__ will."""
+    parser = argparse.ArgumentParser(prog="gpukit")
+    bench.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_cli_json_goes_to_stdout_and_to_the_file(
+    no_frameworks: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "overhead.json"
+    args = parse("overhead", "--json", "--steps", "3", "--rounds", "2", "--out", str(out))
+    assert args.run(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text()) and printed["steps"] == 3
+
+
+def test_cli_table(no_frameworks: None, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("overhead", "--steps", "3", "--rounds", "1")
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "gpukit bench overhead: 3 steps × 1 rounds" in out and "not installed" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--steps", "0"), "--steps 0: give a whole number of at least 1"),
+        (("--rounds", "-1"), "--rounds -1: give a whole number of at least 1"),
+        (("--out", "/no/such/folder/x.json"), "--out /no/such/folder/x.json: the folder"),
+    ],
+)
+def test_cli_bad_input_is_a_config_error(argv: tuple[str, ...], message: str) -> None:
+    args = parse("overhead", *argv)
+    with pytest.raises(ConfigError) as info:
+        args.run(args)
+    assert str(info.value).startswith(message)
+
+
+def test_cli_needs_an_experiment_and_shows_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse()
+    with pytest.raises(SystemExit):
+        parse("overhead", "--help")
+    assert "Example:" in capsys.readouterr().out
