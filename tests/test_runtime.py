@@ -134,3 +134,27 @@ def test_ddp_without_launch_says_how_to_start_it() -> None:
     rt = gk.Runtime(devices=["cpu", "cpu"])
     with pytest.raises(gk.ConfigError, match=r"needs 2 processes.*rt\.launch\(fn\).*--nproc 2"):
         rt.setup(nn.Linear(1, 1))
+
+
+def test_step_without_backward_is_an_error() -> None:
+    rt = gk.Runtime(devices="cpu")
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    with pytest.raises(gk.ConfigError, match=r"without rt\.backward\(loss\)"):
+        rt.step(opt)
+    rt.backward(model(torch.ones(1, 1)).sum())
+    assert rt.step(opt) is True
+    with pytest.raises(gk.ConfigError, match="since the last step"):
+        rt.step(opt)
+
+
+def test_saving_inside_an_accumulation_window_warns(tmp_path) -> None:
+    rt = gk.Runtime(devices="cpu", accumulate=2)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    rt.backward(model(torch.ones(1, 1)).sum())
+    rt.step(opt)
+    with pytest.warns(UserWarning, match="middle of an accumulation window"):
+        rt.save(tmp_path)

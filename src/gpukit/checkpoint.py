@@ -37,7 +37,13 @@ def save(rt: Runtime, directory: Path, keep: int = 3) -> Path:
     """Write a checkpoint of ``rt``'s models, optimizers and progress; returns its folder."""
     if keep < 1:
         raise ConfigError(f"keep={keep}: keep at least the newest checkpoint (keep=1)")
-    rng = rt.strategy.all_gather_object(_rng_state())  # every rank takes part
+    if rt.micro_step % rt.accumulate:
+        warn_user(
+            f"saving in the middle of an accumulation window (micro-step {rt.micro_step}, "
+            f"accumulate={rt.accumulate}): the partial gradients are not saved, so a resumed "
+            "run will not continue exactly; save right after an optimizer step"
+        )
+    rng = rt.strategy.all_gather_object(_rng_state(rt.device.torch))  # every rank takes part
     final = directory / f"step-{rt.global_step:08d}"
     if rt.is_global_zero:
         directory.mkdir(parents=True, exist_ok=True)
@@ -49,10 +55,13 @@ def save(rt: Runtime, directory: Path, keep: int = 3) -> Path:
         torch.save(_progress(rt, rng), tmp / "state.pt")
         for f in tmp.iterdir():
             _fsync(f)
-        if final.exists():
-            shutil.rmtree(final)
+        old = directory / f".old-{final.name}"
+        if final.exists():  # the same step saved again: swap, so `latest` never dangles long
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _write_atomically(directory / LATEST, final.name)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync(directory)
         _prune(directory, keep)
     rt.barrier()
@@ -94,7 +103,7 @@ def load(rt: Runtime, directory: Path) -> dict[str, int]:
             f"checkpoint {path} was written by {len(ranks)} rank(s), this run has "
             f"{rt.world_size}: random streams and data shards will not continue exactly"
         )
-    _set_rng_state(ranks[rt.rank % len(ranks)])
+    _set_rng_state(ranks[rt.rank % len(ranks)], rt.device.torch)
     return {"epoch": state["epoch"], "step": state["step"]}
 
 
@@ -138,7 +147,7 @@ def _progress(rt: Runtime, rng: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device) -> dict[str, Any]:
     # Plain lists and tensors only: they load under weights_only=True.
     numpy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     kind, keys, pos, has_gauss, cached = numpy_state
@@ -147,19 +156,19 @@ def _rng_state() -> dict[str, Any]:
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":  # this rank's own GPU only: touching others would make contexts
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     version, keys, gauss = state["python"]
     random.setstate((version, tuple(keys), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _weights_name(index: int, count: int) -> str:

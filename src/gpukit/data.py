@@ -84,7 +84,14 @@ class DeviceLoader:
             return loader  # an iterable dataset shards itself, if at all
         sampler = loader.sampler
         custom = loader.batch_sampler if loader.batch_size is None else sampler
-        if not isinstance(custom, (RandomSampler, SequentialSampler)):
+        # A RandomSampler drawing with replacement or a set number of samples is not a
+        # permutation, which is what a DistributedSampler shards: treat it as custom.
+        plain_random = (
+            isinstance(custom, RandomSampler)
+            and not custom.replacement
+            and (custom._num_samples is None)
+        )
+        if not (plain_random or isinstance(custom, SequentialSampler)):
             if num_shards > 1:
                 raise ConfigError(
                     f"cannot shard a DataLoader with a custom sampler ({type(custom).__name__}) "
@@ -156,6 +163,8 @@ class DeviceLoader:
             yield batch
         self.epoch += 1
         self.position = 0
+        if self._sampler is not None:
+            self._sampler.skip = 0
 
     def _prefetched(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Copy batch i+1 on a side stream while batch i is used on the current stream."""

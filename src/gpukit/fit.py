@@ -95,8 +95,8 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
                 rt.log(loss=loss)
                 if rt.global_step >= total:
                     break
-            if checkpoints is not None:
-                rt.save(checkpoints)
+            if checkpoints is not None and rt.micro_step % rt.accumulate == 0:
+                rt.save(checkpoints)  # only between optimizer steps, where resuming is exact
     rt.flush_logs()
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
@@ -176,7 +176,9 @@ def _mfu(rt: Runtime, flops_per_s: float) -> float | None:
 def _peak_memory(rt: Runtime) -> dict[str, int]:
     """Peak bytes on this rank's device (the process's peak RSS on a CPU)."""
     if rt.device.type == "cuda":
-        return {str(rt.device): int(torch.cuda.max_memory_allocated(rt.device.torch))}
+        return {
+            f"{rt.device} (rank {rt.rank})": int(torch.cuda.max_memory_allocated(rt.device.torch))
+        }
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
     return {f"cpu (rank {rt.rank})": int(peak_kib * scale)}

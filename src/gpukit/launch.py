@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -49,36 +51,32 @@ def spawn(
 ) -> Any:
     """Run ``fn(Runtime(**config), *args)`` in ``world_size`` new processes; rank 0's result."""
     port = free_port()
-    results = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.start_processes(
-            _worker,
-            args=(config, world_size, port, fn, args, results),
-            nprocs=world_size,
-            start_method="spawn",
-            join=True,
-        )
-    except mp.ProcessRaisedException as err:
-        reported = _drain(results)
-        if "error" in reported:  # a GpukitError: the rank's own one-line message is the news
-            cls_name, message = reported["error"]
-            cls = getattr(errors, cls_name, GpukitError)
-            raise cls(f"rank {err.error_index}: {message}") from None
-        raise LaunchError(f"rank {err.error_index} failed:\n{err}".rstrip()) from None
-    except mp.ProcessExitedException as err:
-        raise LaunchError(
-            f"rank {err.error_index} exited with code {err.exit_code} before finishing "
-            "(killed, out of memory, or os._exit)"
-        ) from None
-    return _drain(results).get("result")
-
-
-def _drain(results: Any) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    while not results.empty():
-        kind, payload = pickle.loads(results.get())
-        found.setdefault(kind, payload)
-    return found
+    # Results and errors travel as files: a pipe would block a rank writing more than its
+    # buffer holds while this process waits for the ranks to exit.
+    with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as folder:
+        outbox = Path(folder)
+        try:
+            mp.start_processes(
+                _worker,
+                args=(config, world_size, port, fn, args, str(outbox)),
+                nprocs=world_size,
+                start_method="spawn",
+                join=True,
+            )
+        except mp.ProcessRaisedException as err:
+            reported = outbox / f"error-{err.error_index}.pkl"
+            if reported.exists():  # a GpukitError: the rank's own one-line message is the news
+                cls_name, message = pickle.loads(reported.read_bytes())
+                cls = getattr(errors, cls_name, GpukitError)
+                raise cls(f"rank {err.error_index}: {message}") from None
+            raise LaunchError(f"rank {err.error_index} failed:\n{err}".rstrip()) from None
+        except mp.ProcessExitedException as err:
+            raise LaunchError(
+                f"rank {err.error_index} exited with code {err.exit_code} before finishing "
+                "(killed, out of memory, or os._exit)"
+            ) from None
+        result = outbox / "result.pkl"
+        return pickle.loads(result.read_bytes()) if result.exists() else None
 
 
 def _worker(
@@ -88,7 +86,7 @@ def _worker(
     port: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    results: Any,
+    outbox: str,
 ) -> None:
     os.environ.update(
         {
@@ -109,9 +107,10 @@ def _worker(
         finally:
             runtime.teardown()
     except GpukitError as err:
-        results.put(pickle.dumps(("error", (type(err).__name__, str(err)))))
+        error = pickle.dumps((type(err).__name__, str(err)))
+        (Path(outbox) / f"error-{local_rank}.pkl").write_bytes(error)
         raise
     if runtime.is_global_zero:
-        # Plain pickle copies tensors by value; torch's queue pickling would share memory
-        # with a process that is about to exit.
-        results.put(pickle.dumps(("result", result)))
+        # Plain pickle copies tensors by value (torch's own pickling would share memory with
+        # a process that is about to exit).
+        (Path(outbox) / "result.pkl").write_bytes(pickle.dumps(result))

@@ -126,6 +126,11 @@ def make_precision(name: str, device: torch.device) -> Precision:
             f"precision '16-mixed' needs a CUDA GPU, but the device is {device}: float16 "
             "autocast is slow or missing there (use 'bf16-mixed' or '32' on the CPU)"
         )
+    if name == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision 'bf16-mixed' needs a GPU with bfloat16 (compute capability 8.0+), but "
+            f"{torch.cuda.get_device_name(device)} has none: use '16-mixed' (or 'auto')"
+        )
     return _CLASSES[name](device)
 
 

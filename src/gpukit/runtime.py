@@ -97,6 +97,7 @@ class Runtime:
         self.log_every = log_every
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward passes taken
+        self._stepped_at = 0  # micro_step at the last rt.step call
         self.history: list[dict[str, float]] = []
         self.loaders: list[DeviceLoader] = []
         self._modules: list[nn.Module] = []
@@ -193,6 +194,12 @@ class Runtime:
         Returns True when the optimizer stepped (False while accumulating, or when 16-mixed
         skipped a step whose gradients overflowed).
         """
+        if self.micro_step == self._stepped_at:
+            raise ConfigError(
+                "rt.step(optimizer) was called without rt.backward(loss) since the last step: "
+                "call rt.backward(loss) once per micro-batch, then rt.step(optimizer)"
+            )
+        self._stepped_at = self.micro_step
         if self.micro_step % self.accumulate != 0:
             self._sync_next_backward()
             return False
@@ -231,9 +238,15 @@ class Runtime:
 
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""
-        if not self._sums:
+        self._ensure_ready()
+        names = sorted(self._sums)
+        if self.world_size > 1 and len(set(map(tuple, self.strategy.all_gather_object(names)))) > 1:
+            raise ConfigError(
+                "rt.log got different metric names on different ranks: log the same names on "
+                "every rank, the same number of times (values are averaged across ranks)"
+            )
+        if not names:
             return {}
-        names = list(self._sums)
         means = torch.stack([self._sums[n] / self._counts[n] for n in names])
         values = self.strategy.all_reduce(means, "mean").tolist()
         record = {"step": float(self.global_step), **dict(zip(names, values, strict=True))}
@@ -245,10 +258,12 @@ class Runtime:
     # -- processes ------------------------------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every rank."""
+        self._ensure_ready()
         self.strategy.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` combined over the ranks by "mean", "sum", "max" or "min"."""
+        self._ensure_ready()
         return self.strategy.all_reduce(tensor, op)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -261,13 +276,17 @@ class Runtime:
         """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)."""
         from gpukit.checkpoint import save
 
+        self._ensure_ready()
         return save(self, Path(directory), keep=keep)
 
     def load(self, directory: str | Path) -> dict[str, int]:
         """Restore the newest checkpoint under ``directory``; returns its epoch and step."""
         from gpukit.checkpoint import load
 
-        return load(self, Path(directory))
+        self._ensure_ready()
+        progress = load(self, Path(directory))
+        self._sync_next_backward()  # the DDP sync flag must follow the restored micro_step
+        return progress
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""

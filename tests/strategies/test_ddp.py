@@ -108,3 +108,23 @@ def _use_half(rt: gk.Runtime) -> float:
 def test_find_unused_parameters_option_lets_it_train() -> None:
     strategy = gk.strategies.DDP(find_unused_parameters=True)
     assert gk.Runtime(strategy=strategy, devices=2).launch(_use_half) == pytest.approx(16.0)
+
+
+def _barrier_first_then_big_result(rt: gk.Runtime) -> torch.Tensor:
+    rt.barrier()  # before setup: the process group must already be there
+    return torch.arange(300_000, dtype=torch.float32)  # far more than a pipe's buffer
+
+
+def test_collectives_before_setup_and_a_large_result() -> None:
+    result = gk.Runtime(devices=2).launch(_barrier_first_then_big_result)
+    assert result.shape == (300_000,) and float(result[-1]) == 299_999.0
+
+
+def _log_different_names(rt: gk.Runtime) -> None:
+    rt.log(**{f"metric{rt.rank}": 1.0})
+    rt.flush_logs()
+
+
+def test_different_metric_names_on_ranks_are_an_error_not_a_hang() -> None:
+    with pytest.raises(gk.ConfigError, match=r"rank \d: rt\.log got different metric names"):
+        gk.Runtime(devices=2).launch(_log_different_names)

@@ -109,11 +109,11 @@ class DDP(Strategy):
     def check_gradients(self, module: nn.Module) -> None:
         if self.find_unused_parameters or self.static_graph:
             return
-        unused = [
-            name
-            for name, p in self.unwrap(module).named_parameters()
-            if p.requires_grad and p.grad is None
-        ]
+        params = dict(self.unwrap(module).named_parameters())
+        mine = [n for n, p in params.items() if p.requires_grad and p.grad is None]
+        # Every rank must reach the same verdict, or the ones that carry on wait forever.
+        anywhere = {name for found in self.all_gather_object(mine) for name in found}
+        unused = [n for n in params if n in anywhere]  # in the model's order
         if unused:
             more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
             shown = ", ".join(unused[:10]) + more
