@@ -10,6 +10,14 @@ from typing import Any
 from rich.console import Console
 
 
+def add_command(sub: Any, name: str, help: str, manual: str | None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` prints ``manual`` (its module docstring) as written."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=manual, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return parser
+
+
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 

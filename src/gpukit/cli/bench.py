@@ -27,25 +27,22 @@ from typing import Any
 from rich.console import Console
 
 from gpukit.bench.overhead import run_overhead
-from gpukit.cli._common import add_json_flag, console, print_json
+from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
 
 NAME = "bench"
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        NAME,
-        help="run a benchmark: wrapper overhead per training step (more to come)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, NAME, "run a benchmark: wrapper overhead per training step (more to come)", __doc__
     )
     experiments = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    overhead = experiments.add_parser(
+    overhead = add_command(
+        experiments,
         "overhead",
-        help="per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
+        __doc__,
     )
     add_json_flag(overhead)
     overhead.add_argument(

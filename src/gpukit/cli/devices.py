@@ -17,19 +17,14 @@ from typing import Any
 
 from gpukit._format import format_bytes
 from gpukit._table import make_table
-from gpukit.cli._common import add_json_flag, console, print_json
+from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.devices import Device, device, devices
 
 NAME = "devices"
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        NAME,
-        help="list devices, or resolve a device spelling",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, NAME, "list devices, or resolve a device spelling", __doc__)
     add_json_flag(parser)
     parser.add_argument("spec", nargs="?", help="a device spelling to resolve, e.g. /gpu:0")
     parser.set_defaults(run=run)

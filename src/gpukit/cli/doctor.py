@@ -20,7 +20,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpukit.cli._common import add_json_flag, console, print_json
+from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.doctor import diagnose
 
 NAME = "doctor"
@@ -28,11 +28,8 @@ _STYLE = {"OK": "green", "WARN": "yellow", "FAIL": "bold red"}
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        NAME,
-        help="check the GPU stack: driver, CUDA, cuDNN, NCCL, torch build, each GPU",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, NAME, "check the GPU stack: driver, CUDA, cuDNN, NCCL, torch build, each GPU", __doc__
     )
     add_json_flag(parser)
     parser.add_argument(

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpukit.cli._common import add_command
 from gpukit.errors import ConfigError
 from gpukit.launch import check_port, free_port
 
@@ -30,11 +31,8 @@ DEFAULT_MULTI_NODE_PORT = 29500
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        NAME,
-        help="run a torchrun-style script on N processes (and M machines)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, NAME, "run a torchrun-style script on N processes (and M machines)", __doc__
     )
     parser.add_argument(
         "--nproc",

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpukit._format import format_bytes
 from gpukit._table import make_table
-from gpukit.cli._common import console
+from gpukit.cli._common import add_command, console
 from gpukit.errors import ConfigError
 from gpukit.fit import TrainConfig, check, fit
 from gpukit.runtime import Runtime
@@ -32,11 +32,8 @@ NAME = "train"
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser(
-        NAME,
-        help="train a workload (mlp, cnn, gpt or yours) on one or many devices",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
     parser.add_argument("--strategy", default="auto", help="auto, single or ddp")
