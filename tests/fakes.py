@@ -27,7 +27,8 @@ def fake_pynvml(
     cuda: int = 12040,
     init_error: Exception | None = None,
 ) -> types.ModuleType:
-    """A stand-in for the pynvml module describing ``gpus`` (dicts of name, uuid, util, ...)."""
+    """A stand-in for the pynvml module describing ``gpus`` (dicts of name, uuid, util, ...;
+    "processes"/"graphics": running processes as [(pid, used bytes or None)])."""
     m: Any = types.ModuleType("pynvml")
     m.NVMLError = NVMLError
 
@@ -44,6 +45,15 @@ def fake_pynvml(
         total, used = h.get("total", 80 * GiB), h.get("used", GiB)
         return SimpleNamespace(total=total, used=used, free=total - used)
 
+    def processes(key: str) -> Any:
+        def running(h: dict[str, Any]) -> list[SimpleNamespace]:
+            # h[key]: [(pid, used bytes or None), ...]; None plays an unsupported query.
+            if key in h and h[key] is None:
+                raise NVMLError("Not Supported")
+            return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get(key, [])]
+
+        return running
+
     m.nvmlInit = init
     m.nvmlShutdown = lambda: None
     m.nvmlSystemGetDriverVersion = lambda: driver
@@ -56,6 +66,8 @@ def fake_pynvml(
     m.nvmlDeviceGetMemoryInfo = memory
     m.nvmlDeviceGetUtilizationRates = utilization
     m.nvmlDeviceGetCudaComputeCapability = lambda h: h.get("cc", (9, 0))
+    m.nvmlDeviceGetComputeRunningProcesses = processes("processes")
+    m.nvmlDeviceGetGraphicsRunningProcesses = processes("graphics")
     return m
 
 

@@ -25,13 +25,17 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     assert metrics["workload"] == "mlp" and metrics["steps"] == 64 and metrics["world_size"] == 1
     assert metrics["strategy"] == "single" and metrics["precision"] == "32"
     assert metrics["samples_per_s"] > 0 and metrics["final_loss"] < 1.0
-    assert list(metrics["peak_memory"]) == ["cpu (rank 0)"] and metrics["mfu"] is None
+    assert list(metrics["peak_memory"]) == ["cpu"] and metrics["mfu"] is None
+    (row,) = metrics["memory"]["devices"]
+    assert row["device"] == "cpu" and row["peak"] > 0 and row["total"] > row["peak"]
+    assert metrics["memory"]["imbalance"] is None and metrics["oom_retries"] == []
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert rows[0].keys() == {"step", "loss"} and len(rows) == 64 // 4
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000064"
     summary = capsys.readouterr().out
     assert "Training summary" in summary and "samples/s" in summary
+    assert "Memory per device" in summary
 
 
 def test_max_steps_then_resume_continues_to_the_same_end(tmp_path: Path) -> None:
@@ -77,6 +81,78 @@ def test_two_process_ddp_training(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["strategy"] == "ddp" and metrics["world_size"] == 2
     assert sorted(metrics["peak_memory"]) == ["cpu (rank 0)", "cpu (rank 1)"]
+    assert [r["rank"] for r in metrics["memory"]["devices"]] == [0, 1]
+    assert metrics["memory"]["imbalance"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["dp", "dp-balanced"])
+def test_single_process_data_parallel_training(strategy: str, tmp_path: Path, capsys) -> None:
+    args = ["train", "--workload", "mlp", "--strategy", strategy, "--devices", "cpu,cpu,cpu"]
+    assert main([*args, "--max-steps", "6", "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["strategy"] == strategy and metrics["world_size"] == 1
+    assert metrics["devices"] == ["cpu", "cpu", "cpu"] and metrics["steps"] == 6
+
+
+def _final_weights(folder: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "checkpoints" / "step-00000006" / "model.safetensors"))
+
+
+def test_train_recovers_from_out_of_memory_with_the_same_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    base = ["train", "--workload", "mlp", "--batch-size", "32", "--max-steps", "6"]
+    assert main([*base, "--out", str(tmp_path / "clean")]) == 0
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "8")
+    assert main([*base, "--out", str(tmp_path / "faulty")]) == 0
+    metrics = json.loads((tmp_path / "faulty" / "metrics.json").read_text())
+    assert [e["micro_batch_after"] for e in metrics["oom_retries"]] == [16, 8]
+    assert metrics["micro_batch"] == 8 and metrics["global_batch"] == 32
+    assert "out-of-memory retries" in capsys.readouterr().out
+    clean, faulty = _final_weights(tmp_path / "clean"), _final_weights(tmp_path / "faulty")
+    for name, value in clean.items():
+        assert (faulty[name] - value).abs().max().item() <= 1e-5, name  # type: ignore[operator]
+
+
+def test_train_with_oom_raise_explains_and_exits_one(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "8")
+    args = [
+        "train",
+        "--workload",
+        "mlp",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "2",
+        "--oom",
+        "raise",
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "out of memory on cuda:0" in err and "what to try" in err and "Traceback" not in err
+
+
+def test_a_raw_out_of_memory_error_is_explained_by_the_cli(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import torch
+
+    from gpukit.cli import train
+
+    def boom(args: object) -> int:
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 64.00 MiB (GPU 0; 10.76 GiB total capacity; "
+            "9.12 GiB already allocated; 51.69 MiB free; 9.45 GiB reserved in total by PyTorch)"
+        )
+
+    monkeypatch.setattr(train, "run", boom)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert "64 MiB" in err and "what to try" in err
 
 
 def test_gpt_prints_a_text_sample(capsys) -> None:

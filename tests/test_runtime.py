@@ -109,7 +109,10 @@ def test_cpu_machine_counts_mean_cpu_processes(cpu_only) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"strategy": "fsdp2"}, r"unknown strategy 'fsdp2': use one of auto, single, ddp"),
+        (
+            {"strategy": "fsdp2"},
+            r"unknown strategy 'fsdp2': use one of auto, single, dp, dp-balanced, ddp",
+        ),
         ({"strategy": "single", "devices": ["cpu", "cpu"]}, r"'single' trains on one device"),
         ({"accumulate": 0}, r"accumulate=0: give a whole number of at least 1"),
         ({"log_every": 1.5}, r"log_every=1.5"),

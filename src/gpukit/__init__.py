@@ -7,8 +7,10 @@
 
 from gpukit import strategies
 from gpukit.devices import Device, cpu, device, devices, gpu, on
-from gpukit.errors import ConfigError, DeviceError, GpukitError
+from gpukit.errors import ConfigError, DeviceError, GpukitError, OutOfMemory
+from gpukit.memory import MemoryBreakdown, MemoryReport, memory
 from gpukit.move import to
+from gpukit.oom import explain
 from gpukit.placement import PlacementReport, placement
 from gpukit.runtime import Runtime
 
@@ -19,13 +21,18 @@ __all__ = [
     "Device",
     "DeviceError",
     "GpukitError",
+    "MemoryBreakdown",
+    "MemoryReport",
+    "OutOfMemory",
     "PlacementReport",
     "Runtime",
     "__version__",
     "cpu",
     "device",
     "devices",
+    "explain",
     "gpu",
+    "memory",
     "on",
     "placement",
     "strategies",

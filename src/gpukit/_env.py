@@ -4,6 +4,9 @@ Other modules ask here, so the full list of variables lives in one file:
 
 - ``GPUKIT_DEVICE``: the device ``gk.device()`` returns when asked for the best one
   (any spelling ``gk.device`` accepts, e.g. ``cpu`` or ``/gpu:1``).
+- ``GPUKIT_FAULT_OOM_ABOVE``: fault injection for testing out-of-memory recovery: the
+  Runtime raises a real ``torch.OutOfMemoryError`` for every micro-batch of more than this
+  many samples.
 
 The CUDA variables that gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``,
 ``CUDA_DEVICE_ORDER``) and the variables a launcher such as torchrun sets for each process
@@ -21,6 +24,21 @@ def default_device_spec() -> str | None:
     """``GPUKIT_DEVICE``, or None when unset or blank."""
     value = os.environ.get("GPUKIT_DEVICE", "").strip()
     return value or None
+
+
+def fault_oom_above() -> int | None:
+    """``GPUKIT_FAULT_OOM_ABOVE`` as a sample count, or None when unset or blank."""
+    value = os.environ.get("GPUKIT_FAULT_OOM_ABOVE", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        from gpukit.errors import ConfigError
+
+        raise ConfigError(
+            f"GPUKIT_FAULT_OOM_ABOVE={value!r}: give a whole number of samples of at least 1 "
+            "(micro-batches larger than it fail as if out of memory), or unset it"
+        )
+    return int(value)
 
 
 def cuda_visible_devices() -> str | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -65,6 +66,58 @@ def read() -> NvmlInfo:
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
+
+
+def gpu_memory(uuids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
+    """Per GPU UUID ("GPU-..."): (free bytes, bytes used by other processes); never raises.
+
+    GPUs are matched by UUID, never by index: NVML numbers every GPU of the machine, CUDA only
+    the visible ones. "Other processes" sums NVML's compute and graphics processes whose pid
+    is not ours; it is None where NVML cannot tell (unsupported query, or a process whose
+    usage NVML hides). Inside a container NVML may report host pids, so this process can
+    count as another one there. Without NVML the answer is ``{}``.
+    """
+    try:
+        nvml: Any = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        wanted, found = set(uuids), {}
+        for index in range(int(nvml.nvmlDeviceGetCount())):
+            handle = _optional(nvml.nvmlDeviceGetHandleByIndex, index)
+            uuid = (
+                _text(_optional(nvml.nvmlDeviceGetUUID, handle) or "") if handle is not None else ""
+            )
+            if uuid in wanted:
+                memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
+                free = int(memory.free) if memory is not None else None
+                found[uuid] = (free, _other_processes(nvml, handle, os.getpid()))
+        return found
+    except Exception:
+        return {}
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def _other_processes(nvml: Any, handle: Any, own_pid: int) -> int | None:
+    compute = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+    if compute is None:
+        return None
+    # Compute-only GPUs may not support the graphics query: they run no graphics processes.
+    graphics = _optional(nvml.nvmlDeviceGetGraphicsRunningProcesses, handle) or []
+    used: dict[int, int | None] = {}
+    for proc in [*compute, *graphics]:
+        if int(proc.pid) == own_pid:
+            continue
+        # A process with both contexts is listed twice with the same total: count it once.
+        value = getattr(proc, "usedGpuMemory", None)
+        known = used.get(int(proc.pid), 0)
+        used[int(proc.pid)] = None if value is None or known is None else max(known, int(value))
+    if any(v is None for v in used.values()):
+        return None  # a partial sum would understate what the others hold
+    return sum(v for v in used.values() if v is not None)
 
 
 def _read_initialised(nvml: Any) -> NvmlInfo:

@@ -48,3 +48,8 @@ def warn_user(message: str) -> None:
 class ConfigError(GpukitError, ValueError):
     """A setting that is not allowed: an unknown strategy, precision or workload, a batch too
     small for the ranks, a missing checkpoint, a port in use."""
+
+
+class OutOfMemory(GpukitError):
+    """A device ran out of memory; the message explains it in numbers and ranks the remedies
+    (see ``gpukit.explain``). The original ``torch.OutOfMemoryError`` is its ``__cause__``."""

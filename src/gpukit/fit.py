@@ -12,8 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +21,8 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpukit.errors import ConfigError
+from gpukit.memory import DeviceMemory, MemoryReport
+from gpukit.memory import report as memory_report
 from gpukit.runtime import Runtime
 from gpukit.workloads import Workload, load_workload
 
@@ -63,17 +63,24 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
     model = workload.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr or workload.lr)
+    # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
+    # accumulation micro-batches (and into more if memory runs out).
     loader = torch.utils.data.DataLoader(
-        workload.dataset, batch_size=per_rank, shuffle=True, drop_last=True
+        workload.dataset, batch_size=per_rank * rt.accumulate, shuffle=True, drop_last=True
     )
     model, optimizer, loader = rt.setup(model, optimizer, loader)
     criterion = rt.setup_criterion(workload.loss)
+
+    def compute_loss(batch: Any) -> torch.Tensor:
+        x, y = batch
+        return criterion(model(x), y)
+
     checkpoints = Path(config.out) / "checkpoints" if config.out else None
     if config.resume:
         if checkpoints is None:
             raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
         rt.load(checkpoints)
-    steps_per_epoch = len(loader) // rt.accumulate
+    steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ConfigError(
             f"one optimizer step needs {per_rank * rt.world_size * rt.accumulate} samples but "
@@ -86,21 +93,18 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     first_step, start = rt.global_step, time.perf_counter()
     with _progress(rt, total) as bar:
         while rt.global_step < total:
-            for x, y in loader:
-                loss = criterion(model(x), y)
-                rt.backward(loss)
-                rt.step(optimizer)
-                if rt.micro_step % rt.accumulate == 0:
-                    bar.advance(rt, global_batch, start, first_step)
+            for batch in loader:
+                loss = rt.train_step(optimizer, batch, compute_loss)
+                bar.advance(rt, global_batch, start, first_step)
                 rt.log(loss=loss)
                 if rt.global_step >= total:
                     break
-            if checkpoints is not None and rt.micro_step % rt.accumulate == 0:
-                rt.save(checkpoints)  # only between optimizer steps, where resuming is exact
+            if checkpoints is not None:
+                rt.save(checkpoints)
     rt.flush_logs()
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
-    memory = rt.strategy.all_gather_object(_peak_memory(rt))
+    memory = _memory_report(rt)  # every rank takes part: it gathers under DDP
     if not rt.is_global_zero:
         return {}
     metrics = _metrics(rt, config, workload, samples_per_s, seconds, memory, global_batch)
@@ -142,10 +146,10 @@ def _metrics(
     workload: Workload,
     samples_per_s: float,
     seconds: float,
-    memory: list[dict[str, int]],
+    memory: MemoryReport,
     global_batch: int,
 ) -> dict[str, Any]:
-    peak_memory = {dev: peak for rank in memory for dev, peak in rank.items()}
+    peak_memory = {_row_name(row): row.peak for row in memory.rows}
     mfu = _mfu(rt, workload.flops_per_sample * samples_per_s)
     losses = [r["loss"] for r in rt.history if "loss" in r]
     return {
@@ -161,6 +165,9 @@ def _metrics(
         "devices": [str(d) for d in rt.strategy.devices],
         "mfu": mfu,
         "peak_memory": peak_memory,
+        "memory": memory.to_dict(),
+        "micro_batch": -(-global_batch // (rt.world_size * rt.accumulate * rt.oom_split)),
+        "oom_retries": rt.oom_events,
         "config": asdict(config),
     }
 
@@ -173,15 +180,17 @@ def _mfu(rt: Runtime, flops_per_s: float) -> float | None:
     return flops_per_s / (peak * rt.world_size) if peak else None
 
 
-def _peak_memory(rt: Runtime) -> dict[str, int]:
-    """Peak bytes on this rank's device (the process's peak RSS on a CPU)."""
-    if rt.device.type == "cuda":
-        return {
-            f"{rt.device} (rank {rt.rank})": int(torch.cuda.max_memory_allocated(rt.device.torch))
-        }
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
-    return {f"cpu (rank {rt.rank})": int(peak_kib * scale)}
+def _memory_report(rt: Runtime) -> MemoryReport:
+    """Memory of every device the run trained on: all of a dp run's GPUs, each rank's under
+    DDP (gathered), the process's RAM on a CPU."""
+    used = [d.torch for d in rt.strategy.devices if d.type == "cuda"]
+    if rt.world_size > 1:
+        used = [rt.device.torch] if rt.device.type == "cuda" else []
+    return memory_report(used or ["cpu"])
+
+
+def _row_name(row: DeviceMemory) -> str:
+    return row.device if row.rank is None else f"{row.device} (rank {row.rank})"
 
 
 def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import nn
 
+from gpukit._batch import map_structure
 from gpukit.errors import ConfigError
 
 PrecisionName = Literal["32", "bf16-mixed", "16-mixed", "auto"]
@@ -154,10 +155,6 @@ def _autocast(forward: Callable[..., Any], device_type: str, dtype: torch.dtype)
 
 
 def _to_float32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_float32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_float32(v) for k, v in value.items()}
-    return value
+    return map_structure(
+        value, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    )

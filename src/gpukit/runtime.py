@@ -25,7 +25,7 @@ import gc
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ from gpukit.data import DeviceLoader
 from gpukit.devices import Device
 from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.oom import explain, is_oom
 from gpukit.precision import make_precision
 from gpukit.strategies import ReduceOp, Strategy, make_strategy
 
@@ -59,6 +60,9 @@ class Runtime:
         seed: seeds Python, NumPy and torch (the same on every rank, so replicas start equal);
             also seeds the data order. None: 0 for the data order, RNGs untouched.
         log_every: ``rt.log`` reads values back from the device only every this many calls.
+        oom: what ``rt.train_step`` does when a device runs out of memory: "raise" (an
+            ``OutOfMemory`` error that explains the numbers and what to try) or "recover"
+            (cut the batch into more micro-batches and redo the step; see ``gpukit.recovery``).
     """
 
     def __init__(
@@ -70,8 +74,11 @@ class Runtime:
         clip: float | None = None,
         seed: int | None = None,
         log_every: int = 50,
+        oom: Literal["raise", "recover"] = "raise",
     ) -> None:
         _check_positive_int("accumulate", accumulate)
+        if oom not in ("raise", "recover"):
+            raise ConfigError(f"oom={oom!r}: use 'raise' (explain and stop) or 'recover'")
         _check_positive_int("log_every", log_every)
         if clip is not None and not clip > 0:
             raise ConfigError(f"clip={clip!r}: give a positive max gradient norm, or None")
@@ -83,6 +90,7 @@ class Runtime:
             "clip": clip,
             "seed": seed,
             "log_every": log_every,
+            "oom": oom,
         }
         launched = _env.launched()
         chosen = resolve_devices(devices, launched is not None)
@@ -95,6 +103,10 @@ class Runtime:
         self.clip = clip
         self.seed = seed
         self.log_every = log_every
+        self.oom = oom
+        self.oom_split = 1  # micro-batches per accumulation step, raised by OOM recovery
+        self.oom_events: list[dict[str, Any]] = []  # every recovery: step, sizes before/after
+        self.fault_oom_above = _env.fault_oom_above()
         self.global_step = 0  # optimizer steps taken
         self.micro_step = 0  # backward passes taken
         self._stepped_at = 0  # micro_step at the last rt.step call
@@ -168,25 +180,95 @@ class Runtime:
         self.loaders.append(wrapped)
         return wrapped
 
-    def setup_criterion(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """The loss function as the strategy needs it (the same function for single and ddp)."""
-        return fn
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: Literal["mean", "sum"] | None = None
+    ) -> Callable[..., torch.Tensor]:
+        """The loss function as the strategy computes it: itself for single, ddp and dp; on
+        every device for dp-balanced, where ``reduction`` (default: the loss module's own, else
+        "mean") says how to combine the per-device losses. Called the same way everywhere:
+        ``criterion(model(x), y)``."""
+        return self.strategy.setup_criterion(fn, reduction)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's model inside what ``setup`` returned."""
         return self.strategy.unwrap(module)
 
     # -- the step -----------------------------------------------------------------------------
+    def train_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        compute_loss: Callable[[Any], torch.Tensor],
+    ) -> torch.Tensor:
+        """One optimizer step over ``batch``: ``compute_loss(micro_batch)`` (the mean loss of
+        the samples it is given) on each of ``accumulate`` micro-batches, backward, step.
+
+        With ``oom="recover"`` an out-of-memory error re-cuts the batch into more micro-batches
+        and redoes the step, with the same result. Returns the batch's mean loss, on the device
+        (log it with ``rt.log``: reading it here would stall the GPU).
+
+        >>> import torch, gpukit as gk
+        >>> rt = gk.Runtime(devices="cpu", accumulate=2)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> x, y = torch.ones(6, 2), torch.zeros(6, 1)
+        >>> mse = torch.nn.functional.mse_loss
+        >>> loss = rt.train_step(opt, (x, y), lambda b: mse(model(b[0]), b[1]))
+        >>> rt.global_step
+        1
+        """
+        from gpukit.recovery import run_step
+
+        self._ensure_ready()
+        return run_step(self, optimizer, batch, compute_loss)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass in the run's precision, averaged over accumulated micro-batches."""
         if self.accumulate > 1:
             loss = loss / self.accumulate
-        self.precision.backward(loss)
+        try:
+            self.precision.backward(loss)
+        except Exception as err:
+            if is_oom(err):
+                raise self.out_of_memory(err) from err
+            raise
         self.micro_step += 1
+        self._check_gradients_once()
+
+    def _check_gradients_once(self) -> None:
         if not self._gradients_checked:
             self._gradients_checked = True
             for module in self._modules:
                 self.strategy.check_gradients(module)
+
+    def out_of_memory(
+        self, err: BaseException | str, micro_batch: int | None = None
+    ) -> OutOfMemory:
+        """The error to raise for an out-of-memory ``err``: its numbers, explained with what
+        this run knows (weights and optimizer state, strategy, imbalance between devices)."""
+        from gpukit.memory import breakdown, report
+
+        state_bytes = imbalance = None
+        try:
+            state_bytes = 0
+            for i, module in enumerate(self._modules):
+                optimizer = self._optimizers[i] if i < len(self._optimizers) else None
+                parts = breakdown(self.unwrap(module), optimizer)
+                state_bytes += parts.parameters + parts.gradients + parts.optimizer_state
+            if len(self.strategy.devices) > 1 and self.world_size == 1:
+                imbalance = report(
+                    [d.torch for d in self.strategy.devices], all_ranks=False
+                ).imbalance
+        except Exception:  # the explanation must never hide the error it explains
+            pass
+        explanation = explain(
+            err,
+            state_bytes=state_bytes,
+            strategy=self.strategy.name,
+            imbalance=imbalance,
+            micro_batch=micro_batch,
+        )
+        return OutOfMemory(str(explanation))
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients once every ``accumulate`` calls.
@@ -203,11 +285,20 @@ class Runtime:
         if self.micro_step % self.accumulate != 0:
             self._sync_next_backward()
             return False
-        if self.clip is not None:
-            self.precision.unscale(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.clip)
-        stepped = self.precision.step(optimizer)
+        return self._optimizer_step(optimizer)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        try:
+            if self.clip is not None:
+                self.precision.unscale(optimizer)
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_(params, self.clip)
+            stepped = self.precision.step(optimizer)
+        except Exception as err:
+            # Not recoverable by smaller micro-batches: the optimizer state is what grew.
+            if is_oom(err):
+                raise self.out_of_memory(err) from err
+            raise
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self._sync_next_backward()
@@ -227,7 +318,7 @@ class Runtime:
         for name, value in metrics.items():
             t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             if name in self._sums:
-                self._sums[name].add_(t)
+                self._sums[name].add_(t.to(self._sums[name].device))
                 self._counts[name] += 1
             else:
                 self._sums[name] = t.to(self.device.torch, torch.float32, copy=True)

@@ -3,6 +3,8 @@ provides ``NAME``, ``register(subparsers)`` and ``run(args) -> exit code``.
 
 Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor check FAILed);
 2 bad input (a usage error or a GpukitError, printed in one or two lines without a traceback).
+Running out of device memory exits 1 with the explanation of ``gpukit.explain`` (the numbers of
+the message, and what to try first) instead of torch's bare message.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from collections.abc import Sequence
 
 from gpukit import __version__
 from gpukit.cli import bench, devices, doctor, launch, train
-from gpukit.errors import GpukitError
+from gpukit.errors import GpukitError, OutOfMemory
+from gpukit.oom import explain, is_oom
 
 COMMANDS = (doctor, devices, train, launch, bench)
 
@@ -36,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
+    except OutOfMemory as err:
+        print(f"gpukit {args.command}: {err}", file=sys.stderr)
+        return 1
     except GpukitError as err:
         print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -44,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`gpukit doctor --json | head`): silence the final flush.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        print(f"gpukit {args.command}: {explain(err)}", file=sys.stderr)
         return 1
 
 

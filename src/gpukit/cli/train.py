@@ -2,8 +2,11 @@
 
 Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
 or package.module:function returning a Workload or (model, dataset, loss). With more than one
-device, one DDP process per device is started. Rank 0 shows a progress bar (loss, samples/s,
-ETA) and at the end a summary: throughput, MFU on GPUs, peak memory per device. With --out DIR:
+device, one DDP process per device is started (or, with --strategy dp or dp-balanced, one
+process drives them all). Rank 0 shows a progress bar (loss, samples/s, ETA) and at the end a
+summary: throughput, MFU on GPUs, and memory per device with the imbalance between devices
+(max/min peak). When a device runs out of memory the step is redone with the batch cut into
+more micro-batches (--oom raise: stop with an explanation instead). With --out DIR:
 DIR/metrics.json, DIR/metrics.csv, DIR/loss.png and DIR/checkpoints/ (one per epoch; --resume
 continues from the newest exactly where it stopped).
 
@@ -14,6 +17,7 @@ Example:
     gpukit train                                  # gpt on the best device
     gpukit train --workload cnn --devices 2 --epochs 1 --out runs/cnn
     gpukit train --workload mlp --max-steps 50 --out runs/mlp --resume
+    gpukit train --workload cnn --strategy dp-balanced --devices all
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpukit._format import format_bytes
 from gpukit._table import make_table
 from gpukit.cli._common import add_command, console
 from gpukit.errors import ConfigError
 from gpukit.fit import TrainConfig, check, fit
+from gpukit.memory import MemoryReport
 from gpukit.runtime import Runtime
 
 NAME = "train"
@@ -36,7 +40,7 @@ def register(sub: Any) -> None:
         sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
-    parser.add_argument("--strategy", default="auto", help="auto, single or ddp")
+    parser.add_argument("--strategy", default="auto", help="auto, single, dp, dp-balanced or ddp")
     parser.add_argument("--precision", default="auto", help="auto, 32, bf16-mixed or 16-mixed")
     parser.add_argument("--devices", default="auto", help="auto, all, N, or a list like 0,1")
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
@@ -46,6 +50,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10, help="read metrics back every N")
+    parser.add_argument(
+        "--oom",
+        choices=("recover", "raise"),
+        default="recover",
+        help="out of memory: re-split the batch and redo the step, or stop and explain",
+    )
     parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     parser.set_defaults(run=run)
@@ -64,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         accumulate=args.accumulate,
         seed=args.seed,
         log_every=args.log_every,
+        oom=args.oom,
     )
     config = TrainConfig(
         workload=args.workload,
@@ -91,9 +102,19 @@ def _summary(m: dict[str, Any]) -> None:
         ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
-        *[[f"peak memory {dev}", format_bytes(b)] for dev, b in m["peak_memory"].items()],
     ]
+    if m.get("oom_retries"):
+        rows.append(
+            [
+                "out-of-memory retries",
+                f"{len(m['oom_retries'])} (micro-batch now {m['micro_batch']})",
+            ]
+        )
     out.print(make_table("Training summary", ["", ""], rows))
+    memory = MemoryReport.from_dict(m["memory"])
+    out.print(memory.table("Memory per device"))
+    if memory.imbalance is not None:
+        out.print(f"imbalance (max/min peak over devices): {memory.imbalance:.2f}x")
     if m.get("sample"):
         out.print("[bold]Sample of generated text:[/]")
         out.print(m["sample"], markup=False, highlight=False)

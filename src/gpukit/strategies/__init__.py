@@ -10,9 +10,12 @@ from __future__ import annotations
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import ReduceOp, Strategy
 from gpukit.strategies.ddp import DDP
+from gpukit.strategies.dp import DP, DPBalanced, PerDevice
 from gpukit.strategies.single import SingleDevice
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DDP)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (SingleDevice, DP, DPBalanced, DDP)
+}
 
 
 def make_strategy(spec: str | Strategy) -> Strategy:
@@ -27,4 +30,14 @@ def make_strategy(spec: str | Strategy) -> Strategy:
     return STRATEGIES[spec]()
 
 
-__all__ = ["DDP", "STRATEGIES", "ReduceOp", "SingleDevice", "Strategy", "make_strategy"]
+__all__ = [
+    "DDP",
+    "DP",
+    "STRATEGIES",
+    "DPBalanced",
+    "PerDevice",
+    "ReduceOp",
+    "SingleDevice",
+    "Strategy",
+    "make_strategy",
+]

@@ -6,6 +6,7 @@ strategy it holds. Everything that differs between strategies is a method here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -50,12 +51,26 @@ class Strategy:
         """Place the model; return what the training loop should call."""
         return module.to(self.device.torch)
 
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        """The loss function as this strategy computes it (the function itself by default).
+        ``reduction`` says how ``fn`` reduces over samples ("mean" or "sum"), when known."""
+        return fn
+
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own model inside whatever ``setup_module`` returned."""
         return module
 
     def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
         """Whether the next backward should synchronise gradients across ranks."""
+
+    def hold_sync(self, module: nn.Module) -> None:
+        """Make the coming forward and backward run no collective at all (out-of-memory
+        recovery: a rank may fail halfway, and no other rank may wait for it)."""
+
+    def sync_held(self, module: nn.Module) -> None:
+        """Do now what ``hold_sync`` held back: average the gradients, share the buffers."""
 
     def check_gradients(self, module: nn.Module) -> None:
         """Called once after the first backward, to catch setups that fail a step later."""

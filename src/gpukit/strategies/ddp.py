@@ -27,6 +27,33 @@ _OPS = {
 }
 
 
+# Gradients averaged together in one all-reduce when DDP's own reducer is bypassed.
+_BUCKET_BYTES = 25 * 2**20
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, up to ``limit`` bytes per group."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for g in tensors:
+        current = groups[-1] if groups else None
+        fits = current is not None and size + g.nbytes <= limit
+        if not (fits and current[0].dtype == g.dtype and current[0].device == g.device):  # type: ignore[index]
+            groups.append([g])
+            size = g.nbytes
+        else:
+            current.append(g)  # type: ignore[union-attr]
+            size += g.nbytes
+    return groups
+
+
+def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 class DDP(Strategy):
     """Distributed data parallel over processes started by ``Runtime.launch`` or a launcher.
 
@@ -105,6 +132,39 @@ class DDP(Strategy):
         # decides in forward whether the coming backward all-reduces.
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = enabled
+
+    def hold_sync(self, module: nn.Module) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = False
+            # Otherwise the next forward may broadcast buffers: a collective that a rank which
+            # failed before its forward would never join.
+            module.require_forward_param_sync = False
+
+    def sync_held(self, module: nn.Module) -> None:
+        user_module = self.unwrap(module)
+        params = [p for p in user_module.parameters() if p.requires_grad]
+        # A parameter unused on this rank but used on another must still join the sum (as
+        # zeros); one that no rank used keeps no gradient, as under DDP's own reduction.
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        used = self.all_reduce(has_grad.to(self.device.torch), "max").tolist()
+        grads: list[torch.Tensor] = []
+        for p, anywhere in zip(params, used, strict=True):
+            if anywhere:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        for bucket in _buckets(grads, _BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            _scatter_back(flat, bucket)
+        if getattr(module, "broadcast_buffers", False):
+            # DDP's rule: rank 0's buffers (BatchNorm statistics, say) are everyone's.
+            buffers = [b for b in user_module.buffers() if b.numel()]
+            for bucket in _buckets(buffers, _BUCKET_BYTES):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.broadcast(flat, src=0)
+                _scatter_back(flat, bucket)
 
     def check_gradients(self, module: nn.Module) -> None:
         if self.find_unused_parameters or self.static_graph:

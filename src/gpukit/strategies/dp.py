@@ -1,0 +1,194 @@
+"""Data parallelism in one process: ``dp`` (DataParallel's semantics) and ``dp-balanced``.
+
+Every forward scatters the batch over the devices, replicates the model onto them and runs the
+replicas in parallel threads. ``dp`` then gathers every output on one device, as
+``torch.nn.DataParallel`` does, so the loss, the full outputs and their gradients all sit on
+that device: it runs out of memory first. ``dp-balanced`` leaves each output where it was
+computed (a :class:`PerDevice`); the criterion from ``rt.setup_criterion`` scatters the targets
+the same way, computes the loss on every device, and only the per-device scalar losses travel.
+
+>>> import torch, gpukit as gk
+>>> rt = gk.Runtime(strategy="dp-balanced", devices=["cpu", "cpu"])
+>>> model = rt.setup(torch.nn.Linear(3, 2))
+>>> criterion = rt.setup_criterion(torch.nn.functional.cross_entropy)
+>>> out = model(torch.randn(5, 3))
+>>> out.sizes
+(3, 2)
+>>> criterion(out, torch.tensor([0, 1, 1, 0, 1])).shape
+torch.Size([])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from gpukit import _env
+from gpukit._batch import batch_size, chunk_sizes
+from gpukit.devices import Device, DeviceSpec
+from gpukit.devices import device as resolve_device
+from gpukit.errors import ConfigError
+from gpukit.strategies._parallel import gather, parallel_apply, replicate, scatter
+from gpukit.strategies.base import Strategy
+
+Reduction = Literal["mean", "sum"]
+
+
+@dataclass(frozen=True)
+class PerDevice:
+    """Outputs of a ``dp-balanced`` forward, left on the devices that computed them.
+
+    ``outputs[i]`` came from the ``sizes[i]`` samples sent to ``devices[i]``. Give it to the
+    criterion from ``rt.setup_criterion``; call :meth:`gather` where the whole output is
+    needed on one device (an accuracy, say).
+    """
+
+    outputs: tuple[Any, ...]
+    devices: tuple[torch.device, ...]
+    sizes: tuple[int, ...]
+
+    def gather(self, device: DeviceSpec | None = None) -> Any:
+        """The outputs joined along the batch dimension on ``device`` (default: the first)."""
+        target = resolve_device(device).torch if device is not None else self.devices[0]
+        return gather(self.outputs, target)
+
+
+class DataParallelModule(nn.Module):
+    """The user's model behind scatter -> replicate -> parallel apply -> gather (or not)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: list[torch.device],
+        output_device: torch.device,
+        gather_outputs: bool,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.devices = devices
+        self.output_device = output_device
+        self.gather_outputs = gather_outputs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        n = batch_size((args, kwargs))
+        if len(self.devices) == 1 or n is None:
+            return self.module(*args, **kwargs)
+        sizes = chunk_sizes(n, len(self.devices))
+        devices = self.devices[: len(sizes)]  # a batch smaller than the devices uses fewer
+        inputs = scatter(args, kwargs, sizes, devices)
+        outputs = parallel_apply(replicate(self.module, devices), inputs, devices)
+        if self.gather_outputs:
+            return gather(outputs, self.output_device)
+        return PerDevice(tuple(outputs), tuple(devices), tuple(sizes))
+
+
+class DP(Strategy):
+    """One process drives every device; the master weights live on the first one.
+
+    Args:
+        output_device: where outputs are gathered (default: the first device). Moving it
+            elsewhere only moves the memory peak there; ``dp-balanced`` removes it.
+
+    >>> import gpukit as gk
+    >>> rt = gk.Runtime(strategy="dp", devices=["cpu", "cpu", "cpu"])
+    >>> rt.world_size, len(rt.strategy.devices)
+    (1, 3)
+    """
+
+    name: ClassVar[str] = "dp"
+    gather_outputs: ClassVar[bool] = True
+
+    def __init__(self, *, output_device: DeviceSpec | None = None) -> None:
+        super().__init__()
+        self.output_device_spec = output_device
+
+    def configure(self, devices: list[Device]) -> None:
+        if _env.launched() is not None:
+            raise ConfigError(
+                f"strategy {self.name!r} drives all devices from one process, but this process "
+                "is one rank of a launched job: use strategy='ddp' under gpukit launch, or run "
+                "the script with plain python"
+            )
+        kinds = {d.type for d in devices}
+        if len(kinds) > 1 or (kinds - {"cuda", "cpu"} and len(devices) > 1):
+            raise ConfigError(
+                f"strategy {self.name!r} needs devices of one kind (all CUDA GPUs, or CPUs for "
+                f"testing), but got {', '.join(map(str, devices))}: e.g. devices='all' or "
+                "devices=['cpu', 'cpu']"
+            )
+        gpus = [d for d in devices if d.type == "cuda"]
+        if len(set(gpus)) != len(gpus):
+            raise ConfigError(
+                f"strategy {self.name!r} got the same GPU twice ({', '.join(map(str, devices))})"
+                ": list each GPU once"
+            )
+        super().configure(devices)
+        self.output_device = self._member("output_device", self.output_device_spec)
+
+    def _member(self, what: str, spec: DeviceSpec | None) -> torch.device:
+        """A device given as an index into the devices or as a spec; it must be one of them."""
+        if spec is None:
+            return self.devices[0].torch
+        listing = ", ".join(map(str, self.devices))
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            if 0 <= spec < len(self.devices):
+                return self.devices[spec].torch
+            raise ConfigError(
+                f"{what}={spec} is not a position among the strategy's {len(self.devices)} "
+                f"devices ({listing}): give 0..{len(self.devices) - 1}, or a device spec"
+            )
+        chosen = resolve_device(spec)
+        if chosen not in self.devices:
+            raise ConfigError(
+                f"{what}={spec!r} is not one of the strategy's devices ({listing}): give one "
+                "of them, or its position"
+            )
+        return chosen.torch
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        devices = [d.torch for d in self.devices]
+        return DataParallelModule(module, devices, self.output_device, self.gather_outputs)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DataParallelModule) else module
+
+
+class DPBalanced(DP):
+    """``dp`` whose outputs stay on their devices and whose loss is computed on every device.
+
+    Args:
+        loss_device: where the weighted sum of the per-device losses (one scalar) is made,
+            and so where ``rt.backward`` starts (default: the first device, with the master
+            weights). Only scalars travel there, so the choice barely changes memory.
+
+    >>> import gpukit as gk
+    >>> rt = gk.Runtime(strategy=gk.strategies.DPBalanced(loss_device=1), devices=["cpu", "cpu"])
+    >>> rt.strategy.loss_device
+    device(type='cpu')
+    """
+
+    name: ClassVar[str] = "dp-balanced"
+    gather_outputs: ClassVar[bool] = False
+
+    def __init__(self, *, loss_device: DeviceSpec | None = None) -> None:
+        super().__init__()
+        self.loss_device_spec = loss_device
+
+    def configure(self, devices: list[Device]) -> None:
+        super().configure(devices)
+        self.loss_device = self._member("loss_device", self.loss_device_spec)
+
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        from gpukit.strategies._criterion import ParallelCriterion, reduction_of
+
+        reduces = reduction_of(fn, reduction)
+        if isinstance(fn, nn.Module):
+            fn = fn.to(self.devices[0].torch)
+        return ParallelCriterion(fn, self.loss_device, reduces)
