@@ -243,3 +243,86 @@ def test_a_real_cuda_out_of_memory_is_recovered(capsys: pytest.CaptureFixture[st
     assert rt.oom_events and rt.oom_split >= 2
     _, reference = run("raise", 4)
     assert (recovered - reference).abs().max().item() <= 1e-6
+
+
+class _Noisy(nn.Module):
+    """BatchNorm and dropout: a failed attempt changes buffers and consumes random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _noisy_run(split: int, fail_once_on_micro_batch: int | None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    rt = gk.Runtime(devices="cpu", accumulate=2, oom="recover")
+    rt.oom_split = split
+    model = _Noisy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    calls = {"n": 0}
+
+    def compute_loss(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls["n"] += 1
+        loss = nn.functional.mse_loss(model(b[0]), b[1])
+        if calls["n"] == fail_once_on_micro_batch:  # after a forward: buffers and RNG moved
+            raise OOM("CUDA out of memory. Tried to allocate 8.00 MiB.")
+        return loss
+
+    data = _data()
+    for _ in range(3):
+        rt.train_step(optimizer, (data.tensors[0][:32], data.tensors[1][:32]), compute_loss)
+    assert rt.oom_split == 2
+    return {k: v.clone() for k, v in rt.unwrap(model).state_dict().items()}
+
+
+def test_a_failed_attempt_leaves_no_trace_in_buffers_or_random_numbers() -> None:
+    clean = _noisy_run(split=2, fail_once_on_micro_batch=None)
+    # The second micro-batch of the first attempt fails after the first one already updated
+    # BatchNorm's statistics and drew dropout masks.
+    recovered = _noisy_run(split=1, fail_once_on_micro_batch=2)
+    for name, value in clean.items():
+        assert torch.allclose(recovered[name].float(), value.float(), atol=1e-6), name
+
+
+def _ddp_train_step(rt: gk.Runtime) -> dict[str, np.ndarray]:
+    return _train(rt)
+
+
+def test_ddp_train_step_without_recovery_keeps_the_overlapped_path() -> None:
+    single = _train(gk.Runtime(devices="cpu", seed=0, accumulate=2))
+    rt = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], seed=0, accumulate=2, oom="raise")
+    distributed = rt.launch(_ddp_train_step)
+    _assert_close(distributed["weights"], single["weights"], tol=1e-6)  # type: ignore[arg-type]
+
+
+def test_recovery_refuses_a_forward_that_talks_to_other_ranks() -> None:
+    from gpukit.recovery import _refuse_collective_forward
+
+    # DDP itself refuses SyncBatchNorm on CPUs, so the check is called as DDP's path would.
+    rt = gk.Runtime(devices="cpu", oom="recover")
+    rt.setup(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))
+    with pytest.raises(ConfigError, match=r"SyncBatchNorm at 1.*oom='raise'"):
+        _refuse_collective_forward(rt)
+
+
+def test_the_split_found_is_kept_in_checkpoints(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "8")
+    rt = gk.Runtime(devices="cpu", oom="recover")
+    net = nn.Linear(2, 1)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    rt.train_step(optimizer, torch.ones(32, 2), lambda b: model(b).pow(2).mean())
+    assert rt.oom_split == 4
+    rt.save(tmp_path)  # type: ignore[arg-type]
+    fresh = gk.Runtime(devices="cpu", oom="recover")
+    other = nn.Linear(2, 1)
+    fresh.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    fresh.load(tmp_path)  # type: ignore[arg-type]
+    assert fresh.oom_split == 4

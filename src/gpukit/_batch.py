@@ -16,9 +16,10 @@ chunk, as it would be seen by a model called once per chunk.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ def map_structure(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_structure(v, fn) for v in obj)
     if isinstance(obj, Mapping):
-        return type(obj)({k: map_structure(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
+        return _same_mapping(obj, {k: map_structure(v, fn) for k, v in obj.items()})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {
             f.name: map_structure(getattr(obj, f.name), fn)
@@ -90,7 +91,7 @@ def zip_structures(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any])
     if isinstance(first, (list, tuple)):
         return type(first)(zip_structures(vs, fn) for vs in zip(*objs, strict=True))
     if isinstance(first, Mapping):
-        return type(first)({k: zip_structures([o[k] for o in objs], fn) for k in first})  # type: ignore[call-arg]
+        return _same_mapping(first, {k: zip_structures([o[k] for o in objs], fn) for k in first})
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         changes = {
             f.name: zip_structures([getattr(o, f.name) for o in objs], fn)
@@ -99,6 +100,21 @@ def zip_structures(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any])
         }
         return dataclasses.replace(first, **changes)
     return first
+
+
+def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """A mapping of ``original``'s type holding ``items``; types whose constructor wants more
+    than a dict (a defaultdict's factory) are copied and refilled; anything else is a dict."""
+    try:
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    if isinstance(original, MutableMapping):
+        rebuilt = copy.copy(original)
+        rebuilt.clear()
+        rebuilt.update(items)
+        return rebuilt
+    return items
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

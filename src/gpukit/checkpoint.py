@@ -97,6 +97,7 @@ def load(rt: Runtime, directory: Path) -> dict[str, int]:
     for loader, saved in zip(rt.loaders, state["loaders"], strict=False):
         loader.epoch, loader.position = saved["epoch"], saved["position"]
     rt.global_step, rt.micro_step = state["step"], state["micro_step"]
+    rt.oom_split = int(state.get("oom_split", 1))
     ranks = state["rng"]
     if len(ranks) != rt.world_size:
         warn_user(
@@ -139,6 +140,7 @@ def _progress(rt: Runtime, rng: list[dict[str, Any]]) -> dict[str, Any]:
         "epoch": loaders[0]["epoch"] if loaders else 0,
         "step": rt.global_step,
         "micro_step": rt.micro_step,
+        "oom_split": rt.oom_split,  # the micro-batch split recovery found: not to be found again
         "world_size": rt.world_size,
         "loaders": loaders,
         "optimizers": [o.state_dict() for o in rt._optimizers],

@@ -177,7 +177,9 @@ def _mfu(rt: Runtime, flops_per_s: float) -> float | None:
     if rt.device.type != "cuda" or not flops_per_s:
         return None
     peak = next((v for k, v in PEAK_FLOPS.items() if k in rt.device.name), None)
-    return flops_per_s / (peak * rt.world_size) if peak else None
+    # dp drives several GPUs from one process: count the GPUs, not the processes.
+    gpus = rt.world_size if rt.world_size > 1 else len(rt.strategy.devices)
+    return flops_per_s / (peak * gpus) if peak else None
 
 
 def _memory_report(rt: Runtime) -> MemoryReport:

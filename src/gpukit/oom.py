@@ -45,6 +45,8 @@ _S = r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|KB|MiB|MB|GiB|GB|TiB|TB)\b"
 _DETECT = re.compile(
     r"(?:CUDA|HIP) out of memory|MPS backend out of memory"
     r"|DefaultCPUAllocator: (?:not enough memory|can't allocate memory)"
+    # Allocations outside the caching allocator: cuBLAS/cuDNN workspaces, NCCL buffers.
+    r"|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED"
 )
 _REQUESTED = re.compile(rf"[Tt]ried to allocate {_S}")
 _GPU = re.compile(r"GPU ([0-9]+)(?: has|;)")

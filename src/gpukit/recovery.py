@@ -1,12 +1,13 @@
 """One optimizer step over a batch, cut into micro-batches, that survives running out of memory.
 
-``rt.train_step(optimizer, batch, compute_loss)`` cuts the batch into ``accumulate``
-micro-batches, runs forward and backward on each with the loss weighted by its share of the
-batch (so the gradient is exactly that of the whole batch), and steps. With
-``Runtime(oom="recover")`` an out-of-memory error inside the forward or backward does not end
-the run: the step's gradients and memory are released, the batch is cut into twice as many
-micro-batches, and the step starts again. The effective batch, and so the result, stays the
-same. Under several processes every rank trains its micro-batches without gradient
+``rt.train_step(optimizer, batch, compute_loss)`` cuts the batch into ``accumulate`` micro-
+batches, runs forward and backward on each with the loss weighted by its share of the batch (so
+the gradient is exactly that of the whole batch), and steps. With ``Runtime(oom="recover")`` an
+out-of-memory error inside the forward or backward does not end the run: the step's gradients
+and memory are released, its buffers and random generators are restored, the batch is cut into
+twice as many micro-batches, and the step starts again. The effective batch stays the same, and
+so does the result for models whose samples do not interact (BatchNorm's statistics do depend on
+the micro-batch). Under several processes every rank trains its micro-batches without gradient
 synchronisation, the ranks agree on whether anyone failed (one small all-reduce), and only then
 are the gradients averaged: no rank is ever left waiting in a collective that another rank
 abandoned. The split found stays for the following steps. A micro-batch of one sample that still
@@ -59,13 +60,18 @@ def run_step(
     # Under several processes, recovery needs gradients held back until every rank is known
     # to have finished its backward.
     hold_back = recover and rt.world_size > 1
+    if hold_back and not rt._recovery_checked:
+        _refuse_collective_forward(rt)
     while True:
         sizes = chunk_sizes(n, rt.accumulate * rt.oom_split)
+        snapshot = _Snapshot(rt) if recover else None
         attempt = _attempt(rt, batch, sizes, compute_loss, hold_back)
         failed, exhausted = _agree(rt, attempt, hold_back)
         if not failed:
             break
         optimizer.zero_grad(set_to_none=True)
+        assert snapshot is not None  # failures come back only in recover mode
+        snapshot.restore()
         _release(rt)
         if exhausted:
             raise rt.out_of_memory(attempt.message or "out of memory on another rank", 1)
@@ -79,6 +85,23 @@ def run_step(
     rt._optimizer_step(optimizer)
     assert attempt.loss is not None  # the loop leaves only once every micro-batch fitted
     return attempt.loss
+
+
+def _refuse_collective_forward(rt: Runtime) -> None:
+    """SyncBatchNorm gathers statistics over the ranks inside the forward: a rank that failed
+    earlier would never join, and the others would wait until the timeout."""
+    rt._recovery_checked = True
+    for module in rt._modules:
+        synced = [
+            n for n, m in rt.unwrap(module).named_modules() if isinstance(m, torch.nn.SyncBatchNorm)
+        ]
+        if synced:
+            raise ConfigError(
+                f"oom='recover' cannot protect a model whose forward talks to the other ranks "
+                f"(SyncBatchNorm at {', '.join(synced[:3])}): a rank that ran out of memory would "
+                "leave the others waiting. Use oom='raise' (gpukit train --oom raise), or plain "
+                "BatchNorm"
+            )
 
 
 def _attempt(
@@ -131,9 +154,31 @@ def _agree(rt: Runtime, attempt: _Attempt, hold_back: bool) -> tuple[bool, bool]
 def _release(rt: Runtime) -> None:
     """Hand the failed step's memory back before trying again."""
     gc.collect()
-    for device in {d.torch for d in rt.strategy.devices if d.type == "cuda"}:
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
+    # One call empties the cache of every device; entering another device's scope first would
+    # create a CUDA context there (hundreds of MiB), on a GPU that is short of memory.
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class _Snapshot:
+    """What a failed attempt may have changed besides gradients: buffers (BatchNorm's running
+    statistics, its batch count) and the random generators (dropout masks), restored so the
+    retry starts from exactly where the step began."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.buffers = [
+            (b, b.detach().clone()) for m in rt._modules for b in rt.unwrap(m).buffers()
+        ]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                live.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def _log_retry(rt: Runtime, n: int, sizes: list[int], attempt: _Attempt) -> None:
@@ -151,7 +196,7 @@ def _log_retry(rt: Runtime, n: int, sizes: list[int], attempt: _Attempt) -> None
         where = "" if rt.world_size == 1 else " on at least one rank"
         log.warning(
             "out of memory at step %d with micro-batches of %d samples%s: retrying the step "
-            "as %d micro-batches of at most %d (the batch of %d, and the result, are unchanged)",
+            "as %d micro-batches of at most %d (the batch of %d is unchanged)",
             rt.global_step,
             max(sizes),
             where,

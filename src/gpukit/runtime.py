@@ -50,7 +50,8 @@ class Runtime:
 
     Args:
         strategy: "auto" (ddp under a launcher or with several devices, else single),
-            "single", "ddp", or a strategy object such as ``gk.strategies.DDP(...)``.
+            "single", "dp", "dp-balanced", "ddp", or a strategy object such as
+            ``gk.strategies.DDP(...)`` (see ``gpukit.strategies``).
         precision: "auto", "32", "bf16-mixed" or "16-mixed" (see ``gpukit.precision``).
         devices: "auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes
             on a machine without GPUs), a spec such as "cuda:1", or a list of specs.
@@ -118,6 +119,7 @@ class Runtime:
         self._counts: dict[str, int] = {}
         self._log_calls = 0
         self._gradients_checked = False
+        self._recovery_checked = False
         self._ready = False
         if seed is not None:
             seed_everything(seed)

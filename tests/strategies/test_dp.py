@@ -334,3 +334,75 @@ def test_cuda_dp_matches_one_gpu() -> None:
         assert abs(loss - ref_loss) <= 1e-5
         for ref, got in zip(ref_grads, grads, strict=True):
             assert (ref - got).abs().max().item() <= 1e-5
+
+
+def test_out_of_memory_in_a_worker_thread_keeps_its_type() -> None:
+    oom_type = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+    def fine(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise oom_type("CUDA out of memory. Tried to allocate 2.00 MiB.")
+
+    cpu = torch.device("cpu")
+    with pytest.raises(oom_type, match="replica 1 on cpu"):  # replica 1 runs in a worker
+        parallel_apply([fine, boom], [((torch.ones(1),), {})] * 2, [cpu, cpu])
+
+
+class _TakesKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, device: str = "", i: int = 0, fn: object = None) -> object:
+        return self.linear(x) * i
+
+
+def test_keyword_arguments_never_clash_with_the_machinery() -> None:
+    rt = gk.Runtime(strategy="dp-balanced", devices=CPUS[2])
+    model = rt.setup(_TakesKeywords())
+    out = model(_batch(6)[0], device="cpu", i=2, fn=len)
+    crit = rt.setup_criterion(lambda o, y, device="", i=1: nn.functional.cross_entropy(o, y) * i)
+    assert crit(out, _batch(6)[1], device="cpu", i=3).shape == ()
+
+
+def test_a_defaultdict_batch_keeps_its_type() -> None:
+    from collections import defaultdict
+
+    class Reads(nn.Module):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            assert isinstance(batch, defaultdict) and batch.default_factory is list
+            return batch["x"] * 2
+
+    rt = gk.Runtime(strategy="dp", devices=CPUS[2])
+    model = rt.setup(Reads())
+    batch = defaultdict(list, {"x": torch.arange(4.0)})
+    assert model(batch).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_a_summing_partial_is_added_not_averaged() -> None:
+    import functools
+
+    summed = functools.partial(nn.functional.cross_entropy, reduction="sum")
+    ref_loss, _ = _loss_and_grads("single", "cpu", 10)
+    rt = gk.Runtime(strategy="dp-balanced", devices=CPUS[3])
+    model = rt.setup(_model())
+    x, y = _batch(10)
+    loss = rt.setup_criterion(summed)(model(x), y)
+    assert abs(loss.item() - 10 * ref_loss) <= 1e-5
+
+
+def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
+    from types import SimpleNamespace
+
+    from gpukit.fit import _mfu
+
+    device = SimpleNamespace(type="cuda", name="NVIDIA H100 80GB HBM3")
+    one_process = SimpleNamespace(
+        device=device, world_size=1, strategy=SimpleNamespace(devices=[1, 2])
+    )
+    two_processes = SimpleNamespace(
+        device=device, world_size=2, strategy=SimpleNamespace(devices=[1, 2])
+    )
+    assert _mfu(one_process, 989e12) == _mfu(two_processes, 989e12) == 0.5  # type: ignore[arg-type]

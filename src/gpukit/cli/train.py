@@ -97,7 +97,7 @@ def _summary(m: dict[str, Any]) -> None:
     mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "- (CPU or unknown GPU peak)"
     rows = [
         ["workload", m["workload"]],
-        ["strategy / precision", f"{m['strategy']} x{m['world_size']} / {m['precision']}"],
+        ["strategy / precision", f"{m['strategy']} x{len(m['devices'])} / {m['precision']}"],
         ["steps (global batch)", f"{m['steps']} ({m['global_batch']})"],
         ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],

@@ -81,9 +81,11 @@ class ParallelCriterion:
 
 
 def reduction_of(fn: Callable[..., Any], given: str | None) -> Reduction:
-    """How ``fn`` reduces over samples: ``given``, else an ``nn.Module`` loss's ``reduction``,
-    else "mean"; "none" is refused (one scalar per device is needed)."""
-    found = given if given is not None else getattr(fn, "reduction", "mean")
+    """How ``fn`` reduces over samples: ``given``, else an ``nn.Module`` loss's ``reduction``
+    (or a ``functools.partial``'s ``reduction=``), else "mean"; "none" is refused (one scalar
+    per device is needed). A plain function that sums must say so with ``reduction="sum"``."""
+    bound = getattr(fn, "keywords", None) or {}  # functools.partial(F.cross_entropy, ...)
+    found = given if given is not None else getattr(fn, "reduction", bound.get("reduction", "mean"))
     if found not in ("mean", "sum"):
         raise ConfigError(
             f"criterion reduction {found!r}: the loss must reduce its samples to one number; "

@@ -32,6 +32,8 @@ from torch import nn
 
 from gpukit._batch import map_structure, split, zip_structures
 
+_Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one replica
+
 
 def scatter(
     args: tuple[Any, ...],
@@ -78,21 +80,26 @@ def _host_replica(module: nn.Module) -> nn.Module:
 
 @dataclass(frozen=True)
 class _State:
-    """What a worker thread must inherit from its caller: grad mode and autocast."""
+    """What a worker thread must inherit from its caller: grad mode, autocast, and on CUDA the
+    caller's current stream of each device (where the inputs and replicas were queued)."""
 
     grad: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    streams: dict[int, Any]
 
     @staticmethod
-    def capture() -> _State:
+    def capture(devices: Sequence[torch.device]) -> _State:
         kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        gpus = {d.index for d in devices if d.type == "cuda" and d.index is not None}
         return _State(
             torch.is_grad_enabled(),
             tuple((k, _autocast_enabled(k), _autocast_dtype(k)) for k in kinds),
+            {i: torch.cuda.current_stream(i) for i in gpus},
         )
 
-    def run(self, device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with torch.set_grad_enabled(self.grad), _cuda_scope(device):
+    def run(self, device: torch.device, fn: Callable[..., Any], inputs: _Inputs) -> Any:
+        args, kwargs = inputs
+        with torch.set_grad_enabled(self.grad), _cuda_scope(device, self.streams):
             managers = [torch.autocast(k, dtype=d, enabled=on) for k, on, d in self.autocast]
             for manager in managers:
                 manager.__enter__()
@@ -105,33 +112,22 @@ class _State:
 
 def parallel_apply(
     fns: Sequence[Callable[..., Any]],
-    inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    inputs: Sequence[_Inputs],
     devices: Sequence[torch.device],
 ) -> list[Any]:
     """``fns[i](*args_i, **kwargs_i)`` on ``devices[i]``, one thread each; results in order.
 
     An exception in a worker is raised here, of the same type, naming the replica and device.
     """
-    state = _State.capture()
+    state = _State.capture(devices)
+    pool = _pool(len(fns) - 1)
     futures = [
-        _pool(len(fns) - 1).submit(
-            _named_errors,
-            i,
-            devices[i],
-            state.run,
-            devices[i],
-            fns[i],
-            *inputs[i][0],
-            **inputs[i][1],
-        )
-        for i in range(1, len(fns))
+        pool.submit(_run_named, i, devices[i], state, fns[i], inputs[i]) for i in range(1, len(fns))
     ]
     # The first replica runs in this thread: one thread fewer to wake, and nothing to wait for
     # with a single device.
     try:
-        first = _named_errors(
-            0, devices[0], state.run, devices[0], fns[0], *inputs[0][0], **inputs[0][1]
-        )
+        first = _run_named(0, devices[0], state, fns[0], inputs[0])
     finally:
         done = [_outcome(f) for f in futures]  # every worker finishes before anything is raised
     for error in (e for _, e in done if e is not None):
@@ -172,9 +168,13 @@ def gather(outputs: Sequence[Any], target: torch.device) -> Any:
     return zip_structures(outputs, join)
 
 
-def _named_errors(i: int, device: torch.device, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+def _run_named(
+    i: int, device: torch.device, state: _State, fn: Callable[..., Any], inputs: _Inputs
+) -> Any:
+    """Run replica ``i``; its error gets the replica and device in front of its message.
+    The user's arguments stay packed, so none of them can clash with these parameters."""
     try:
-        return fn(*a, **kw)
+        return state.run(device, fn, inputs)
     except Exception as err:
         renamed = _with_place(err, i, device)
         if renamed is err:
@@ -198,10 +198,14 @@ def _with_place(err: BaseException, i: int, device: torch.device) -> BaseExcepti
     return err
 
 
-def _cuda_scope(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+def _cuda_scope(device: torch.device, streams: dict[int, Any]) -> Any:
+    if device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    scope = contextlib.ExitStack()
+    scope.enter_context(torch.cuda.device(device))
+    if device.index in streams:
+        scope.enter_context(torch.cuda.stream(streams[device.index]))
+    return scope
 
 
 def _autocast_enabled(kind: str) -> bool:
