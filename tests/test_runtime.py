@@ -161,3 +161,32 @@ def test_saving_inside_an_accumulation_window_warns(tmp_path) -> None:
     rt.step(opt)
     with pytest.warns(UserWarning, match="middle of an accumulation window"):
         rt.save(tmp_path)
+
+
+def test_targets_out_of_range_are_caught_before_the_first_step() -> None:
+    rt = gk.Runtime(devices="cpu")
+    model = rt.setup(nn.Linear(3, 4))
+    criterion = rt.setup_criterion(nn.CrossEntropyLoss())
+    with pytest.raises(gk.ConfigError, match=r"targets hold 9 but the model has 4 classes"):
+        criterion(model(torch.ones(2, 3)), torch.tensor([1, 9]))
+    ignoring = rt.setup_criterion(nn.CrossEntropyLoss(ignore_index=-1))
+    assert ignoring(model(torch.ones(2, 3)), torch.tensor([1, -1])).shape == ()
+
+
+def test_known_raw_errors_inside_a_step_come_out_in_words() -> None:
+    from gpukit.errors import DeviceAssertError
+
+    rt = gk.Runtime(devices="cpu")
+    net = nn.Linear(2, 1)
+    _, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def asserts(batch: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+            "asynchronously reported at some other API call"
+        )
+
+    with pytest.raises(DeviceAssertError, match="gpukit trace --blocking") as caught:
+        rt.train_step(optimizer, torch.ones(4, 2), asserts)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value, RuntimeError)  # old `except RuntimeError` still catches it

@@ -12,7 +12,10 @@ from gpukit.memory import MemoryBreakdown, MemoryReport, memory
 from gpukit.move import to
 from gpukit.oom import explain
 from gpukit.placement import PlacementReport, placement
+from gpukit.placement_log import PlacementLog, log_placement
 from gpukit.runtime import Runtime
+from gpukit.trace import Trace, trace
+from gpukit.translate import explain_error
 
 __version__ = "0.1.0"
 
@@ -24,17 +27,22 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryReport",
     "OutOfMemory",
+    "PlacementLog",
     "PlacementReport",
     "Runtime",
+    "Trace",
     "__version__",
     "cpu",
     "device",
     "devices",
     "explain",
+    "explain_error",
     "gpu",
+    "log_placement",
     "memory",
     "on",
     "placement",
     "strategies",
     "to",
+    "trace",
 ]

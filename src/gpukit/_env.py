@@ -41,6 +41,12 @@ def fault_oom_above() -> int | None:
     return int(value)
 
 
+def set_cuda_launch_blocking() -> None:
+    """``CUDA_LAUNCH_BLOCKING=1``: every kernel launch waits for the kernel, so a CUDA error is
+    raised at the line that caused it (CUDA reads this when it starts, so set it before)."""
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+
+
 def cuda_visible_devices() -> str | None:
     """``CUDA_VISIBLE_DEVICES`` as set (possibly empty), or None when unset."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -24,3 +27,25 @@ def format_bytes(n: int | float | None) -> str:
             return f"{text} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def explained(what: str, why: str, fixes: Sequence[str]) -> str:
+    """An error message: what happened on the first line, then why and the numbered fixes,
+    wrapped below it (the layout of gpukit's readable errors).
+
+    >>> print(explained("it broke", "a reason", ["do this"]))
+    it broke
+      why: a reason
+      fix:
+      1. do this
+    """
+
+    def wrap(text: str, first: str, rest: str) -> list[str]:
+        return textwrap.wrap(
+            text, 96, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False
+        )
+
+    lines = [what, *wrap(f"why: {why}", "  ", "       "), "  fix:"]
+    for i, fix in enumerate(fixes, 1):
+        lines += wrap(f"{i}. {fix}", "  ", "     ")
+    return "\n".join(lines)

@@ -53,3 +53,31 @@ class ConfigError(GpukitError, ValueError):
 class OutOfMemory(GpukitError):
     """A device ran out of memory; the message explains it in numbers and ranks the remedies
     (see ``gpukit.explain``). The original ``torch.OutOfMemoryError`` is its ``__cause__``."""
+
+
+# Translations of raw torch/CUDA/NCCL errors (see gpukit.translate). They are RuntimeErrors as
+# well, so code that already catches torch's RuntimeError keeps working after translation.
+
+
+class CrossDeviceError(GpukitError, RuntimeError):
+    """One op got tensors on different devices; the message names them and where to move them."""
+
+
+class DeviceAssertError(GpukitError, RuntimeError):
+    """A CUDA kernel failed a device-side assertion (bad class targets, an index out of range)."""
+
+
+class CudnnError(GpukitError, RuntimeError):
+    """cuDNN failed: a status such as CUDNN_STATUS_NOT_INITIALIZED, or a version mismatch."""
+
+
+class NoKernelImageError(GpukitError, RuntimeError):
+    """The GPU's architecture is not among those this torch build was compiled for."""
+
+
+class DriverTooOldError(GpukitError, RuntimeError):
+    """The NVIDIA driver is older than the CUDA version this torch build needs."""
+
+
+class DistributedError(GpukitError, RuntimeError):
+    """A collective failed or timed out in NCCL or gloo, usually because another rank did."""

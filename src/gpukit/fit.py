@@ -54,6 +54,8 @@ class TrainConfig:
     seed: int = 0
     out: str | None = None
     resume: bool = False
+    progress: bool = True  # the progress bar on rank 0 (off when stdout carries JSON)
+    sample: bool = True  # generate text at the end, for workloads that can
 
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         total = min(total, config.max_steps)
     global_batch = per_rank * rt.world_size * rt.accumulate
     first_step, start = rt.global_step, time.perf_counter()
-    with _progress(rt, total) as bar:
+    with _progress(rt, total, config.progress) as bar:
         while rt.global_step < total:
             for batch in loader:
                 loss = rt.train_step(optimizer, batch, compute_loss)
@@ -108,7 +110,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     if not rt.is_global_zero:
         return {}
     metrics = _metrics(rt, config, workload, samples_per_s, seconds, memory, global_batch)
-    if workload.sample is not None:
+    if workload.sample is not None and config.sample:
         metrics["sample"] = workload.sample(rt.unwrap(model), rt.device.torch)
     if config.out:
         write_outputs(Path(config.out), metrics, rt.history)
@@ -259,8 +261,8 @@ class _Bar:
             self.progress.stop()
 
 
-def _progress(rt: Runtime, total: int) -> _Bar:
-    if not rt.is_global_zero:
+def _progress(rt: Runtime, total: int, shown: bool) -> _Bar:
+    if not rt.is_global_zero or not shown:
         return _Bar(None, total)
     progress = Progress(
         TextColumn("[bold]{task.description}"),

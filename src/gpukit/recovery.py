@@ -27,6 +27,7 @@ import torch
 from gpukit._batch import batch_size, chunk_sizes, split
 from gpukit.errors import ConfigError
 from gpukit.oom import injected_oom, is_oom
+from gpukit.translate import reraise_readable
 
 if TYPE_CHECKING:
     from gpukit.runtime import Runtime
@@ -131,7 +132,7 @@ def _attempt(
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
     except Exception as err:
         if not is_oom(err):
-            raise
+            reraise_readable(err)  # a known CUDA/NCCL error in words, anything else as it was
         if rt.oom != "recover":
             raise rt.out_of_memory(err, size) from err
         # Only the message leaves this block: the exception's traceback holds the frames, and

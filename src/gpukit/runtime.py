@@ -41,6 +41,7 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.oom import explain, is_oom
 from gpukit.precision import make_precision
 from gpukit.strategies import ReduceOp, Strategy, make_strategy
+from gpukit.translate import reraise_readable
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
 
@@ -188,8 +189,11 @@ class Runtime:
         """The loss function as the strategy computes it: itself for single, ddp and dp; on
         every device for dp-balanced, where ``reduction`` (default: the loss module's own, else
         "mean") says how to combine the per-device losses. Called the same way everywhere:
-        ``criterion(model(x), y)``."""
-        return self.strategy.setup_criterion(fn, reduction)
+        ``criterion(model(x), y)``. Its first call checks that class targets lie in
+        ``[0, num_classes)`` (a readable error here, a device-side assert on a GPU later)."""
+        from gpukit.targets import CheckedCriterion
+
+        return CheckedCriterion(self.strategy.setup_criterion(fn, reduction))
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's model inside what ``setup`` returned."""
@@ -233,7 +237,7 @@ class Runtime:
         except Exception as err:
             if is_oom(err):
                 raise self.out_of_memory(err) from err
-            raise
+            reraise_readable(err)
         self.micro_step += 1
         self._check_gradients_once()
 
@@ -300,7 +304,7 @@ class Runtime:
             # Not recoverable by smaller micro-batches: the optimizer state is what grew.
             if is_oom(err):
                 raise self.out_of_memory(err) from err
-            raise
+            reraise_readable(err)
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         self._sync_next_backward()

@@ -84,3 +84,15 @@ def test_unknown_subcommand_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])
     assert exit_info.value.code == 2
+
+
+def test_a_known_raw_error_is_shown_in_words_with_exit_code_one(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gpukit.cli import devices
+
+    def broken(args: object) -> int:
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(devices, "run", broken)
+    assert main(["devices"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpukit devices: ") and "kernel" in err and "Traceback" not in err

@@ -4,7 +4,9 @@ provides ``NAME``, ``register(subparsers)`` and ``run(args) -> exit code``.
 Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor check FAILed);
 2 bad input (a usage error or a GpukitError, printed in one or two lines without a traceback).
 Running out of device memory exits 1 with the explanation of ``gpukit.explain`` (the numbers of
-the message, and what to try first) instead of torch's bare message.
+the message, and what to try first) instead of torch's bare message; other errors gpukit knows
+(tensors on different devices, device-side asserts, cuDNN, missing kernels, an old driver, NCCL
+and gloo failures) exit 1 with what happened, why, and the fix.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import bench, devices, doctor, launch, train
+from gpukit.cli import bench, devices, doctor, launch, trace, train
 from gpukit.errors import GpukitError, OutOfMemory
 from gpukit.oom import explain, is_oom
+from gpukit.translate import explain_error
 
-COMMANDS = (doctor, devices, train, launch, bench)
+COMMANDS = (doctor, devices, train, launch, trace, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as err:
-        if not is_oom(err):
+        # Known raw errors (out of memory, CUDA, cuDNN, NCCL) are shown in words; others keep
+        # their traceback, which is then the most useful thing to show.
+        readable = explain(err) if is_oom(err) else explain_error(err)
+        if readable is None:
             raise
-        print(f"gpukit {args.command}: {explain(err)}", file=sys.stderr)
+        print(f"gpukit {args.command}: {readable}", file=sys.stderr)
         return 1
 
 

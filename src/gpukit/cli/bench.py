@@ -7,6 +7,9 @@ Experiments:
                one thread; every variant warms up, then R interleaved rounds time N steps of
                each. Reports the median time per step and the median of the per-round ratios
                to plain, with the machine, the versions, the date and the command.
+    trace      what gk.trace() costs: N optimizer steps of a built-in workload's training loop
+               (gpukit train's; default gpt) on the best device, untraced and traced, in R
+               alternating rounds; the median time per step of each and the median ratio.
 
 A result meant to be kept goes under benchmarks/results/ with --out, which writes the same JSON
 that --json prints.
@@ -15,6 +18,7 @@ Example:
     gpukit bench overhead
     gpukit bench overhead --steps 500 --rounds 25 --out benchmarks/results/overhead-cpu.json
     gpukit bench overhead --json | python -c "import json,sys; print(json.load(sys.stdin))"
+    gpukit bench trace --workload gpt --steps 20 --rounds 5
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ NAME = "bench"
 
 def register(sub: Any) -> None:
     parser = add_command(
-        sub, NAME, "run a benchmark: wrapper overhead per training step (more to come)", __doc__
+        sub, NAME, "run a benchmark: wrapper overhead per step, the cost of tracing", __doc__
     )
     experiments = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     overhead = add_command(
@@ -54,6 +58,14 @@ def register(sub: Any) -> None:
     overhead.add_argument(
         "--out", type=Path, metavar="FILE", help="also write the JSON result to FILE"
     )
+    traced = add_command(
+        experiments, "trace", "cost of gk.trace() on a training loop (traced / untraced)", __doc__
+    )
+    add_json_flag(traced)
+    traced.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    traced.add_argument("--steps", type=int, default=20, metavar="N", help="steps per round (20)")
+    traced.add_argument("--rounds", type=int, default=5, metavar="R", help="rounds (default 5)")
+    traced.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON to FILE")
     parser.set_defaults(run=run)
 
 
@@ -61,27 +73,47 @@ def run(args: argparse.Namespace) -> int:
     return _EXPERIMENTS[args.experiment](args)
 
 
-def _overhead(args: argparse.Namespace) -> int:
-    # Checked before the run, so that a mistake costs no minute of measuring.
+def _check(args: argparse.Namespace) -> Path | None:
+    """Checked before the run, so that a mistake costs no minute of measuring."""
     for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: give a whole number of at least 1")
     out: Path | None = args.out
     if out is not None and not out.parent.is_dir():
         raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it first")
-    # On stderr, and only on a terminal, so that --json output stays clean for a pipe.
-    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
-        result = run_overhead(steps=args.steps, rounds=args.rounds)
-    data = result.to_dict()
+    return out
+
+
+def _show(data: dict[str, Any], table: Any, args: argparse.Namespace, out: Path | None) -> None:
     if out is not None:
         out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     if args.json:
         print_json(data)
     else:
-        console().print(result.table())
+        console().print(table)
         if out is not None:
             console().print(f"wrote {out}")
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from gpukit.bench.trace_cost import run_trace_cost, table
+    from gpukit.workloads import load_workload
+
+    out = _check(args)
+    load_workload(args.workload)  # an unknown name fails now, not after the warm-up
+    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
+        result = run_trace_cost(args.workload, steps=args.steps, rounds=args.rounds)
+    _show(result, table(result), args, out)
     return 0
 
 
-_EXPERIMENTS = {"overhead": _overhead}
+def _overhead(args: argparse.Namespace) -> int:
+    out = _check(args)
+    # On stderr, and only on a terminal, so that --json output stays clean for a pipe.
+    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
+        result = run_overhead(steps=args.steps, rounds=args.rounds)
+    _show(result.to_dict(), result.table(), args, out)
+    return 0
+
+
+_EXPERIMENTS = {"overhead": _overhead, "trace": _trace}

@@ -1,0 +1,148 @@
+"""gpukit trace: run a script, or a built-in workload's training loop, under the trace.
+
+Records every copy between host and device (count, bytes, pinned or not, blocking or not) and
+every point where the host waits for the device (.item(), .tolist(), bool(t), print(t),
+nonzero, boolean-mask indexing, synchronize), each with the source line that caused it and how
+often, and counts the ops that ran on each device. Prints the findings ranked by estimated cost,
+each with its fix, then the placement summary (ops per device and per module, ops that ran on
+the CPU while the model is on a GPU, ops whose inputs mixed devices); --json prints the trace as
+data. On a machine without a GPU the host reads that
+would synchronise on a GPU are reported too, marked as such.
+
+A script runs in this process as `python script.py args...` would run it (its own arguments
+follow its name). --workload NAME instead traces --steps optimizer steps of gpukit train's loop
+on one device. --blocking sets CUDA_LAUNCH_BLOCKING=1 first, so that a CUDA error is reported
+at the line that caused it, not at a later one; an error is shown after the trace, in words.
+
+Example:
+    gpukit trace train.py --epochs 1
+    gpukit trace --workload gpt --steps 20
+    gpukit trace --json --workload mlp
+    gpukit trace --blocking train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpukit import _env
+from gpukit.cli._common import add_command, add_json_flag, console, print_json
+from gpukit.errors import ConfigError, GpukitError
+
+NAME = "trace"
+
+
+def register(sub: Any) -> None:
+    parser = add_command(
+        sub, NAME, "find hidden host-device copies and synchronisations, with source lines", __doc__
+    )
+    add_json_flag(parser)
+    parser.add_argument(
+        "--blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1: errors at the right line"
+    )
+    parser.add_argument("--workload", help="trace gpukit train's loop on mlp, cnn, gpt or yours")
+    parser.add_argument(
+        "--steps", type=int, default=20, metavar="N", help="optimizer steps of --workload (20)"
+    )
+    parser.add_argument("script", nargs="?", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    target = _check(args)
+    if args.blocking:
+        _env.set_cuda_launch_blocking()
+    from gpukit.placement_log import log_placement
+    from gpukit.trace import trace
+
+    failure: BaseException | None = None
+    exit_code = 0
+    # The placement log only aggregates per module (no record per op): its summary says which
+    # ops ran on the CPU while the model is on a GPU, and which ops mixed devices.
+    with trace() as t, log_placement(level="module") as placement:
+        try:
+            if isinstance(target, Path):
+                exit_code = _run_script(target, args.args)
+            else:
+                _run_workload(target, args.steps)
+        except Exception as err:  # shown after the trace, which is the point of running this
+            failure = err
+    if args.json:
+        print_json(t.to_dict())
+    else:
+        out = console()
+        out.print(t.report(), markup=False, highlight=False)
+        out.print(str(placement.summary()), markup=False, highlight=False)
+    if failure is not None:
+        _report_failure(failure)
+        return 1
+    return exit_code
+
+
+def _check(args: argparse.Namespace) -> Path | str:
+    """The script's path or the workload's name; one of them, never both."""
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give a whole number of at least 1")
+    if args.workload and args.script:
+        raise ConfigError(
+            f"both --workload {args.workload} and the script {args.script} were given: "
+            "trace one of them"
+        )
+    if args.workload:
+        from gpukit.workloads import load_workload
+
+        load_workload(args.workload)  # an unknown name fails here, before anything runs
+        return str(args.workload)
+    if not args.script:
+        raise ConfigError(
+            "nothing to trace: give a script (gpukit trace train.py ARGS) or a built-in "
+            "workload (gpukit trace --workload gpt)"
+        )
+    path = Path(args.script)
+    if not path.is_file():
+        raise ConfigError(f"script {args.script!r} not found (from {Path.cwd()})")
+    return path
+
+
+def _run_script(path: Path, script_args: list[str]) -> int:
+    """``python path args...`` in this process: __main__, sys.argv and sys.path[0] as Python
+    sets them; the script's sys.exit code becomes ours."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *script_args]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+def _run_workload(name: str, steps: int) -> None:
+    from gpukit.fit import TrainConfig, fit
+    from gpukit.runtime import Runtime
+
+    rt = Runtime(seed=0, oom="recover")
+    try:
+        fit(rt, TrainConfig(workload=name, max_steps=steps, progress=False, sample=False))
+    finally:
+        rt.teardown()
+
+
+def _report_failure(err: BaseException) -> None:
+    from gpukit.oom import explain, is_oom
+    from gpukit.translate import explain_error
+
+    if is_oom(err):
+        text = str(explain(err))
+    else:
+        readable = err if isinstance(err, GpukitError) else explain_error(err)
+        text = str(readable) if readable is not None else f"{type(err).__name__}: {err}"
+    print(f"gpukit trace: the traced program failed: {text}", file=sys.stderr)

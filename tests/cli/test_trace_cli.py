@@ -1,0 +1,124 @@
+"""gpukit trace: scripts and workloads under the trace, JSON schema, failures, bad requests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpukit.cli.__main__ import main
+
+SCRIPT = """\
+import torch
+x = torch.ones(4)
+for _ in range(3):
+    value = x.sum().item()
+values = x.tolist()
+if x.sum():
+    pass
+if x.mean():
+    pass
+print(x)
+"""
+
+
+def _script(tmp_path: Path, text: str = SCRIPT) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return path
+
+
+def test_json_of_a_script_matches_the_schema_with_lines_and_counts(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["trace", "--json", str(_script(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{") :])  # the script's own print comes first
+    assert set(data) == {"transfers", "syncs", "ops_per_device"}
+    assert data["transfers"] == [] and data["ops_per_device"]["cpu"] > 0
+    found = {(s["op"], s["line"]): s["count"] for s in data["syncs"]}
+    assert found == {
+        ("item", 4): 3,
+        ("tolist", 5): 1,
+        ("bool", 6): 1,
+        ("bool", 8): 1,
+        ("print", 10): 1,
+    }
+    for sync in data["syncs"]:
+        assert sync["file"].endswith("train.py") and sync["function"] == "<module>"
+        assert isinstance(sync["count"], int) and isinstance(sync["line"], int)
+
+
+def test_the_report_names_the_line_and_the_fix(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["trace", str(_script(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "train.py:4" in out and "rt.log(loss=loss)" in out and "[potential]" in out
+    assert "Placement log" in out
+
+
+def test_the_scripts_arguments_and_exit_code_pass_through(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(tmp_path, "import sys\nprint(sys.argv[1:])\nsys.exit(3)\n")
+    assert main(["trace", str(script), "--epochs", "2"]) == 3
+    assert "['--epochs', '2']" in capsys.readouterr().out
+
+
+def test_a_failing_script_still_shows_the_trace_then_the_error_in_words(
+    tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    script = _script(
+        tmp_path,
+        "import torch\ntorch.ones(2).sum().item()\n"
+        "raise RuntimeError('CUDA error: device-side assert triggered')\n",
+    )
+    assert main(["trace", str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "train.py:2" in captured.out
+    assert "the traced program failed" in captured.err and "--blocking" in captured.err
+
+
+def test_blocking_sets_cuda_launch_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    script = _script(tmp_path, "import os\nassert os.environ['CUDA_LAUNCH_BLOCKING'] == '1'\n")
+    assert main(["trace", "--blocking", str(script)]) == 0
+    assert os.environ["CUDA_LAUNCH_BLOCKING"] == "1"
+
+
+def test_a_workload_trace_is_json_too(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["trace", "--json", "--workload", "mlp", "--steps", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"transfers", "syncs", "ops_per_device"}
+
+
+def test_gpukit_train_reads_back_only_at_its_logging_interval() -> None:
+    import gpukit as gk
+    from gpukit.fit import TrainConfig, fit
+
+    rt = gk.Runtime(devices="cpu", seed=0, log_every=5, oom="recover")
+    config = TrainConfig(workload="mlp", max_steps=20, progress=False, sample=False)
+    with gk.trace() as t:
+        fit(rt, config)
+    fit_syncs = [s for s in t.syncs if s.file.endswith("fit.py")]
+    by_line = {s.line: s for s in fit_syncs}
+    # Once for the target check before the first step, and 20 / 5 = 4 log read-backs (the
+    # final flush finds nothing left to read). Nothing once per step.
+    assert sorted(s.count for s in fit_syncs) == [1, 4], by_line
+    assert all(s.op == "tolist" for s in fit_syncs)
+    assert sum(s.count for s in t.syncs) == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "nothing to trace"),
+        (["--workload", "mlp", "x.py"], "trace one of them"),
+        (["missing.py"], "script 'missing.py' not found"),
+        (["--steps", "0", "--workload", "mlp"], "--steps 0"),
+        (["--workload", "nosuch"], "nosuch"),
+    ],
+)
+def test_bad_requests_are_one_line_errors(args: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["trace", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
