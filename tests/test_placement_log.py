@@ -304,3 +304,26 @@ def test_unwritable_path_and_bad_model_are_config_errors(tmp_path: Path) -> None
     assert hook_counts() == before
     with pytest.raises(ConfigError, match=r"nn\.Module"):
         log_placement(model="encoder")  # type: ignore[arg-type]
+
+
+def test_a_forked_child_writes_nothing_to_the_log(tmp_path: Path) -> None:
+    import multiprocessing
+
+    path = tmp_path / "ops.txt"
+    ctx = multiprocessing.get_context("fork")
+    model = nn.Linear(3, 2)
+    with log_placement(path, level="op") as log:
+        model(torch.ones(1, 3))
+        # Enough ops to fill the inherited file buffer, which the child would then write out.
+        child = ctx.Process(target=lambda: [model(torch.ones(1, 3)) for _ in range(500)])
+        child.start()
+        child.join(30)
+    assert child.exitcode == 0
+    assert len(path.read_text().splitlines()) == len(log.records)
+
+
+def test_ops_without_tensors_are_not_counted() -> None:
+    with log_placement() as log, torch.profiler.record_function("marker"):
+        torch.ones(2).sum()
+    assert all(r.inputs or r.outputs for r in log.records)
+    assert "-" not in log.summary().to_dict()["ops"]

@@ -230,14 +230,49 @@ def test_patches_are_restored_exactly_after_the_block_and_after_an_error() -> No
     assert t.syncs[0].count == 1
 
 
-def test_traces_do_not_nest_but_the_outer_one_keeps_working() -> None:
+def test_a_nested_trace_sees_its_part_and_the_outer_one_everything() -> None:
     before = own_attributes()
     with trace() as outer:
-        with pytest.raises(ConfigError, match="already active"), trace():
+        torch.ones(1).item()
+        with trace() as inner:
+            torch.ones(1).tolist()
+        with pytest.raises(ConfigError, match="already active"), inner, inner:
             pass
         torch.ones(1).item()
     assert own_attributes() == before
-    assert [s.count for s in outer.syncs] == [1]
+    assert sorted(s.op for s in outer.syncs) == ["item", "item", "tolist"]
+    assert [s.op for s in inner.syncs] == ["tolist"] and inner.ops_per_device["cpu"] >= 1
+
+
+def test_numpy_data_moved_at_creation_is_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    with trace() as t:
+        torch.tensor(np.ones(4, dtype=np.float32), device="meta")
+        torch.as_tensor(np.ones(4, dtype=np.float32), device="meta")
+        torch.tensor([1.0, 2.0], device="meta")
+    assert sum(x.count for x in t.transfers) == 3
+
+
+def test_a_forked_child_records_nothing() -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    counted = ctx.Queue()
+
+    def child_work() -> None:  # ops the child's inherited trace would count
+        before = sum(t._ops.values())
+        torch.ones(3).sum()
+        counted.put(sum(t._ops.values()) - before)
+
+    with trace() as t:
+        child = ctx.Process(target=child_work)
+        child.start()
+        assert counted.get(timeout=30) == 0
+        child.join(30)
+        torch.ones(3).sum()  # the parent still counts
+    assert child.exitcode == 0 and t.ops_per_device["cpu"] >= 2
 
 
 def test_a_trace_records_only_its_own_thread() -> None:

@@ -91,6 +91,10 @@ class OpRecord(NamedTuple):
         )
 
 
+_pid = [os.getpid()]  # this process's id, kept current in forked children (see _Mode)
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
 @dataclass
 class ModuleStats:
     """Per module (level="module"): calls, own ops per device, devices of inputs and outputs."""
@@ -190,6 +194,7 @@ class PlacementLog:
         self._op_names: dict[Any, str] = {}
         self._stack: list[_Frame] = []
         self._thread = 0
+        self._pid = 0
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
         self._out: TextIO | None = None
@@ -209,6 +214,7 @@ class PlacementLog:
         elif self._file is not None:
             self._out = self._file
         self._thread = threading.get_ident()
+        self._pid = os.getpid()
         if self._model is not None:
             self._names = {id(m): name or ROOT for name, m in self._model.named_modules()}
         try:
@@ -295,7 +301,7 @@ class PlacementLog:
         )
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or self._pid != _pid[0]:
             return
         key = id(module)
         if key not in self._seen:  # parameters counted once: hooks run on every call
@@ -312,7 +318,7 @@ class PlacementLog:
         self._stack.append(_Frame(key, name, stats, inputs))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread or self._pid != _pid[0]:
             return
         key, stack = id(module), self._stack
         for i in range(len(stack) - 1, -1, -1):
@@ -343,6 +349,8 @@ class PlacementLog:
             op = self._op_names[func] = getattr(getattr(func, "_schema", None), "name", str(func))
         inputs = _specs(args) + _specs(tuple(kwargs.values())) if kwargs else _specs(args)
         outputs = _specs(out)
+        if not inputs and not outputs:
+            return  # no tensor in or out (the profiler's record_function marks): no placement
         frame = None
         if _current_node() is not None:  # autograd is running a backward node
             module = BACKWARD
@@ -377,6 +385,10 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.log._pid != _pid[0]:
+            # A process forked inside the block (a DataLoader worker) inherits the mode; its
+            # lines would interleave with ours in the same file.
+            return func(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except BaseException:

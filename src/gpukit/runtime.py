@@ -189,11 +189,12 @@ class Runtime:
         """The loss function as the strategy computes it: itself for single, ddp and dp; on
         every device for dp-balanced, where ``reduction`` (default: the loss module's own, else
         "mean") says how to combine the per-device losses. Called the same way everywhere:
-        ``criterion(model(x), y)``. Its first call checks that class targets lie in
-        ``[0, num_classes)`` (a readable error here, a device-side assert on a GPU later)."""
-        from gpukit.targets import CheckedCriterion
+        ``criterion(model(x), y)``. For cross-entropy and NLL losses, the first call checks
+        that the class targets lie in ``[0, num_classes)`` (a readable error here, rather than
+        a device-side assert on a GPU); the loss module itself is returned unchanged."""
+        from gpukit.targets import with_target_check
 
-        return CheckedCriterion(self.strategy.setup_criterion(fn, reduction))
+        return with_target_check(fn, self.strategy.setup_criterion(fn, reduction))
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's model inside what ``setup`` returned."""

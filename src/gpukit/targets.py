@@ -7,6 +7,7 @@ not a device-side assert that leaves CUDA unusable.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -59,12 +60,15 @@ def check_targets(outputs: Any, targets: Any, *, ignore_index: int = -100) -> No
     if targets.device.type == "meta":
         return
     classes = _class_count(outputs, targets)
-    if classes is None or classes < 1:
-        return
+    if classes is None or classes < 2:
+        return  # one output: a binary or regression head, not class indices
     t = targets.detach().long()
     bad = ((t < 0) | (t >= classes)) & (t != ignore_index)
     kept = torch.where(bad, t, torch.zeros_like(t))
-    count, low, high = torch.stack([bad.sum(), kept.min(), kept.max()]).tolist()
+    from gpukit.trace import untraced  # this one read is gpukit's own, not the user's line's
+
+    with untraced():
+        count, low, high = torch.stack([bad.sum(), kept.min(), kept.max()]).tolist()
     if count == 0:
         return
     # kept holds 0 where a target is fine, so low < 0 and high >= classes only for bad ones.
@@ -90,23 +94,52 @@ def check_targets(outputs: Any, targets: Any, *, ignore_index: int = -100) -> No
     raise ConfigError(_say(what, why, fixes))
 
 
-class CheckedCriterion:
-    """A loss function whose first call checks the targets (see :func:`check_targets`); later
-    calls go straight through. ``ignore_index`` is taken from the loss when it has one.
+# Losses whose integer targets index classes: on a GPU a target out of range is a device-side
+# assert. Other losses (binary, regression, the user's own functions) are never checked.
+_CLASS_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+_CLASS_FUNCTIONS = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 
-    >>> crit = CheckedCriterion(torch.nn.CrossEntropyLoss())
-    >>> float(crit(torch.zeros(2, 3), torch.tensor([0, 2]))) > 0
+
+def with_target_check(loss: Any, criterion: Any) -> Any:
+    """``criterion`` (what the strategy made of ``loss``) with a check of the targets on its
+    first call, when ``loss`` is a class-index loss: ``nn.CrossEntropyLoss``/``nn.NLLLoss``
+    or ``F.cross_entropy``/``F.nll_loss``, also through ``functools.partial``. A loss module
+    that is its own criterion gets a forward pre-hook that removes itself (the module comes
+    back as it was); otherwise a wrapper checks the whole batch's outputs and targets (under
+    dp-balanced, before they are cut), with ``ignore_index`` from the loss, the partial or the
+    call. Anything else comes back as is.
+
+    >>> ce = torch.nn.CrossEntropyLoss()
+    >>> with_target_check(ce, ce) is ce
     True
     """
+    if isinstance(loss, _CLASS_LOSSES):
+        if criterion is loss:
+            _check_on_first_forward(loss)
+            return criterion
+        bound = {"ignore_index": loss.ignore_index}
+    else:
+        target = getattr(loss, "func", loss)  # functools.partial(F.cross_entropy, ...)
+        if not any(target is f for f in _CLASS_FUNCTIONS):
+            return criterion
+        bound = dict(getattr(loss, "keywords", None) or {})
+    checked = [False]
 
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        bound = getattr(fn, "keywords", None) or {}  # functools.partial(F.cross_entropy, ...)
-        self.ignore_index = int(getattr(fn, "ignore_index", bound.get("ignore_index", -100)))
-        self.checked = False
+    @functools.wraps(criterion)
+    def first_call_checked(outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> Any:
+        if not checked[0]:
+            checked[0] = True
+            ignore = kwargs.get("ignore_index", bound.get("ignore_index", -100))
+            check_targets(outputs, targets, ignore_index=int(ignore))
+        return criterion(outputs, targets, *args, **kwargs)
 
-    def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.checked:
-            self.checked = True
-            check_targets(outputs, targets, ignore_index=self.ignore_index)
-        return self.fn(outputs, targets, *args, **kwargs)
+    return first_call_checked
+
+
+def _check_on_first_forward(loss: torch.nn.Module) -> None:
+    def check(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        handle.remove()
+        if len(args) >= 2:
+            check_targets(args[0], args[1], ignore_index=int(getattr(module, "ignore_index", -100)))
+
+    handle = loss.register_forward_pre_hook(check, with_kwargs=True)

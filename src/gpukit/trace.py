@@ -31,7 +31,8 @@ not under gpukit's (except ``gpukit/fit.py`` and ``gpukit/workloads/``: the loop
 Not reported: copies to or from the ``meta`` device (no data moves; tests treat it as a device
 through ``_IGNORED_DEVICE_TYPES``), and reads of CPU tensors by ``torch.optim`` (step counters)
 and ``torch.utils.data`` (samplers' random numbers), which stay on the CPU on GPU runs too.
-Traces do not nest.
+A trace entered inside another (in the same thread) sees what the outer one sees while it is
+active; a process forked during a trace (a DataLoader worker) records nothing.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ class _State(threading.local):
 
 _state = _State()
 
+# A process forked while a trace is active (a DataLoader worker) inherits the mode; it must
+# only pass ops through there: its records would be lost, and cost every op.
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
 
 class Trace:
     """What :func:`trace` recorded. Entering it again adds to the same counts."""
@@ -112,6 +118,8 @@ class Trace:
         self._syncs: dict[tuple[Any, ...], int] = {}
         self._ops: defaultdict[torch.device, int] = defaultdict(int)
         self._active: contextlib.ExitStack | None = None
+        self._inner: list[Trace] = []  # traces entered inside this one: they see the same
+        self._outer: Trace | None = None
 
     @property
     def transfers(self) -> list[Transfer]:
@@ -120,8 +128,13 @@ class Trace:
 
     @property
     def syncs(self) -> list[Sync]:
-        """One per (op, source line, device), in order of first use."""
-        return [Sync(k[0], c, *k[1:]) for k, c in self._syncs.items()]
+        """One per (op, source line, device), in order of first use. Reads of CPU tensors are
+        kept as potential synchronisations only while no op ran on an accelerator: on a GPU
+        run they are what they are, host work."""
+        found = [Sync(k[0], c, *k[1:]) for k, c in self._syncs.items()]
+        if any(d.type not in (_HOST, "meta") for d in self._ops):
+            found = [s for s in found if s.synchronised]
+        return found
 
     @property
     def ops_per_device(self) -> dict[str, int]:
@@ -156,12 +169,15 @@ class Trace:
         return render(self.ops_per_device, self.transfers, self.syncs)
 
     def __enter__(self) -> Trace:
-        if _state.tracer is not None:
-            raise ConfigError(
-                "gk.trace() is already active in this thread, and traces do not nest (one "
-                "per thread at a time): trace the whole block once, or end the outer trace "
-                "before starting another"
-            )
+        if self._active is not None or self._outer is not None:
+            raise ConfigError("this gk.trace() is already active: enter a new gk.trace()")
+        outer = _state.tracer
+        if outer is not None:
+            # Inside another trace (a script traced by `gpukit trace` that traces a part of
+            # itself): both see what happens here, through the outer trace's mode.
+            self._outer = outer
+            outer._inner.append(self)
+            return self
         with contextlib.ExitStack() as stack:  # undoes the patches if the mode fails to start
             stack.enter_context(_patched())
             stack.enter_context(_Mode(self))
@@ -170,6 +186,10 @@ class Trace:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        outer, self._outer = self._outer, None
+        if outer is not None:
+            outer._inner.remove(self)
+            return
         active, self._active = self._active, None
         if active is not None:
             _state.tracer = None
@@ -183,9 +203,10 @@ class Trace:
             return
         where, _ = _user_frame()
         key = (kind, *where, pinned and kind != "d2d", blocking, str(src), str(dst))
-        entry = self._transfers.setdefault(key, [0, 0])
-        entry[0] += 1
-        entry[1] += nbytes
+        for tracer in (self, *self._inner):
+            entry = tracer._transfers.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
         if kind == "d2h" and blocking:  # the host waits until the device's queue drains
             self._record_sync("d2h-copy", src, where)
 
@@ -196,7 +217,26 @@ class Trace:
             if on_host and host_side:
                 return  # torch's own host-side bookkeeping: on the CPU on GPU runs too
         key = (op, *where, str(device), not on_host)
-        self._syncs[key] = self._syncs.get(key, 0) + 1
+        for tracer in (self, *self._inner):
+            tracer._syncs[key] = tracer._syncs.get(key, 0) + 1
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Record nothing of what runs inside (gpukit's own one-time reads), in this thread.
+
+    >>> import torch
+    >>> with trace() as t:
+    ...     with untraced():
+    ...         _ = torch.ones(1).item()
+    >>> t.syncs
+    []
+    """
+    busy, _state.busy = _state.busy, True
+    try:
+        yield
+    finally:
+        _state.busy = busy
 
 
 def trace() -> Trace:
@@ -239,17 +279,22 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.tracer = tracer
         self.ops = tracer._ops
+        self.pid = _pid[0]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         # Run for every op: no frame walk, no strings; one device lookup and two dict lookups.
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if self.pid != _pid[0]:
+            return out  # a forked child (see _pid)
         first = args[0] if args else out
         if not isinstance(first, torch.Tensor):
             first = _first_tensor(args, out)
         if first is not None:
             self.ops[first.device] += 1
+            for inner in self.tracer._inner:
+                inner._ops[first.device] += 1
         handler = _WATCHED.get(func)
         if handler is not None and not _state.busy:
             handler(self.tracer, args, kwargs or {}, out)
@@ -405,12 +450,18 @@ def _creation(original: Callable[..., Any]) -> Any:
     """``torch.tensor(list, device=...)`` copies without reaching the dispatcher's Python key."""
 
     def wrapper(data: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(data, *args, **kwargs)
+        # The copy of a tensor or an array does reach the dispatcher, a list's does not: the
+        # wrapper counts every kind once, and the dispatcher's sight of it is muted.
+        busy, _state.busy = _state.busy, True
+        try:
+            out = original(data, *args, **kwargs)
+        finally:
+            _state.busy = busy
         tracer = _state.tracer
-        # A tensor's copy does reach the dispatcher: counting it here would count it twice.
-        if tracer is not None and not _state.busy and not isinstance(data, torch.Tensor):
-            host = torch.device(_HOST)
-            tracer._record_transfer(host, out.device, out.nbytes, False, True)
+        if tracer is not None and not busy:
+            src = data.device if isinstance(data, torch.Tensor) else torch.device(_HOST)
+            pinned = isinstance(data, torch.Tensor) and _pinned(data)
+            tracer._record_transfer(src, out.device, out.nbytes, pinned, True)
         return out
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]

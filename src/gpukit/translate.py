@@ -293,6 +293,11 @@ def explain_error(err: BaseException) -> GpukitError | None:
         return None  # KeyboardInterrupt, SystemExit: never a torch failure to explain
     if oom.is_oom(err):
         return OutOfMemory(str(oom.explain(err)))
+    if not isinstance(err, (RuntimeError, IndexError)):
+        # torch raises these failures as RuntimeError (DistBackendError, AcceleratorError are
+        # ones) or, for indices on the wrong device, IndexError; an OSError that merely
+        # mentions a reset connection is the network's business, not a collective's.
+        return None
     text = str(err)[:_LIMIT]
     for rule in _RULES:
         readable = rule(text, err)

@@ -101,11 +101,17 @@ def test_gpukit_train_reads_back_only_at_its_logging_interval() -> None:
         fit(rt, config)
     fit_syncs = [s for s in t.syncs if s.file.endswith("fit.py")]
     by_line = {s.line: s for s in fit_syncs}
-    # Once for the target check before the first step, and 20 / 5 = 4 log read-backs (the
-    # final flush finds nothing left to read). Nothing once per step.
-    assert sorted(s.count for s in fit_syncs) == [1, 4], by_line
-    assert all(s.op == "tolist" for s in fit_syncs)
-    assert sum(s.count for s in t.syncs) == 5
+    # 20 / 5 = 4 log read-backs (the final flush finds nothing left to read; the check of the
+    # targets before the first step is gpukit's own read, not shown). Nothing once per step.
+    assert [s.count for s in fit_syncs] == [4], by_line
+    assert fit_syncs[0].op == "tolist" and "rt.log" in linecache_line(fit_syncs[0])
+    assert sum(s.count for s in t.syncs) == 4
+
+
+def linecache_line(sync: object) -> str:
+    import linecache
+
+    return linecache.getline(sync.file, sync.line)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -122,3 +128,36 @@ def test_bad_requests_are_one_line_errors(args: list[str], message: str, capsys)
     assert main(["trace", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_an_unknown_error_keeps_its_traceback(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(tmp_path, "settings = {}\nprint(settings['missing'])\n")
+    assert main(["trace", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'missing'" in err and "train.py" in err
+
+
+def test_a_known_error_names_the_scripts_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(
+        tmp_path, "x = 1\nraise RuntimeError('CUDA error: no kernel image is available')\n"
+    )
+    assert main(["trace", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "train.py:2)" in err and "kernel" in err
+
+
+def test_sys_exit_with_a_message_prints_it(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(tmp_path, "import sys\nsys.exit('usage: train.py DATA')\n")
+    assert main(["trace", str(script)]) == 1
+    assert "usage: train.py DATA" in capsys.readouterr().err
+
+
+def test_a_script_that_traces_itself_runs_under_gpukit_trace(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(
+        tmp_path,
+        "import torch, gpukit as gk\nwith gk.trace() as t:\n    torch.ones(1).item()\n"
+        "assert [s.op for s in t.syncs] == ['item']\n",
+    )
+    assert main(["trace", "--json", str(script)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [s["op"] for s in data["syncs"]] == ["item"]

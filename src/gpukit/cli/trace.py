@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,10 @@ def _run_script(path: Path, script_args: list[str]) -> int:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as done:
         code = done.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
@@ -137,12 +141,27 @@ def _run_workload(name: str, steps: int) -> None:
 
 
 def _report_failure(err: BaseException) -> None:
+    """A known error in words, with the line of the script that raised it; anything else with
+    its whole traceback, as Python would show it."""
     from gpukit.oom import explain, is_oom
     from gpukit.translate import explain_error
 
     if is_oom(err):
-        text = str(explain(err))
+        readable: object = explain(err)
     else:
         readable = err if isinstance(err, GpukitError) else explain_error(err)
-        text = str(readable) if readable is not None else f"{type(err).__name__}: {err}"
-    print(f"gpukit trace: the traced program failed: {text}", file=sys.stderr)
+    if readable is None:
+        print("gpukit trace: the traced program failed:", file=sys.stderr)
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        return
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_file(f.filename)]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    print(f"gpukit trace: the traced program failed{where}: {readable}", file=sys.stderr)
+
+
+def _is_user_file(filename: str) -> bool:
+    import torch
+
+    own = (Path(torch.__file__).parent, Path(__file__).parents[1])
+    path = Path(filename).resolve()
+    return not any(path.is_relative_to(d.resolve()) for d in own)
