@@ -337,18 +337,19 @@ def test_attribution_skips_torch_and_optimizer_step_counters() -> None:
 def test_file_rules_for_attribution() -> None:
     gpukit_dir = Path(trace_module.__file__).resolve().parent
     torch_dir = Path(torch.__file__).resolve().parent
-    classify = trace_module._classify
-    assert classify(str(gpukit_dir / "fit.py")) == trace_module._USER
-    assert classify(str(gpukit_dir / "workloads" / "gpt.py")) == trace_module._USER
-    assert classify(str(gpukit_dir / "runtime.py")) == trace_module._GPUKIT
-    assert classify(str(torch_dir / "nn" / "modules" / "linear.py")) == trace_module._LIBRARY
-    assert classify(str(torch_dir / "optim" / "adamw.py")) == trace_module._HOST_SIDE
-    assert classify(threading.__file__) == trace_module._LIBRARY
-    assert classify(contextlib.__file__) == trace_module._LIBRARY
-    assert classify(logging.__file__) == trace_module._LIBRARY
-    assert classify(pytest.__file__) == trace_module._USER  # site-packages, not stdlib
-    assert classify("/home/me/train.py") == trace_module._USER
-    assert classify("<stdin>") == trace_module._USER
+    where = importlib.import_module("gpukit._trace_where")
+    classify = where._classify
+    assert classify(str(gpukit_dir / "fit.py")) == where._USER
+    assert classify(str(gpukit_dir / "workloads" / "gpt.py")) == where._USER
+    assert classify(str(gpukit_dir / "runtime.py")) == where._GPUKIT
+    assert classify(str(torch_dir / "nn" / "modules" / "linear.py")) == where._LIBRARY
+    assert classify(str(torch_dir / "optim" / "adamw.py")) == where._HOST_SIDE
+    assert classify(threading.__file__) == where._LIBRARY
+    assert classify(contextlib.__file__) == where._LIBRARY
+    assert classify(logging.__file__) == where._LIBRARY
+    assert classify(pytest.__file__) == where._USER  # site-packages, not stdlib
+    assert classify("/home/me/train.py") == where._USER
+    assert classify("<stdin>") == where._USER
 
 
 def test_a_tensor_logged_is_attributed_to_the_logging_call() -> None:
