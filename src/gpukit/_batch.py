@@ -16,6 +16,7 @@ chunk, as it would be seen by a model called once per chunk.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -105,10 +106,8 @@ def zip_structures(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any])
 def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     """A mapping of ``original``'s type holding ``items``; types whose constructor wants more
     than a dict (a defaultdict's factory) are copied and refilled; anything else is a dict."""
-    try:
+    with contextlib.suppress(TypeError):
         return type(original)(items)  # type: ignore[call-arg]
-    except TypeError:
-        pass
     if isinstance(original, MutableMapping):
         rebuilt = copy.copy(original)
         rebuilt.clear()

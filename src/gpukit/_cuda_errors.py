@@ -163,13 +163,11 @@ def _cuda_build() -> tuple[str | None, tuple[int, int] | None, list[str]]:
     name, capability, arches = None, None, []
     with contextlib.suppress(Exception):
         arches = list(torch.cuda.get_arch_list())
-    try:
+    with contextlib.suppress(Exception):
         if torch.cuda.is_available():
             index = torch.cuda.current_device()
             major, minor = torch.cuda.get_device_capability(index)
             capability, name = (major, minor), torch.cuda.get_device_name(index)
-    except Exception:
-        pass
     return name, capability, arches
 
 

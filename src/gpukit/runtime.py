@@ -21,6 +21,7 @@ loop runs on one CPU, one GPU, or one process per device under DDP.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import random
 from collections.abc import Callable, Sequence
@@ -256,18 +257,18 @@ class Runtime:
         from gpukit.memory import breakdown, report
 
         state_bytes = imbalance = None
-        try:
-            state_bytes = 0
+        # The explanation must never hide the error it explains: what cannot be read stays None.
+        with contextlib.suppress(Exception):
+            total = 0
             for i, module in enumerate(self._modules):
                 optimizer = self._optimizers[i] if i < len(self._optimizers) else None
                 parts = breakdown(self.unwrap(module), optimizer)
-                state_bytes += parts.parameters + parts.gradients + parts.optimizer_state
+                total += parts.parameters + parts.gradients + parts.optimizer_state
+            state_bytes = total
+        with contextlib.suppress(Exception):
             if len(self.strategy.devices) > 1 and self.world_size == 1:
-                imbalance = report(
-                    [d.torch for d in self.strategy.devices], all_ranks=False
-                ).imbalance
-        except Exception:  # the explanation must never hide the error it explains
-            pass
+                devices = [d.torch for d in self.strategy.devices]
+                imbalance = report(devices, all_ranks=False).imbalance
         explanation = explain(
             err,
             state_bytes=state_bytes,

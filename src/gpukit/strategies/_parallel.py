@@ -187,12 +187,11 @@ def _with_place(err: BaseException, i: int, device: torch.device) -> BaseExcepti
     catches the type (out of memory, say) still does; a type that cannot be rebuilt from a
     message gets a note instead."""
     place = f"replica {i} on {device}"
-    try:
+    renamed: BaseException | None = None
+    with contextlib.suppress(Exception):  # a constructor that wants more than a message
         renamed = type(err)(f"{place}: {err}")
-        if place in str(renamed):
-            return renamed
-    except Exception:
-        pass
+    if renamed is not None and place in str(renamed):
+        return renamed
     if hasattr(err, "add_note"):
         err.add_note(f"(raised in {place})")
     return err
