@@ -326,3 +326,9 @@ def test_the_split_found_is_kept_in_checkpoints(
     fresh.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
     fresh.load(tmp_path)  # type: ignore[arg-type]
     assert fresh.oom_split == 4
+
+
+def test_out_of_memory_is_still_caught_as_a_runtime_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "8")
+    with pytest.raises(RuntimeError, match="out of memory"):  # what plain-torch code catches
+        _train(gk.Runtime(devices="cpu", seed=0))

@@ -4,14 +4,14 @@ Other modules ask here, so the full list of variables lives in one file:
 
 - ``GPUKIT_DEVICE``: the device ``gk.device()`` returns when asked for the best one
   (any spelling ``gk.device`` accepts, e.g. ``cpu`` or ``/gpu:1``).
-- ``GPUKIT_FAULT_OOM_ABOVE``: fault injection for testing out-of-memory recovery: the
-  Runtime raises a real ``torch.OutOfMemoryError`` for every micro-batch of more than this
-  many samples.
+- ``GPUKIT_FAULT_OOM_ABOVE``: fault injection for testing out-of-memory recovery:
+  ``rt.train_step`` raises a real ``torch.OutOfMemoryError`` for every micro-batch of more
+  than this many samples.
 
-The CUDA variables that gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``,
-``CUDA_DEVICE_ORDER``) and the variables a launcher such as torchrun sets for each process
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``) are read here too.
+``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``. The CUDA variables that
+gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the
+variables a launcher such as torchrun sets for each process (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too.
 """
 
 from __future__ import annotations

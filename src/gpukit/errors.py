@@ -50,9 +50,10 @@ class ConfigError(GpukitError, ValueError):
     small for the ranks, a missing checkpoint, a port in use."""
 
 
-class OutOfMemory(GpukitError):
+class OutOfMemory(GpukitError, RuntimeError):
     """A device ran out of memory; the message explains it in numbers and ranks the remedies
-    (see ``gpukit.explain``). The original ``torch.OutOfMemoryError`` is its ``__cause__``."""
+    (see ``gpukit.explain``). The original ``torch.OutOfMemoryError`` is its ``__cause__``; like
+    it, this is a ``RuntimeError``, so ``except RuntimeError`` code keeps catching it."""
 
 
 # Translations of raw torch/CUDA/NCCL errors (see gpukit.translate). They are RuntimeErrors as
