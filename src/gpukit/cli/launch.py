@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,12 +136,26 @@ def launch(argv: list[str]) -> int:
         first = min(failures, key=lambda rank: failures[rank].timestamp)
         failure = failures[first]
         print(
-            f"gpukit launch: rank {first} failed with exit code {failure.exitcode} "
+            f"gpukit launch: rank {first} failed with exit code {describe_exit(failure.exitcode)} "
             f"({len(failures)} rank(s) failed); its output is above",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def describe_exit(code: int) -> str:
+    """``1`` stays ``1``; a negative code is a signal and gets its name: ``-6 (SIGABRT)``.
+
+    A script that raises without destroying its gloo process group can abort in C++ while the
+    interpreter shuts down, so the rank that raised may end with SIGABRT rather than 1.
+    """
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"{code} (signal {-code})"
 
 
 def _is_local(address: str) -> bool:
