@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from gpukit.cli.launch import describe_exit
+from gpukit.cli.launch import describe_exit, failure_summary
 from gpukit.launch import free_port
 
 SCRIPT = """
@@ -76,6 +78,49 @@ def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_pa
     # The rank that raised exits with 1, or aborts (SIGABRT) when gloo's threads are torn down
     # at interpreter exit; either way it is the one named.
     assert re.search(r"gpukit launch: rank 1 failed with exit code (1|-6 \(SIGABRT\)) ", output)
+    # Every failed rank gets a line, the one that failed first on top with its error.
+    summary = output[output.index("gpukit launch: rank 1 failed") :].splitlines()
+    assert summary[1].startswith("  rank 1: exit code ")
+    assert summary[1].endswith(", RuntimeError: rank 1 gives up")
+    assert summary[2].startswith("  rank 0: exit code ")
+    assert "runpy" not in output
+
+
+def failure(exitcode: int, timestamp: int, time_ns: int | None = None, error: str = "") -> Any:
+    """A stand-in for torchrun's ProcessFailure, as its error file left it."""
+    extra = {} if time_ns is None else {"time_ns": str(time_ns), "timestamp": str(timestamp)}
+    data = {"message": {"message": error, "extraInfo": extra}} if error else {"message": ""}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data)
+
+
+def test_the_summary_names_the_first_recorded_error_even_within_one_second() -> None:
+    failures = {
+        0: failure(1, 100, 100_900_000_000, "RuntimeError: Connection closed by peer"),
+        1: failure(-6, 100, 100_200_000_000, "RuntimeError: rank 1 gives up\nsecond line"),
+        2: failure(-15, 100),  # stopped by torchrun after the others failed: nothing recorded
+    }
+    assert failure_summary(failures).splitlines() == [
+        "gpukit launch: rank 1 failed with exit code -6 (SIGABRT) (3 rank(s) failed); "
+        "its output is above",
+        "  rank 1: exit code -6 (SIGABRT), RuntimeError: rank 1 gives up",
+        "  rank 0: exit code 1, RuntimeError: Connection closed by peer",
+        "  rank 2: exit code -15 (SIGTERM), no Python error recorded",
+    ]
+
+
+def test_without_recorded_errors_torchruns_order_is_kept() -> None:
+    failures = {3: failure(-9, 101), 2: failure(-15, 102)}
+    lines = failure_summary(failures).splitlines()
+    assert lines[0].startswith("gpukit launch: rank 3 failed with exit code -9 (SIGKILL) (2 rank")
+    assert lines[1:] == [
+        "  rank 3: exit code -9 (SIGKILL), no Python error recorded",
+        "  rank 2: exit code -15 (SIGTERM), no Python error recorded",
+    ]
+
+
+def test_a_long_error_is_cut_to_one_short_line() -> None:
+    line = failure_summary({0: failure(1, 5, 5, "E" * 500)}).splitlines()[1]
+    assert len(line) < 200 and line.endswith("...")
 
 
 @pytest.mark.parametrize(

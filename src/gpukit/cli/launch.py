@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from gpukit.errors import ConfigError
 from gpukit.launch import check_port, free_port
 
 NAME = "launch"
+RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
 DEFAULT_MULTI_NODE_PORT = 29500
 
 
@@ -119,6 +121,9 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         str(port),
         "--max-restarts",
         str(args.max_restarts),
+        # Each process runs the script through a small runner that records when and how it
+        # failed, so the summary can name the process that failed first.
+        str(RUNNER),
         args.script,
         *args.script_args,
     ]
@@ -129,19 +134,54 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # torchrun logs an error when it has no file of its own to copy a process's error file
+    # to; the summary below says more than that line.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.errors.error_handler").setLevel(
+        logging.CRITICAL
+    )
     try:
         torchrun(argv)
     except ChildFailedError as err:
-        failures = err.failures
-        first = min(failures, key=lambda rank: failures[rank].timestamp)
-        failure = failures[first]
-        print(
-            f"gpukit launch: rank {first} failed with exit code {describe_exit(failure.exitcode)} "
-            f"({len(failures)} rank(s) failed); its output is above",
-            file=sys.stderr,
-        )
+        print(failure_summary(err.failures), file=sys.stderr)
         return 1
     return 0
+
+
+def failure_summary(failures: dict[int, Any]) -> str:
+    """Name the process that failed first, then one line per failed process, first to last."""
+    order = sorted(failures, key=lambda rank: _failed_at(failures[rank]))
+    first = failures[order[0]]
+    lines = [
+        f"gpukit launch: rank {order[0]} failed with exit code {describe_exit(first.exitcode)} "
+        f"({len(failures)} rank(s) failed); its output is above"
+    ]
+    for rank in order:
+        failure = failures[rank]
+        error = _recorded(failure).get("message", "no Python error recorded")
+        lines.append(
+            f"  rank {rank}: exit code {describe_exit(failure.exitcode)}, {_first_line(error)}"
+        )
+    return "\n".join(lines)
+
+
+def _failed_at(failure: Any) -> tuple[int, int]:
+    """Sort key: an error recorded with its nanosecond time, before anything known only to
+    torchrun's whole seconds (a process killed or crashed, or stopped after the first failed)."""
+    extra = _recorded(failure).get("extraInfo", {})
+    if "time_ns" in extra:
+        return (0, int(extra["time_ns"]))
+    return (1, int(failure.timestamp))
+
+
+def _recorded(failure: Any) -> dict[str, Any]:
+    data = getattr(failure, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    return message if isinstance(message, dict) else {}
+
+
+def _first_line(text: str, width: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def describe_exit(code: int) -> str:
