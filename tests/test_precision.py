@@ -45,6 +45,39 @@ def test_bad_precision_names_say_what_is_allowed(name: str, message: str) -> Non
         gk.Runtime(devices="cpu", precision=name)
 
 
+def test_16_mixed_tells_a_skipped_step_without_reading_the_scale() -> None:
+    precision = FP16Mixed(CPU)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision.scaler.get_scale = None  # type: ignore[assignment]  # any read would fail
+    for overflow, expected in ((True, False), (False, True), (True, False)):
+        optimizer.zero_grad()
+        precision.backward(model(torch.ones(1, 2)).sum())
+        if overflow:
+            model.weight.grad[0, 0] = float("nan")
+        assert precision.step(optimizer) is expected
+    assert not optimizer._optimizer_step_pre_hooks  # the step hook is gone after each step
+
+
+def test_16_mixed_tells_a_fused_optimizers_skipped_step_from_the_scale() -> None:
+    precision = FP16Mixed(CPU)
+    model = nn.Linear(2, 1)
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    except RuntimeError as err:  # older releases fuse on CUDA only
+        pytest.skip(f"this torch has no fused Adam on the CPU: {err}")
+    before = model.weight.detach().clone()
+    for overflow, expected in ((True, False), (False, True)):
+        optimizer.zero_grad()
+        precision.backward(model(torch.ones(1, 2)).sum())
+        if overflow:
+            model.weight.grad[0, 0] = float("inf")
+        # The scaler calls a fused optimizer's step every time (it skips on the device), so a
+        # hook on the step would have said True both times.
+        assert precision.step(optimizer) is expected
+        assert torch.equal(model.weight, before) is overflow
+
+
 def test_16_mixed_skips_a_step_with_inf_gradients_and_lowers_the_scale() -> None:
     precision = FP16Mixed(CPU)  # the scaler logic is the same on CPU; CUDA is not needed
     model = nn.Linear(2, 1)

@@ -88,10 +88,24 @@ class FP16Mixed(BF16Mixed):
         self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        scale_before = self.scaler.get_scale()
-        self.scaler.step(optimizer)  # skipped when the gradients hold inf or NaN
+        # Whether the step ran is seen by a hook on the optimizer, not by comparing the scale
+        # before and after: each get_scale() reads a GPU value back, two more waits per step
+        # on top of the one the scaler needs to look for inf/NaN.
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # A fused optimizer (Adam(fused=True), ...) is always called and skips on the
+            # device by itself, so only the scale tells whether it skipped.
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            return self.scaler.get_scale() >= scale_before
+        ran: list[bool] = []
+        hook = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        try:
+            self.scaler.step(optimizer)  # skipped when the gradients hold inf or NaN
+        finally:
+            hook.remove()
         self.scaler.update()  # and then the scale goes down
-        return self.scaler.get_scale() >= scale_before
+        return bool(ran)
 
     @property
     def scale(self) -> float:
