@@ -13,6 +13,7 @@ import os
 import runpy
 import textwrap
 import threading
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,13 @@ def test_to_dict_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 TENSOR_ENTRIES = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__repr__")
 PATCHED: list[tuple[Any, str]] = [(torch.Tensor, name) for name in TENSOR_ENTRIES]
 PATCHED += [(torch.Tensor, "__str__"), (torch.Tensor, "__format__")]
-PATCHED += [(torch, "tensor"), (torch, "as_tensor"), (torch.cuda, "synchronize")]
+PATCHED += [
+    (torch, "tensor"),
+    (torch, "as_tensor"),
+    (torch, "asarray"),
+    (torch.cuda, "synchronize"),
+]
+PATCHED += [(torch.Tensor, "new_tensor")]
 PATCHED += [(torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
 if hasattr(torch, "accelerator"):
     PATCHED.append((torch.accelerator, "synchronize"))
@@ -253,6 +260,32 @@ def test_numpy_data_moved_at_creation_is_one_copy(monkeypatch: pytest.MonkeyPatc
         torch.as_tensor(np.ones(4, dtype=np.float32), device="meta")
         torch.tensor([1.0, 2.0], device="meta")
     assert sum(x.count for x in t.transfers) == 3
+
+
+def test_every_way_to_make_a_device_tensor_from_host_data_is_one_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    on_device = torch.empty(2, device="meta")
+    host = torch.ones(3)
+    with trace() as t:
+        torch.asarray([1.0, 2.0], device="meta")
+        torch.asarray(np.ones(3, dtype=np.float32), device="meta")
+        torch.asarray(host, device="meta")
+        on_device.new_tensor([1.0, 2.0, 3.0, 4.0])
+        on_device.new_tensor(np.ones(5, dtype=np.float32))
+        with warnings.catch_warnings():  # torch suggests clone() for a tensor: still a copy
+            warnings.simplefilter("ignore", UserWarning)
+            on_device.new_tensor(host.clone())
+        torch.tensor(data=[1.0], device="meta")
+    assert {c.kind for c in t.transfers} == {"h2d"}
+    assert [c.count for c in t.transfers] == [1] * 7  # one a line, none counted twice
+    with trace() as t:
+        host.new_tensor([1.0, 2.0])  # stays on the host
+        torch.asarray([1.0])
+    assert t.transfers == []
 
 
 def test_a_forked_child_records_nothing() -> None:

@@ -20,8 +20,9 @@ How: a ``TorchDispatchMode`` counts every aten op per device and looks closer on
 that copy across devices or read data back (one dict lookup per op). Entry points that never
 reach the dispatcher, or reach it as many inner ops, are wrapped while a trace is active:
 ``Tensor.item/tolist/numpy/__bool__/__float__/__int__/__repr__/__str__/__format__``,
-``torch.tensor/as_tensor`` (a list copied to a device), ``torch.cuda.synchronize``,
-``torch.accelerator.synchronize`` and ``torch.cuda.Stream/Event.synchronize``. A thread-local
+``torch.tensor/as_tensor/asarray`` and ``Tensor.new_tensor`` (a list copied to a device),
+``torch.cuda.synchronize``, ``torch.accelerator.synchronize`` and
+``torch.cuda.Stream/Event.synchronize``. A thread-local
 guard makes one ``print(loss)`` one "print", not also the ``item()`` it does inside.
 
 Attribution goes to the innermost Python frame that is not under torch's package directory,
@@ -397,19 +398,24 @@ def _entry(original: Callable[..., Any], op: str, device_of: Callable[..., Any])
     return wrapper
 
 
-def _creation(original: Callable[..., Any]) -> Any:
-    """``torch.tensor(list, device=...)`` copies without reaching the dispatcher's Python key."""
+def _creation(original: Callable[..., Any], data_at: int = 0) -> Any:
+    """``torch.tensor(list, device=...)`` copies without reaching the dispatcher's Python key.
 
-    def wrapper(data: Any, *args: Any, **kwargs: Any) -> Any:
+    ``data_at`` is where the data is among the positional arguments: 1 for ``new_tensor``,
+    whose first is the tensor it is called on.
+    """
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         # The copy of a tensor or an array does reach the dispatcher, a list's does not: the
         # wrapper counts every kind once, and the dispatcher's sight of it is muted.
         busy, _state.busy = _state.busy, True
         try:
-            out = original(data, *args, **kwargs)
+            out = original(*args, **kwargs)
         finally:
             _state.busy = busy
         tracer = _state.tracer
         if tracer is not None and not busy:
+            data = args[data_at] if len(args) > data_at else kwargs.get("data", kwargs.get("obj"))
             src = data.device if isinstance(data, torch.Tensor) else torch.device(_HOST)
             pinned = isinstance(data, torch.Tensor) and _pinned(data)
             tracer._record_transfer(src, out.device, out.nbytes, pinned, True)
@@ -440,7 +446,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.Tensor, name, _entry(getattr(torch.Tensor, name), op, lambda t, *_, **__: t.device))
         for name, op in _TENSOR_ENTRIES.items()
     ]
-    found += [(torch, name, _creation(getattr(torch, name))) for name in ("tensor", "as_tensor")]
+    creators = ("tensor", "as_tensor", "asarray")
+    found += [(torch, name, _creation(getattr(torch, name))) for name in creators]
+    found.append((torch.Tensor, "new_tensor", _creation(torch.Tensor.new_tensor, data_at=1)))
     owners = [torch.cuda, torch.cuda.Stream, torch.cuda.Event, getattr(torch, "accelerator", None)]
     for owner in owners:
         if owner is not None and callable(getattr(owner, "synchronize", None)):
