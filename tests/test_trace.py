@@ -494,3 +494,18 @@ def test_gpu_training_loop_item_is_a_sync_per_step() -> None:
     ]
     assert "loss.item()" in t.report()
     assert os.path.basename(items[0].file) == "test_trace.py"
+
+
+def _scripted_sum(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values) + torch.as_tensor(values)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_compiles_torch_tensor_inside_a_trace() -> None:
+    from torch.jit import _builtins
+
+    before = dict(_builtins._get_builtin_table())
+    with trace():
+        scripted = torch.jit.script(_scripted_sum)
+    assert scripted([1.0, 2.0]).tolist() == [2.0, 4.0]
+    assert _builtins._get_builtin_table() == before  # the wrappers' entries are gone with them

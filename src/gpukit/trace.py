@@ -471,6 +471,7 @@ def _patched() -> Iterator[None]:
             for owner, name, wrapper in _patches():
                 _saved.append((owner, name, vars(owner).get(name, _MISSING)))
                 setattr(owner, name, wrapper)
+                _script_as_original(wrapper, install=True)
         _patch_users += 1
     try:
         yield
@@ -479,10 +480,29 @@ def _patched() -> Iterator[None]:
             _patch_users -= 1
             while not _patch_users and _saved:
                 owner, name, previous = _saved.pop()
+                _script_as_original(getattr(owner, name), install=False)
                 if previous is _MISSING:
                     delattr(owner, name)
                 else:
                     setattr(owner, name, previous)
+
+
+def _script_as_original(wrapper: Any, install: bool) -> None:
+    """Let ``torch.jit.script`` compile a call of the wrapper as the op it wraps.
+
+    TorchScript finds ``torch.tensor`` & co. in a table keyed by the function's ``id``; a
+    wrapper has its own, and scripting would try to compile the wrapper's Python instead. The
+    table is private, so without it only scripting inside a trace fails, as before.
+    """
+    with contextlib.suppress(Exception):
+        from torch.jit import _builtins
+
+        if not install:
+            _builtins._get_builtin_table().pop(id(wrapper), None)  # the id may be reused later
+            return
+        op = _builtins._find_builtin(wrapper.__wrapped__)
+        if op is not None:
+            _builtins._register_builtin(wrapper, op)
 
 
 _saved: list[tuple[Any, str, Any]] = []  # (owner, name, its own attribute or _MISSING)
