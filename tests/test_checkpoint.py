@@ -106,3 +106,35 @@ def test_latest_naming_a_missing_folder_is_a_clear_error(tmp_path: Path) -> None
     (tmp_path / "latest").write_text("step-00000099\n")
     with pytest.raises(gk.ConfigError, match="missing or incomplete"):
         rt.load(tmp_path)
+
+
+def _sequential_run(tmp_path: Path, batch_size: int, batches: int, resume: bool) -> list[int]:
+    """Read ``batches`` batches of the indices 0..29 in order; the indices seen."""
+    rt = gk.Runtime(devices="cpu", seed=0)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.arange(30))
+    model, optimizer, loader = rt.setup(model, optimizer, DataLoader(data, batch_size=batch_size))
+    if resume:
+        rt.load(tmp_path)
+    seen: list[int] = []
+    for (index,) in loader:
+        seen += index.tolist()
+        rt.backward(model(index[:, None].float()).sum())
+        rt.step(optimizer)
+        if len(seen) == batches * batch_size:
+            break
+    if not resume:
+        rt.save(tmp_path)
+    return seen
+
+
+def test_resuming_with_another_batch_size_goes_on_from_the_same_sample(tmp_path: Path) -> None:
+    assert _sequential_run(tmp_path, 4, 3, resume=False) == list(range(12))
+    assert _sequential_run(tmp_path, 6, 2, resume=True) == list(range(12, 24))
+
+
+def test_a_batch_size_that_does_not_divide_the_samples_seen_warns(tmp_path: Path) -> None:
+    _sequential_run(tmp_path, 4, 3, resume=False)  # 12 samples seen
+    with pytest.warns(UserWarning, match=r"after 12 samples .* goes on from sample 10, so 2 "):
+        assert _sequential_run(tmp_path, 5, 1, resume=True) == list(range(10, 15))

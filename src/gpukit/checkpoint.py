@@ -4,7 +4,8 @@ A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
 
 - ``model.safetensors`` (or ``model-N.safetensors`` for several models): the weights;
 - ``state.pt``: optimizer and gradient-scaler state, epoch, step, each loader's position
-  inside its epoch, and the RNG states of every rank.
+  inside its epoch (in batches, with their size, so another batch size resumes at the same
+  sample), and the RNG states of every rank.
 
 Rank 0 writes into a temporary folder, fsyncs every file, renames the folder into place and
 then points the file ``latest`` at it (written the same way); the oldest checkpoints beyond
@@ -27,6 +28,7 @@ from safetensors.torch import load_model, save_model
 from gpukit.errors import ConfigError, warn_user
 
 if TYPE_CHECKING:
+    from gpukit.data import DeviceLoader
     from gpukit.runtime import Runtime
 
 FORMAT = 1
@@ -95,7 +97,7 @@ def load(rt: Runtime, directory: Path) -> dict[str, int]:
         optimizer.load_state_dict(saved)
     rt.precision.load_state_dict(state["precision"])
     for loader, saved in zip(rt.loaders, state["loaders"], strict=False):
-        loader.epoch, loader.position = saved["epoch"], saved["position"]
+        loader.epoch, loader.position = saved["epoch"], _position(loader, saved, path)
     rt.global_step, rt.micro_step = state["step"], state["micro_step"]
     rt.oom_split = int(state.get("oom_split", 1))
     ranks = state["rng"]
@@ -106,6 +108,24 @@ def load(rt: Runtime, directory: Path) -> dict[str, int]:
         )
     _set_rng_state(ranks[rt.rank % len(ranks)], rt.device.torch)
     return {"epoch": state["epoch"], "step": state["step"]}
+
+
+def _position(loader: DeviceLoader, saved: dict[str, Any], path: Path) -> int:
+    """The saved position in this run's batches: a run resumed with another batch size goes on
+    from the same sample, not from the same batch number."""
+    before, now = saved.get("batch_size"), loader.loader.batch_size
+    if not before or not now or before == now or loader.sampler is None:
+        return int(saved["position"])  # only a sampler of ours skips by samples
+    samples = int(saved["position"]) * int(before)
+    position, extra = divmod(samples, int(now))
+    if extra:
+        warn_user(
+            f"checkpoint {path} stopped after {samples} samples of epoch {saved['epoch']} in "
+            f"batches of {before}; in batches of {now} this run goes on from sample "
+            f"{position * now}, so {extra} sample(s) are seen again: resume with a batch size "
+            f"that divides {samples} to continue exactly"
+        )
+    return position
 
 
 def _unreadable(path: Path, err: Exception) -> NoReturn:
@@ -134,7 +154,10 @@ def latest(directory: Path) -> Path:
 
 
 def _progress(rt: Runtime, rng: list[dict[str, Any]]) -> dict[str, Any]:
-    loaders = [{"epoch": lo.epoch, "position": lo.position} for lo in rt.loaders]
+    loaders = [
+        {"epoch": lo.epoch, "position": lo.position, "batch_size": lo.loader.batch_size}
+        for lo in rt.loaders
+    ]
     return {
         "format": FORMAT,
         "epoch": loaders[0]["epoch"] if loaders else 0,
