@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,14 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     summary = capsys.readouterr().out
     assert "Training summary" in summary and "samples/s" in summary
     assert "Memory per device" in summary
+
+
+def test_the_final_progress_bar_shows_the_last_loss_read_back(capsys) -> None:
+    # 3 steps, none at a logging interval: the loss is read back after the loop, and the bar
+    # shows it rather than "nan"; before any read-back it shows "-".
+    assert main(["train", "--workload", "mlp", "--max-steps", "3", "--log-every", "50"]) == 0
+    bar = next(line for line in capsys.readouterr().out.splitlines() if "3/3 steps" in line)
+    assert re.search(r"3/3 steps loss \d+\.\d{4} ", bar), bar
 
 
 def test_max_steps_then_resume_continues_to_the_same_end(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -103,7 +102,8 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
                     break
             if checkpoints is not None:
                 rt.save(checkpoints)
-    rt.flush_logs()
+        rt.flush_logs()
+        bar.advance(rt, global_batch, start, first_step)  # the final bar shows the last loss
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
     memory = _memory_report(rt)  # every rank takes part: it gathers under DDP
@@ -237,14 +237,14 @@ class _Bar:
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.progress = progress
         self.task = (
-            progress.add_task("train", total=total, loss=math.nan, rate=0.0) if (progress) else None
+            progress.add_task("train", total=total, loss="-", rate=0.0) if (progress) else None
         )
 
     def advance(self, rt: Runtime, global_batch: int, start: float, first_step: int) -> None:
         if self.progress is None or self.task is None:
             return
         # The loss shown is the last one read back by rt.log: no per-step synchronisation.
-        loss = rt.history[-1]["loss"] if rt.history else math.nan
+        loss = f"{rt.history[-1]['loss']:.4f}" if rt.history else "-"  # none read back yet
         elapsed = time.perf_counter() - start
         rate = (rt.global_step - first_step) * global_batch / elapsed if elapsed else 0.0
         self.progress.update(self.task, completed=rt.global_step, loss=loss, rate=rate)
@@ -268,7 +268,7 @@ def _progress(rt: Runtime, total: int, shown: bool) -> _Bar:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
-        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("loss {task.fields[loss]}"),
         TextColumn("{task.fields[rate]:.0f} samples/s"),
         TimeRemainingColumn(),
     )
