@@ -13,7 +13,7 @@ RUNNER = launch_cli.RUNNER
 
 
 def run(
-    script: Path, *args: str, error_file: Path | None = None
+    script: Path, *args: str, error_file: Path | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin"}
     if error_file is not None:
@@ -25,7 +25,7 @@ def run(
         timeout=60,
         check=False,
         env=env,
-        cwd=str(script.parent.parent),
+        cwd=str(cwd or script.parent.parent),
     )
 
 
@@ -50,13 +50,14 @@ def test_the_script_runs_as_if_started_directly(tmp_path: Path) -> None:
 def test_an_error_is_recorded_with_a_fine_clock_and_shown_without_the_runners_frames(
     tmp_path: Path,
 ) -> None:
-    script = tmp_path / "broken.py"
+    script = tmp_path / "job" / "broken.py"
+    script.parent.mkdir()
     script.write_text("def step():\n    raise ValueError('bad shape')\n\nstep()\n")
     error_file = tmp_path / "error.json"
-    done = run(script, error_file=error_file)
+    done = run(Path("job/broken.py"), error_file=error_file, cwd=tmp_path)  # a relative path
     assert done.returncode == 1
     assert done.stderr.startswith("Traceback (most recent call last):\n")
-    assert f'File "{script}", line 4' in done.stderr and "ValueError: bad shape" in done.stderr
+    assert 'File "job/broken.py", line 4' in done.stderr and "ValueError: bad shape" in done.stderr
     assert "runpy" not in done.stderr and "_launched_script" not in done.stderr
     message = json.loads(error_file.read_text())["message"]
     assert message["message"] == "ValueError: bad shape"
