@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gpukit import _hw
+from gpukit.devices import hw as _hw
 
 GiB = 1024**3
 

@@ -6,16 +6,16 @@
 """
 
 from gpukit import strategies
-from gpukit.devices import Device, cpu, device, devices, gpu, on
+from gpukit.devices.device import Device, cpu, device, devices, gpu, on
+from gpukit.devices.move import to
+from gpukit.diagnostics.memory import MemoryBreakdown, MemoryReport, memory
+from gpukit.diagnostics.oom import explain
+from gpukit.diagnostics.oplog import PlacementLog, log_placement
+from gpukit.diagnostics.placement import PlacementReport, placement
+from gpukit.diagnostics.readable import explain_error
+from gpukit.diagnostics.trace.core import Trace, trace
 from gpukit.errors import ConfigError, DeviceError, GpukitError, OutOfMemory
-from gpukit.memory import MemoryBreakdown, MemoryReport, memory
-from gpukit.move import to
-from gpukit.oom import explain
-from gpukit.placement import PlacementReport, placement
-from gpukit.placement_log import PlacementLog, log_placement
-from gpukit.runtime import Runtime
-from gpukit.trace import Trace, trace
-from gpukit.translate import explain_error
+from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gpukit._table import render_plain
+from gpukit._util.text import render_plain
 from gpukit.bench import overhead
 from gpukit.bench.overhead import make_batches, make_model_and_optimizer, run_overhead
 from gpukit.cli import bench

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from gpukit import _nvml
 from gpukit.cli.__main__ import main
+from gpukit.devices import nvml as _nvml
 from gpukit.doctor import evaluate
 from tests.fakes import cpu_torch, fake_pynvml, h100s, install_pynvml, system
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpukit.cli.launch import describe_exit, failure_summary
-from gpukit.launch import free_port
+from gpukit.runtime.launch import free_port
 
 SCRIPT = """
 import os, sys, torch, torch.distributed as dist

@@ -93,13 +93,13 @@ def test_a_workload_trace_is_json_too(capsys) -> None:  # type: ignore[no-untype
 
 def test_gpukit_train_reads_back_only_at_its_logging_interval() -> None:
     import gpukit as gk
-    from gpukit.fit import TrainConfig, fit
+    from gpukit.workloads.loop import TrainConfig, fit
 
     rt = gk.Runtime(devices="cpu", seed=0, log_every=5, oom="recover")
     config = TrainConfig(workload="mlp", max_steps=20, progress=False, sample=False)
     with gk.trace() as t:
         fit(rt, config)
-    fit_syncs = [s for s in t.syncs if s.file.endswith("fit.py")]
+    fit_syncs = [s for s in t.syncs if s.file.endswith("loop.py")]
     by_line = {s.line: s for s in fit_syncs}
     # 20 / 5 = 4 log read-backs (the final flush finds nothing left to read; the check of the
     # targets before the first step is gpukit's own read, not shown). Nothing once per step.

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpukit import _hw
 from gpukit.cli.__main__ import main
+from gpukit.devices import hw as _hw
 from gpukit.doctor import diagnose
 from gpukit.doctor.probe import read_system, read_torch
 from tests.fakes import fake_pynvml, h100s, install_pynvml

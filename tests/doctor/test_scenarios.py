@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpukit import _nvml
+from gpukit.devices import nvml as _nvml
 from gpukit.doctor import Check, DoctorReport, evaluate
 from gpukit.doctor.gpus import has_kernels
 from tests.fakes import (

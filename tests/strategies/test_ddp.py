@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit.launch import LaunchError
+from gpukit.runtime.launch import LaunchError
 
 GLOBAL_BATCH = 16
 

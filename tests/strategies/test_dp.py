@@ -308,7 +308,7 @@ def test_unknown_strategy_lists_the_new_names() -> None:
 
 
 def _imbalance_after_training(strategy: str) -> float:
-    from gpukit.fit import TrainConfig, fit
+    from gpukit.workloads.loop import TrainConfig, fit
 
     gk.memory.reset_peaks([0, 1])
     rt = gk.Runtime(strategy=strategy, devices=2, precision="32", seed=0)
@@ -396,7 +396,7 @@ def test_a_summing_partial_is_added_not_averaged() -> None:
 def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
     from types import SimpleNamespace
 
-    from gpukit.fit import _mfu
+    from gpukit.workloads.loop import _mfu
 
     device = SimpleNamespace(type="cuda", name="NVIDIA H100 80GB HBM3")
     one_process = SimpleNamespace(

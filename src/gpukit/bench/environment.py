@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from gpukit import __version__, _hw
+from gpukit import __version__
+from gpukit.devices import hw as _hw
 
 
 def environment(

@@ -52,7 +52,7 @@ from torch.optim import Optimizer
 from gpukit import __version__
 from gpukit.bench.environment import environment
 from gpukit.errors import ConfigError
-from gpukit.runtime import Runtime
+from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import mlp
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from gpukit._table import make_table
+from gpukit._util.text import make_table
 from gpukit.bench.environment import environment
 from gpukit.errors import ConfigError
-from gpukit.runtime import Runtime
+from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
 
@@ -43,7 +43,7 @@ def run_trace_cost(workload: str = "gpt", steps: int = 20, rounds: int = 5) -> d
     for name, value in (("steps", steps), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
-    from gpukit.trace import trace
+    from gpukit.diagnostics.trace.core import trace
 
     step = _training_step(workload)
     step(steps)  # warm-up: lazy initialisation, optimizer state, allocator caches

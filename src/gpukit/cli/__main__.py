@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from gpukit import __version__
 from gpukit.cli import bench, devices, doctor, launch, trace, train
+from gpukit.diagnostics.oom import explain, is_oom
+from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory
-from gpukit.oom import explain, is_oom
-from gpukit.translate import explain_error
 
 COMMANDS = (doctor, devices, train, launch, trace, bench)
 

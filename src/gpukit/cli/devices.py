@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpukit._format import format_bytes
-from gpukit._table import make_table
+from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
-from gpukit.devices import Device, device, devices
+from gpukit.devices.device import Device, device, devices
 
 NAME = "devices"
 

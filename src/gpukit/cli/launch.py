@@ -26,10 +26,10 @@ from typing import Any
 
 from gpukit.cli._common import add_command
 from gpukit.errors import ConfigError
-from gpukit.launch import check_port, free_port
+from gpukit.runtime.launch import check_port, free_port
 
 NAME = "launch"
-RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
+RUNNER = Path(__file__).resolve().parent.parent / "runtime" / "_launched_script.py"
 DEFAULT_MULTI_NODE_PORT = 29500
 
 

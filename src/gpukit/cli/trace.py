@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     target = _check(args)
     if args.blocking:
         _env.set_cuda_launch_blocking()
-    from gpukit.placement_log import log_placement
-    from gpukit.trace import trace
+    from gpukit.diagnostics.oplog import log_placement
+    from gpukit.diagnostics.trace.core import trace
 
     failure: BaseException | None = None
     exit_code = 0
@@ -130,8 +130,8 @@ def _run_script(path: Path, script_args: list[str]) -> int:
 
 
 def _run_workload(name: str, steps: int) -> None:
-    from gpukit.fit import TrainConfig, fit
-    from gpukit.runtime import Runtime
+    from gpukit.runtime.runtime import Runtime
+    from gpukit.workloads.loop import TrainConfig, fit
 
     rt = Runtime(seed=0, oom="recover")
     try:
@@ -143,8 +143,8 @@ def _run_workload(name: str, steps: int) -> None:
 def _report_failure(err: BaseException) -> None:
     """A known error in words, with the line of the script that raised it; anything else with
     its whole traceback, as Python would show it."""
-    from gpukit.oom import explain, is_oom
-    from gpukit.translate import explain_error
+    from gpukit.diagnostics.oom import explain, is_oom
+    from gpukit.diagnostics.readable import explain_error
 
     if is_oom(err):
         readable: object = explain(err)

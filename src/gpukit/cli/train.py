@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpukit._table import make_table
+from gpukit._util.text import make_table
 from gpukit.cli._common import add_command, console
+from gpukit.diagnostics.memory import MemoryReport
 from gpukit.errors import ConfigError
-from gpukit.fit import TrainConfig, check, fit
-from gpukit.memory import MemoryReport
-from gpukit.runtime import Runtime
+from gpukit.runtime.runtime import Runtime
+from gpukit.workloads.loop import TrainConfig, check, fit
 
 NAME = "train"
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gpukit import _nvml
-from gpukit.devices import devices
+from gpukit.devices import nvml as _nvml
+from gpukit.devices.device import devices
 from gpukit.doctor import checks, features, gpus
 from gpukit.doctor.probe import SystemInfo, TorchInfo, read_system, read_torch
 from gpukit.doctor.report import SCHEMA_VERSION, Check, DoctorReport, Status

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from gpukit._format import format_bytes
-from gpukit._nvml import NvmlInfo
+from gpukit._util.text import format_bytes
+from gpukit.devices.nvml import NvmlInfo
 from gpukit.doctor.probe import SystemInfo, TorchInfo
 from gpukit.doctor.report import Check
 

@@ -3,7 +3,7 @@ access, bf16/TF32, GPU numbering, MPS on macOS, and CUDA/NCCL variables."""
 
 from __future__ import annotations
 
-from gpukit._nvml import NvmlInfo
+from gpukit.devices.nvml import NvmlInfo
 from gpukit.doctor.probe import SystemInfo, TorchInfo
 from gpukit.doctor.report import Check
 

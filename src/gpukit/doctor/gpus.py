@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from gpukit._format import format_bytes
-from gpukit._nvml import NvmlGpu, NvmlInfo
+from gpukit._util.text import format_bytes
+from gpukit.devices.nvml import NvmlGpu, NvmlInfo
 from gpukit.doctor.checks import init_warning
 from gpukit.doctor.probe import TorchGpu, TorchInfo
 from gpukit.doctor.report import Check

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpukit import _hw
+from gpukit.devices import hw as _hw
 
 # Variables that change how CUDA, NCCL or torch behave, shown so a stray one is noticed.
 _WATCHED_ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "GPUKIT_", "TORCH_")

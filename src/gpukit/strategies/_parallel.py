@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit._batch import map_structure, split, zip_structures
+from gpukit._util.batch import map_structure, split, zip_structures
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one replica
 

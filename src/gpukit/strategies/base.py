@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from gpukit.devices import Device
+from gpukit.devices.device import Device
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 

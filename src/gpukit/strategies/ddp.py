@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gpukit import _env
-from gpukit.devices import Device
+from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import ReduceOp, Strategy
 

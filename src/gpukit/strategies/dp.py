@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from gpukit import _env
-from gpukit._batch import batch_size, chunk_sizes
-from gpukit.devices import Device, DeviceSpec
-from gpukit.devices import device as resolve_device
+from gpukit._util.batch import batch_size, chunk_sizes
+from gpukit.devices.device import Device, DeviceSpec
+from gpukit.devices.device import device as resolve_device
 from gpukit.errors import ConfigError
 from gpukit.strategies._parallel import gather, parallel_apply, replicate, scatter
 from gpukit.strategies.base import Strategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gpukit.devices import Device
+from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import Strategy
 

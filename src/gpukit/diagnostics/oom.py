@@ -1,0 +1,483 @@
+"""Out-of-memory errors explained in numbers, with remedies ranked by what they would free.
+
+:func:`parse` reads the numbers out of PyTorch's messages: the CUDA allocator's current format
+(torch >= 2.1) and the older ``(GPU 0; ... total capacity; ...)`` one, the CPU allocator's and
+Apple MPS's. :func:`explain` ranks remedies by how much of the shortfall each plausibly covers.
+
+>>> from gpukit.diagnostics.oom import explain
+>>> print(explain("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+...               "23.65 GiB of which 1.02 GiB is free. Of the allocated memory 21.89 GiB is "
+...               "allocated by PyTorch, and 268.03 MiB is reserved by PyTorch but unallocated."))
+out of memory on cuda:0: asked for 2 GiB with 1 GiB free of 23.7 GiB
+  PyTorch tensors 21.9 GiB, cached but unused 268 MiB
+  what to try, best first:
+  1. smaller micro-batch: PyTorch tensors take 21.9 GiB (activations, weights and optimizer
+     state); halve the samples per micro-batch and accumulate 2 to keep the effective batch:
+     Runtime(accumulate=2) or gpukit train --accumulate 2; Runtime(oom="recover") does this by
+     itself
+  2. activation checkpointing and bf16: ...
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from dataclasses import asdict, dataclass
+from decimal import Decimal
+from typing import Any, Literal
+
+import torch
+
+from gpukit._util.text import format_bytes as _fb
+from gpukit.errors import ConfigError, OutOfMemory
+
+OomFormat = Literal["current", "pre-2.1", "cpu", "mps"]
+
+#: torch's out-of-memory exception class (``torch.OutOfMemoryError`` only exists on newer torch).
+OOM_ERROR: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+# c10's format_size writes "bytes" up to 1 KiB, then KiB/MiB/GiB; MPS's allocator writes
+# KB/MB/GB but divides by 1024 as well, so every unit here is binary.
+_UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_UNIT |= {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+_S = r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|KB|MiB|MB|GiB|GB|TiB|TB)\b"
+_DETECT = re.compile(
+    r"(?:CUDA|HIP) out of memory|MPS backend out of memory"
+    r"|DefaultCPUAllocator: (?:not enough memory|can't allocate memory)"
+    # Allocations outside the caching allocator: cuBLAS/cuDNN workspaces, NCCL buffers.
+    r"|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED"
+)
+_REQUESTED = re.compile(rf"[Tt]ried to allocate {_S}")
+_GPU = re.compile(r"GPU ([0-9]+)(?: has|;)")
+_CURRENT = re.compile(rf"total capacity of {_S} of which {_S} is free")
+_OLD = re.compile(  # "cached" is torch 1.0-1.3's word for reserved but unallocated
+    rf"\(GPU [0-9]+; {_S} total capacity; {_S} already allocated; {_S} free;(?: {_S} allowed;)?"
+    rf" {_S} (reserved in total by PyTorch|cached)\)"
+)
+_THIS = re.compile(rf"this process has {_S} memory in use")
+_PROCESS = re.compile(rf"Process ([0-9]+) has {_S} memory in use")
+_ALLOCATED = re.compile(rf"Of the allocated memory {_S} is allocated by PyTorch")
+_CACHED = re.compile(rf"and {_S} is reserved by PyTorch but unallocated")
+_MPS = re.compile(rf"MPS allocated: {_S}, other allocations: {_S}, max allowed: {_S}\)")
+_CPU = re.compile(r"you tried to allocate ([0-9]+) bytes")
+_WINDOW = 8000  # one message with dozens of process lines fits; bounds regex work on huge text
+
+
+@dataclass(frozen=True)
+class OomNumbers:
+    """The numbers of one out-of-memory message, in bytes; None where the message does not say.
+
+    ``other_processes`` sums the listed processes that are not this one. Inside a container
+    torch cannot tell which listed pid is itself; then the one holding at least PyTorch's
+    reservation, and closest to it, is taken to be this process. Without a process list it is
+    ``total - free - this_process``. MPS's ``free`` is its cap minus this process's use.
+
+    >>> parse("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 1; 10.76 GiB total "
+    ...       "capacity; 9.12 GiB already allocated; 51.69 MiB free; 9.45 GiB reserved in "
+    ...       "total by PyTorch)").device
+    'cuda:1'
+    """
+
+    device: str | None = None
+    requested: int | None = None
+    total: int | None = None
+    free: int | None = None
+    allocated: int | None = None
+    reserved_unallocated: int | None = None
+    this_process: int | None = None
+    other_processes: int | None = None
+    processes: tuple[tuple[int, int], ...] = ()
+    format: OomFormat = "current"
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One thing to try: ``score`` is the share of the shortfall it plausibly covers (0..1).
+
+    >>> Remedy("smaller micro-batch", "use 16 samples instead of 32", 0.9).title
+    'smaller micro-batch'
+    """
+
+    title: str
+    detail: str
+    score: float
+
+
+@dataclass(frozen=True)
+class OomExplanation:
+    """An out-of-memory error in numbers, with remedies best first; ``str()`` reads as a report.
+
+    >>> e = explain("DefaultCPUAllocator: not enough memory: you tried to allocate 1024 bytes.")
+    >>> e.numbers.requested, e.to_dict()["remedies"][0]["title"]
+    (1024, 'smaller batch')
+    """
+
+    numbers: OomNumbers | None
+    remedies: tuple[Remedy, ...]
+    raw: str
+
+    def __str__(self) -> str:
+        n = self.numbers
+        if n is None:
+            first = (self.raw.strip().splitlines() or [""])[0][:160]
+            lines = [f"out of memory; gpukit found no numbers in the message: {first!r}"]
+        else:
+            free = "" if n.free is None else f" with {_fb(n.free)} free"
+            total = "" if n.total is None else f" of {_fb(n.total)}"
+            lines = [
+                f"out of memory on {n.device or 'an unknown device'}: "
+                f"asked for {_fb(n.requested)}{free}{total}"
+            ]
+            parts = [
+                f"{name} {_fb(value)}"
+                for name, value in (
+                    ("PyTorch tensors", n.allocated),
+                    ("cached but unused", n.reserved_unallocated),
+                    ("this process", n.this_process),
+                    ("other processes", n.other_processes),
+                )
+                if value is not None
+            ]
+            lines += ["  " + ", ".join(parts)] if parts else []
+        injected = re.search(r"injected by GPUKIT_FAULT_OOM_ABOVE=\d+[^)]*", self.raw)
+        if injected:  # a test of recovery, not a real shortage: say so before the numbers matter
+            lines.append(f"  (not a real shortage: {injected.group(0)})")
+        lines.append("  what to try, best first:")
+        for i, r in enumerate(self.remedies, 1):
+            lines += textwrap.wrap(
+                f"{i}. {r.title}: {r.detail}",
+                96,
+                initial_indent="  ",
+                subsequent_indent="     ",
+                break_on_hyphens=False,
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        numbers = None if self.numbers is None else asdict(self.numbers)
+        return {"numbers": numbers, "remedies": [asdict(r) for r in self.remedies], "raw": self.raw}
+
+
+def _bytes(number: str, unit: str) -> int:
+    # Decimal, so "79.15 GiB" becomes the same integer on every platform.
+    return int((Decimal(number) * _UNIT[unit]).to_integral_value())
+
+
+def _sizes(match: re.Match[str] | None, count: int) -> list[int | None]:
+    if match is None:
+        return [None] * count
+    g = match.groups()
+    return [None if g[i] is None else _bytes(g[i], g[i + 1]) for i in range(0, 2 * count, 2)]
+
+
+def _others(
+    used: int | None, this: int | None, sizes: list[int], reserved: int | None
+) -> int | None:
+    if this is not None:  # torch named this process itself, so every listed pid is another one
+        return sum(sizes) if sizes or used is None else max(0, used - this)
+    if not sizes:
+        return None
+    # This process holds PyTorch's reservation plus its CUDA context.
+    mine = [b for b in sizes if reserved is not None and b >= reserved]
+    return sum(sizes) - (min(mine) if mine else max(sizes))
+
+
+def parse(message: str) -> OomNumbers | None:
+    """The numbers in an out-of-memory message, or None when it is not one gpukit can read.
+
+    Text before the message (an exception's type) and after it (a C++ frame trace) is ignored.
+
+    >>> n = parse("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. "
+    ...           "GPU 0 has a total capacity of 79.15 GiB of which 12.75 MiB is free.")
+    >>> n.requested == 20 * 2**20, n.format
+    (True, 'current')
+    """
+    found = _DETECT.search(message)
+    if found is None:
+        return None
+    text = message[found.start() : found.start() + _WINDOW]
+    (requested,) = _sizes(_REQUESTED.search(text), 1)
+    if text.startswith("DefaultCPUAllocator"):
+        cpu = _CPU.search(text)
+        return OomNumbers("cpu", int(cpu[1]) if cpu else None, format="cpu")
+    if text.startswith("MPS"):
+        allocated, other, allowed = _sizes(_MPS.search(text), 3)
+        if allowed is None or allocated is None or other is None:
+            return None if requested is None else OomNumbers("mps", requested, format="mps")
+        mine = allocated + other  # "other allocations" are this process's, not tensors
+        return OomNumbers(
+            "mps", requested, allowed, max(0, allowed - mine), allocated, None, mine, format="mps"
+        )
+    gpu = _GPU.search(text)
+    device = f"cuda:{gpu[1]}" if gpu else None  # ROCm's torch names its GPUs cuda too
+    old = _OLD.search(text)
+    if old is not None:
+        size, used, left, _allowed, reserved = _sizes(old, 5)
+        unused = reserved if old[11] == "cached" else max(0, (reserved or 0) - (used or 0))
+        return OomNumbers(device, requested, size, left, used, unused, format="pre-2.1")
+    total, free = _sizes(_CURRENT.search(text), 2)
+    (allocated,) = _sizes(_ALLOCATED.search(text), 1)
+    (unused,) = _sizes(_CACHED.search(text), 1)
+    (this,) = _sizes(_THIS.search(text), 1)
+    procs = tuple((int(m[1]), _bytes(m[2], m[3])) for m in _PROCESS.finditer(text))
+    if all(v is None for v in (requested, total, free, allocated, unused, this)) and not procs:
+        return None
+    reserved = None if allocated is None or unused is None else allocated + unused
+    used = None if total is None or free is None else total - free
+    others = _others(used, this, [b for _, b in procs], reserved)
+    return OomNumbers(device, requested, total, free, allocated, unused, this, others, procs)
+
+
+def is_oom(err: BaseException | str) -> bool:
+    """True for torch's out-of-memory error, or a RuntimeError or text in one of its formats.
+
+    >>> is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), is_oom("oops")
+    (True, False)
+    """
+    if isinstance(err, OOM_ERROR | OutOfMemory):
+        return True
+    if isinstance(err, str | RuntimeError):
+        return _DETECT.search(str(err)) is not None
+    if isinstance(err, BaseException):
+        return False
+    raise ConfigError(f"is_oom() takes an exception or its message (str); got {err!r}")
+
+
+def _check(name: str, value: object, low: float, kind: type | tuple[type, ...]) -> None:
+    ok = value is None or (
+        isinstance(value, kind) and not isinstance(value, bool) and value >= low  # type: ignore[operator]
+    )
+    if not ok:
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"explain({name}={value!r}): give {what} >= {low:g}, or None")
+
+
+def explain(
+    err: BaseException | str,
+    *,
+    state_bytes: int | None = None,
+    strategy: str | None = None,
+    imbalance: float | None = None,
+    micro_batch: int | None = None,
+) -> OomExplanation:
+    """Explain an out-of-memory error (or its message) in numbers, remedies best first.
+
+    ``state_bytes``: weights + gradients + optimizer state on that device, when known;
+    ``strategy``: the training strategy's name; ``imbalance``: max/min peak memory over the
+    devices in use; ``micro_batch``: samples per micro-batch when it failed.
+
+    >>> e = explain("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
+    ...             "capacity of 79.15 GiB of which 12.75 MiB is free.", micro_batch=32)
+    >>> "16 samples per micro-batch" in str(e)
+    True
+    """
+    if not isinstance(err, BaseException | str):
+        raise ConfigError(
+            f"explain() takes an exception or its message (str); got {type(err).__name__} "
+            f"{err!r}: pass the caught exception itself"
+        )
+    _check("state_bytes", state_bytes, 0, int)
+    _check("micro_batch", micro_batch, 1, int)
+    _check("imbalance", imbalance, 1, (int, float))
+    if strategy is not None and not isinstance(strategy, str):
+        raise ConfigError(f"explain(strategy={strategy!r}): give a strategy name such as 'dp'")
+    cause = err.__cause__ if isinstance(err, OutOfMemory) else None
+    raw = str(cause if cause is not None else err)
+    numbers = parse(raw)
+    return OomExplanation(
+        numbers,
+        _rank(numbers or OomNumbers(), raw, state_bytes, strategy, imbalance, micro_batch),
+        raw,
+    )
+
+
+# What each remedy says; {fields} come from the numbers.
+_TEXT = {
+    "shape": (
+        "check tensor shapes",
+        "one tensor of {req} is larger than the whole device "
+        "({total}): look for an accidental broadcast, e.g. (N, 1) - (N,) is N x N",
+    ),
+    "batch": (
+        "smaller batch",
+        "not enough RAM for {req}: halve the samples per batch and keep "
+        "the effective batch with Runtime(accumulate=2)",
+    ),
+    "workers": (
+        "fewer DataLoader workers",
+        "each worker process holds its own copy of what the "
+        "dataset keeps in memory: lower DataLoader(num_workers=...)",
+    ),
+    "stream": (
+        "stream the dataset",
+        "read samples lazily (an IterableDataset, numpy.memmap) "
+        "instead of loading the whole dataset into RAM",
+    ),
+    "frag": (
+        "expandable segments",
+        "{unused} is cached by PyTorch but in pieces too small for "
+        "this request; set {var}=expandable_segments:True before the first CUDA call",
+    ),
+    "others": (
+        "free the GPU",
+        "other processes hold {others} of {device}: stop them (nvidia-smi "
+        "lists them) or pick a free GPU with CUDA_VISIBLE_DEVICES (see gpukit devices)",
+    ),
+    "state": (
+        "smaller weights and optimizer state",
+        "weights, gradients and optimizer state "
+        "take {state} of {total}: keep weights in bf16, use an 8-bit optimizer or shard "
+        "its state over GPUs (FSDP / ZeRO), or train a smaller model",
+    ),
+    "micro": (
+        "smaller micro-batch",
+        "{act}{fewer} and accumulate {steps} to keep the effective "
+        "batch: Runtime(accumulate={steps}) or gpukit train --accumulate {steps}; "
+        'Runtime(oom="recover") does this by itself',
+    ),
+    "ckpt": (
+        "activation checkpointing and bf16",
+        "wrap the largest blocks in torch.utils."
+        "checkpoint.checkpoint(block, x, use_reentrant=False) to recompute activations in "
+        'backward, and train with precision="bf16-mixed" to halve most of them',
+    ),
+    "dp": (
+        "balance memory over GPUs",
+        'under strategy "dp" GPU 0 gathers every output and '
+        'computes the loss alone{ratio}: strategy="dp-balanced" computes the loss on every '
+        'GPU, and strategy="ddp" balances memory fully',
+    ),
+    "mps": (
+        "raise the MPS limit",
+        "MPS caps this process at {total}: raise "
+        "PYTORCH_MPS_HIGH_WATERMARK_RATIO (0.0 removes the cap but can freeze the machine), "
+        "or call torch.mps.empty_cache() between phases",
+    ),
+    "look": (
+        "look at memory",
+        "print(gk.memory()) shows allocated, reserved and peak memory "
+        "per device; torch.cuda.memory_summary() shows the allocator's detail",
+    ),
+}
+
+
+def _rank(
+    n: OomNumbers,
+    raw: str,
+    state: int | None,
+    strategy: str | None,
+    imbalance: float | None,
+    micro_batch: int | None,
+) -> tuple[Remedy, ...]:
+    total, req, unused, allocated = n.total, n.requested, n.reserved_unallocated, n.allocated
+    # A failed allocation is rarely the step's last, so a remedy must cover the missing bytes
+    # plus a margin: 5% of the device, about what the rest of a step allocates.
+    margin = total // 20 if total else (req or 0)
+    need = max(0, (req or 0) - (n.free or 0)) + margin if (req or total) else 0
+    found: list[tuple[float, int, Remedy]] = []
+
+    def add(key: str, freed: int | None, confidence: float, **fields: object) -> None:
+        covered = 0.5 if freed is None or not need else min(1.0, freed / need)
+        title, text = _TEXT[key]
+        detail = text.format(req=_fb(req), total=_fb(total), **fields)
+        found.append((round(confidence * covered, 2), freed or 0, Remedy(title, detail, 0.0)))
+
+    if req and total and req > total:
+        add("shape", req, 1.0)
+    if n.format == "cpu":
+        add("batch", None, 1.0)
+        add("workers", None, 0.8)
+        add("stream", None, 0.6)
+        return _sorted(found)
+    if unused and (unused >= (req or 0) or (total is not None and unused >= total // 10)):
+        var = "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in raw else "PYTORCH_CUDA_ALLOC_CONF"
+        add("frag", unused, 0.9, unused=_fb(unused), var=var)
+    others, sure = n.other_processes, 0.8
+    if n.format == "pre-2.1" and total and n.free is not None and allocated is not None:
+        # Only the remainder is known, and it holds this process's CUDA context (~1 GiB) too.
+        others, sure = total - n.free - allocated - (unused or 0) - 2**30, 0.5
+    if others and total and others >= total // 20:
+        add("others", others, sure, others=_fb(others), device=n.device or "this GPU")
+    if state is not None and total and (state >= 0.6 * total or state + (req or 0) > total):
+        # bf16 weights and 8-bit or sharded optimizer state roughly halve the state.
+        # When nothing else fits, no other remedy can help; at 60% it is the root cause.
+        add("state", state // 2, 1.0 if state + (req or 0) > total else 0.95, state=_fb(state))
+    known = state is not None and allocated is not None
+    act = None if allocated is None else max(0, allocated - (state or 0))
+    said = "" if act is None else f"activations take {_fb(act)}; "
+    if act is not None and not known:
+        said = f"PyTorch tensors take {_fb(act)} (activations, weights and optimizer state); "
+    if micro_batch is None:
+        freed = None if act is None else act // 2
+        add(
+            "micro",
+            freed,
+            0.9 if known else 0.6,
+            act=said,
+            steps=2,
+            fewer="halve the samples per micro-batch",
+        )
+    elif micro_batch >= 2:
+        small = micro_batch // 2
+        freed = None if act is None else act - act * small // micro_batch
+        add(
+            "micro",
+            freed,
+            0.9 if known else 0.6,
+            act=said,
+            steps=math.ceil(micro_batch / small),
+            fewer=f"run {small} samples per micro-batch instead of {micro_batch}",
+        )
+    add("ckpt", None if act is None else act // 2, 0.7 if known else 0.4)
+    if strategy == "dp" and (imbalance is None or imbalance > 1.2):
+        ratio = imbalance if imbalance is not None else 1.5  # a typical dp imbalance
+        peak = None if allocated is None else allocated + (unused or 0)
+        freed = None if peak is None else int(peak * (1 - 1 / ratio))
+        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
+        add("dp", freed, 0.8 if imbalance else 0.5, ratio=said)
+    if n.format == "mps":
+        add("mps", need, 0.6)
+    if total is None:
+        add("look", None, 0.2)
+    return _sorted(found)
+
+
+def _sorted(found: list[tuple[float, int, Remedy]]) -> tuple[Remedy, ...]:
+    # Ties go to the remedy that frees more bytes, then to the order they were added in.
+    ordered = sorted(found, key=lambda f: (-f[0], -f[1]))
+    return tuple(Remedy(r.title, r.detail, min(1.0, s)) for s, _, r in ordered)
+
+
+def _torch_size(n: int) -> str:
+    # c10's format_size, so that parse() reads an injected message exactly like a real one.
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 2**20:
+        return f"{n / 2**10:.2f} KiB"
+    return f"{n / 2**20:.2f} MiB" if n <= 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def injected_oom(samples: int, limit: int) -> BaseException:
+    """A real torch out-of-memory error, as the fault injection GPUKIT_FAULT_OOM_ABOVE raises.
+
+    >>> err = injected_oom(64, 32)
+    >>> is_oom(err), parse(str(err)).requested == 64 * 2**20
+    (True, True)
+    """
+    for name, value in (("samples", samples), ("limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"injected_oom({name}={value!r}): give a whole number >= 1")
+    total, requested = 16 * 2**30, min(samples * 2**20, 8 * 2**30)  # 1 MiB a sample
+    message = (
+        f"CUDA out of memory. Tried to allocate {_torch_size(requested)}. GPU 0 has a total "
+        f"capacity of {_torch_size(total)} of which 0 bytes is free. Of the allocated memory "
+        f"{_torch_size(total - 2**30)} is allocated by PyTorch, and 0 bytes is reserved by "
+        "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        f" (injected by GPUKIT_FAULT_OOM_ABOVE={limit}: a micro-batch of {samples} samples)"
+    )
+    return OOM_ERROR(message)

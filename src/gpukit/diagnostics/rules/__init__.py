@@ -1,0 +1,1 @@
+"""The patterns behind readable errors, one module per family of failures."""

@@ -1,0 +1,275 @@
+"""The ready-made training loop behind ``gpukit train``.
+
+``fit(rt, config)`` trains a workload with a Runtime on every rank: a progress bar on rank 0,
+logging that reads the loss back only every ``log_every`` steps, a checkpoint at the end of each
+epoch (and when ``max_steps`` stops the run), and at the end a summary with throughput, MFU on
+GPUs and peak memory per device, written under ``out`` as ``metrics.json``, ``metrics.csv`` and
+``loss.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
+from gpukit.diagnostics.memory import report as memory_report
+from gpukit.errors import ConfigError
+from gpukit.runtime.runtime import Runtime
+from gpukit.workloads import Workload, load_workload
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common GPUs, for MFU; matched by name.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "T4": 65e12,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What ``gpukit train`` was asked to do; None means the workload's default."""
+
+    workload: str = "gpt"
+    epochs: int | None = None
+    max_steps: int | None = None
+    batch_size: int | None = None  # global: samples per optimizer step over all ranks
+    lr: float | None = None
+    seed: int = 0
+    out: str | None = None
+    resume: bool = False
+    progress: bool = True  # the progress bar on rank 0 (off when stdout carries JSON)
+    sample: bool = True  # generate text at the end, for workloads that can
+
+
+def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
+    """Train ``config.workload`` with ``rt``; rank 0 returns the metrics (others an empty dict)."""
+    workload = load_workload(config.workload, seed=config.seed)
+    epochs = config.epochs or workload.epochs
+    per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
+    model = workload.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr or workload.lr)
+    # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
+    # accumulation micro-batches (and into more if memory runs out).
+    loader = torch.utils.data.DataLoader(
+        workload.dataset, batch_size=per_rank * rt.accumulate, shuffle=True, drop_last=True
+    )
+    model, optimizer, loader = rt.setup(model, optimizer, loader)
+    criterion = rt.setup_criterion(workload.loss)
+
+    def compute_loss(batch: Any) -> torch.Tensor:
+        x, y = batch
+        return criterion(model(x), y)
+
+    checkpoints = Path(config.out) / "checkpoints" if config.out else None
+    if config.resume:
+        if checkpoints is None:
+            raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
+        rt.load(checkpoints)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"one optimizer step needs {per_rank * rt.world_size * rt.accumulate} samples but "
+            f"the {workload.name} dataset has {len(workload.dataset)}: use a smaller --batch-size"  # type: ignore[arg-type]
+        )
+    total = epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    global_batch = per_rank * rt.world_size * rt.accumulate
+    first_step, start = rt.global_step, time.perf_counter()
+    with _progress(rt, total, config.progress) as bar:
+        while rt.global_step < total:
+            for batch in loader:
+                loss = rt.train_step(optimizer, batch, compute_loss)
+                bar.advance(rt, global_batch, start, first_step)
+                rt.log(loss=loss)
+                if rt.global_step >= total:
+                    break
+            if checkpoints is not None:
+                rt.save(checkpoints)
+        rt.flush_logs()
+        bar.advance(rt, global_batch, start, first_step)  # the final bar shows the last loss
+    seconds = time.perf_counter() - start
+    samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
+    memory = _memory_report(rt)  # every rank takes part: it gathers under DDP
+    if not rt.is_global_zero:
+        return {}
+    metrics = _metrics(rt, config, workload, samples_per_s, seconds, memory, global_batch)
+    if workload.sample is not None and config.sample:
+        metrics["sample"] = workload.sample(rt.unwrap(model), rt.device.torch)
+    if config.out:
+        write_outputs(Path(config.out), metrics, rt.history)
+    return metrics
+
+
+def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
+    """Refuse a bad request before any process starts: the workload must load, the batch must
+    split, and a resumed run needs its checkpoint."""
+    workload = load_workload(config.workload, seed=config.seed)
+    micro_batch(config.batch_size or workload.batch_size, world_size, accumulate)
+    if config.resume:
+        if not config.out:
+            raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
+        from gpukit.runtime.checkpoint import latest
+
+        latest(Path(config.out) / "checkpoints")
+
+
+def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
+    """Samples per rank per micro-step for a global batch; ConfigError if it does not divide."""
+    parts = world_size * accumulate
+    if global_batch < parts or global_batch % parts:
+        lower = max(parts, global_batch // parts * parts)
+        raise ConfigError(
+            f"batch size {global_batch} cannot be split over {world_size} rank(s) x {accumulate} "
+            f"accumulation step(s): use a multiple of {parts}, e.g. {lower} or {lower + parts}"
+        )
+    return global_batch // parts
+
+
+def _metrics(
+    rt: Runtime,
+    config: TrainConfig,
+    workload: Workload,
+    samples_per_s: float,
+    seconds: float,
+    memory: MemoryReport,
+    global_batch: int,
+) -> dict[str, Any]:
+    peak_memory = {_row_name(row): row.peak for row in memory.rows}
+    mfu = _mfu(rt, workload.flops_per_sample * samples_per_s)
+    losses = [r["loss"] for r in rt.history if "loss" in r]
+    return {
+        "workload": workload.name,
+        "final_loss": losses[-1] if losses else None,
+        "steps": rt.global_step,
+        "samples_per_s": samples_per_s,
+        "seconds": seconds,
+        "global_batch": global_batch,
+        "world_size": rt.world_size,
+        "strategy": rt.strategy.name,
+        "precision": rt.precision.name,
+        "devices": [str(d) for d in rt.strategy.devices],
+        "mfu": mfu,
+        "peak_memory": peak_memory,
+        "memory": memory.to_dict(),
+        "micro_batch": -(-global_batch // (rt.world_size * rt.accumulate * rt.oom_split)),
+        "oom_retries": rt.oom_events,
+        "config": asdict(config),
+    }
+
+
+def _mfu(rt: Runtime, flops_per_s: float) -> float | None:
+    """Model FLOPs utilisation against the GPUs' dense bf16 peak; None on CPUs or unknown GPUs."""
+    if rt.device.type != "cuda" or not flops_per_s:
+        return None
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in rt.device.name), None)
+    # dp drives several GPUs from one process: count the GPUs, not the processes.
+    gpus = rt.world_size if rt.world_size > 1 else len(rt.strategy.devices)
+    return flops_per_s / (peak * gpus) if peak else None
+
+
+def _memory_report(rt: Runtime) -> MemoryReport:
+    """Memory of every device the run trained on: all of a dp run's GPUs, each rank's under
+    DDP (gathered), the process's RAM on a CPU."""
+    used = [d.torch for d in rt.strategy.devices if d.type == "cuda"]
+    if rt.world_size > 1:
+        used = [rt.device.torch] if rt.device.type == "cuda" else []
+    return memory_report(used or ["cpu"])
+
+
+def _row_name(row: DeviceMemory) -> str:
+    return row.device if row.rank is None else f"{row.device} (rank {row.rank})"
+
+
+def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
+    """metrics.json, metrics.csv (the logged history) and loss.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    names = sorted({k for row in history for k in row} - {"step"})
+    with open(out / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", *names])
+        for row in history:
+            writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])
+    _plot_loss(out / "loss.png", history, metrics)
+
+
+def _plot_loss(path: Path, history: list[dict[str, float]], metrics: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display is needed or wanted
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history if "loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(
+        f"{metrics['workload']}: {metrics['strategy']} x{metrics['world_size']}, "
+        f"{metrics['precision']}"
+    )
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class _Bar:
+    """The progress bar on rank 0; a no-op elsewhere."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress = progress
+        self.task = (
+            progress.add_task("train", total=total, loss="-", rate=0.0) if (progress) else None
+        )
+
+    def advance(self, rt: Runtime, global_batch: int, start: float, first_step: int) -> None:
+        if self.progress is None or self.task is None:
+            return
+        # The loss shown is the last one read back by rt.log: no per-step synchronisation.
+        loss = f"{rt.history[-1]['loss']:.4f}" if rt.history else "-"  # none read back yet
+        elapsed = time.perf_counter() - start
+        rate = (rt.global_step - first_step) * global_batch / elapsed if elapsed else 0.0
+        self.progress.update(self.task, completed=rt.global_step, loss=loss, rate=rate)
+
+    def __enter__(self) -> _Bar:
+        if self.progress is not None:
+            self.progress.start()
+            if self.task is not None:
+                self.progress.update(self.task, completed=0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _progress(rt: Runtime, total: int, shown: bool) -> _Bar:
+    if not rt.is_global_zero or not shown:
+        return _Bar(None, total)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]:.0f} samples/s"),
+        TimeRemainingColumn(),
+    )
+    return _Bar(progress, total)

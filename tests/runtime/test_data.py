@@ -1,0 +1,89 @@
+"""The device loader: shards, epochs, positions, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+import gpukit as gk
+from gpukit.runtime.data import DeviceLoader
+
+CPU = torch.device("cpu")
+
+
+def _indices(loader: DeviceLoader) -> list[int]:
+    return [int(i) for (batch,) in loader for i in batch]
+
+
+def test_ranks_see_disjoint_shards_that_cover_the_data_and_reshuffle_each_epoch() -> None:
+    data = TensorDataset(torch.arange(20))
+    shards = [
+        DeviceLoader(DataLoader(data, batch_size=3, shuffle=True), CPU, 2, r, seed=7)
+        for r in range(2)
+    ]
+    epochs = []
+    for _ in range(3):
+        seen = [_indices(s) for s in shards]
+        assert not set(seen[0]) & set(seen[1])
+        assert sorted(seen[0] + seen[1]) == list(range(20))
+        epochs.append(seen[0])
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert all(s.epoch == 3 and s.position == 0 for s in shards)
+
+
+def test_no_shuffle_keeps_order_and_drop_last_is_kept() -> None:
+    data = TensorDataset(torch.arange(10))
+    loader = DeviceLoader(DataLoader(data, batch_size=4, drop_last=True), CPU, 1, 0, seed=0)
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_position_continues_where_an_interrupted_pass_stopped() -> None:
+    data = TensorDataset(torch.arange(12))
+    full = DeviceLoader(DataLoader(data, batch_size=2, shuffle=True), CPU, 1, 0, seed=1)
+    expected = [b[0].tolist() for b in full]
+    resumed = DeviceLoader(DataLoader(data, batch_size=2, shuffle=True), CPU, 1, 0, seed=1)
+    resumed.position = 4
+    assert [b[0].tolist() for b in resumed] == expected[4:]
+    assert len(expected) == 6 and resumed.epoch == 1
+
+
+def test_batches_arrive_on_the_device_with_structure() -> None:
+    rt = gk.Runtime(devices="cpu")
+    data = [{"x": torch.ones(2), "y": 1} for _ in range(4)]
+    loader = rt.setup_loader(DataLoader(data, batch_size=2))
+    batch = next(iter(loader))
+    assert batch["x"].shape == (2, 2) and batch["y"].tolist() == [1, 1]
+
+
+class _Evens(Sampler[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+    def __len__(self) -> int:
+        return (self.n + 1) // 2
+
+
+def test_custom_sampler_is_kept_on_one_rank_and_refused_on_several() -> None:
+    data = TensorDataset(torch.arange(6))
+    kept = DeviceLoader(DataLoader(data, sampler=_Evens(6), batch_size=3), CPU, 1, 0, seed=0)
+    assert _indices(kept) == [0, 2, 4]
+    with pytest.raises(gk.ConfigError, match=r"custom sampler \(_Evens\) over 2 ranks"):
+        DeviceLoader(DataLoader(data, sampler=_Evens(6)), CPU, 2, 0, seed=0)
+
+
+def test_fewer_samples_than_ranks_is_refused() -> None:
+    with pytest.raises(gk.ConfigError, match="1 samples, fewer than the 2 ranks"):
+        DeviceLoader(DataLoader(TensorDataset(torch.arange(1))), CPU, 2, 0, seed=0)
+
+
+@pytest.mark.gpu
+def test_cuda_batches_are_prefetched_pinned_and_correct() -> None:
+    data = TensorDataset(torch.arange(4096.0).reshape(64, 64))
+    loader = DeviceLoader(DataLoader(data, batch_size=8), torch.device("cuda:0"), 1, 0, seed=0)
+    assert loader.loader.pin_memory
+    total = sum(float(b.sum()) for (b,) in loader)
+    assert total == float(torch.arange(4096.0).sum())

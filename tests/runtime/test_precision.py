@@ -1,0 +1,105 @@
+"""Precision objects: what wraps the forward, and the gradient scaler's skip-and-lower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gpukit as gk
+from gpukit.runtime.precision import FP16Mixed, make_precision
+
+CPU = torch.device("cpu")
+
+
+def test_float32_leaves_the_forward_alone() -> None:
+    model = nn.Linear(2, 2)
+    forward = model.forward
+    make_precision("32", CPU).wrap_forward(model)
+    assert model.forward == forward and "forward" not in vars(model)
+
+
+def test_bf16_mixed_runs_the_forward_in_bf16_and_returns_float32() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    make_precision("bf16-mixed", CPU).wrap_forward(model)
+    seen = []
+    model[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    out = model(torch.ones(2, 4))
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    assert list(model.state_dict()) == ["0.weight", "0.bias"]  # the user's model, unwrapped
+
+
+def test_auto_is_float32_on_cpu() -> None:
+    assert make_precision("auto", CPU).name == "32"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("fp16", r"unknown precision 'fp16': use one of 32, bf16-mixed, 16-mixed, auto"),
+        ("16-mixed", r"'16-mixed' needs a CUDA GPU, but the device is cpu"),
+    ],
+)
+def test_bad_precision_names_say_what_is_allowed(name: str, message: str) -> None:
+    with pytest.raises(gk.ConfigError, match=message):
+        gk.Runtime(devices="cpu", precision=name)
+
+
+def test_16_mixed_tells_a_skipped_step_without_reading_the_scale() -> None:
+    precision = FP16Mixed(CPU)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision.scaler.get_scale = None  # type: ignore[assignment]  # any read would fail
+    for overflow, expected in ((True, False), (False, True), (True, False)):
+        optimizer.zero_grad()
+        precision.backward(model(torch.ones(1, 2)).sum())
+        if overflow:
+            model.weight.grad[0, 0] = float("nan")
+        assert precision.step(optimizer) is expected
+    assert not optimizer._optimizer_step_pre_hooks  # the step hook is gone after each step
+
+
+def test_16_mixed_tells_a_fused_optimizers_skipped_step_from_the_scale() -> None:
+    precision = FP16Mixed(CPU)
+    model = nn.Linear(2, 1)
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    except RuntimeError as err:  # older releases fuse on CUDA only
+        pytest.skip(f"this torch has no fused Adam on the CPU: {err}")
+    before = model.weight.detach().clone()
+    for overflow, expected in ((True, False), (False, True)):
+        optimizer.zero_grad()
+        precision.backward(model(torch.ones(1, 2)).sum())
+        if overflow:
+            model.weight.grad[0, 0] = float("inf")
+        # The scaler calls a fused optimizer's step every time (it skips on the device), so a
+        # hook on the step would have said True both times.
+        assert precision.step(optimizer) is expected
+        assert torch.equal(model.weight, before) is overflow
+
+
+def test_16_mixed_skips_a_step_with_inf_gradients_and_lowers_the_scale() -> None:
+    precision = FP16Mixed(CPU)  # the scaler logic is the same on CPU; CUDA is not needed
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    scale = precision.scale
+    precision.backward(model(torch.ones(1, 2)).sum())
+    model.weight.grad[0, 0] = float("inf")  # an overflow, injected
+    assert precision.step(optimizer) is False
+    assert torch.equal(model.weight, before) and precision.scale < scale
+    optimizer.zero_grad()
+    precision.backward(model(torch.ones(1, 2)).sum())
+    assert precision.step(optimizer) is True
+    assert not torch.equal(model.weight, before)
+    state = precision.state_dict()
+    restored = FP16Mixed(CPU)
+    restored.load_state_dict(state)
+    assert restored.scale == precision.scale
+
+
+@pytest.mark.gpu
+def test_auto_picks_mixed_precision_on_a_gpu() -> None:
+    name = make_precision("auto", torch.device("cuda:0")).name
+    major, _ = torch.cuda.get_device_capability(0)
+    assert name == ("bf16-mixed" if major >= 8 else "16-mixed")

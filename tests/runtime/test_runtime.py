@@ -1,0 +1,192 @@
+"""The Runtime in one process: choices, accumulation, logging, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+from gpukit.runtime.runtime import resolve_devices
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _data(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g))
+
+
+def _train(accumulate: int, batch: int, steps_expected: int) -> nn.Module:
+    rt = gk.Runtime(devices="cpu", accumulate=accumulate, log_every=2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = rt.setup(model, opt, DataLoader(_data(), batch_size=batch))
+    stepped = []
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        rt.backward(loss)
+        stepped.append(rt.step(opt))
+        rt.log(loss=loss)
+    assert rt.global_step == steps_expected and sum(stepped) == steps_expected
+    assert len(rt.history) == len(loader) // 2
+    return model
+
+
+def test_accumulation_equals_the_big_batch() -> None:
+    big = _train(accumulate=1, batch=16, steps_expected=2)
+    small = _train(accumulate=4, batch=4, steps_expected=2)
+    for a, b in zip(big.parameters(), small.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_auto_strategy_and_device() -> None:
+    rt = gk.Runtime()
+    assert rt.strategy.name == "single" and rt.world_size == 1 and rt.is_global_zero
+    assert rt.device == gk.device() and rt.rank == 0 and rt.local_rank == 0
+    assert gk.Runtime(devices=2).strategy.name == ("ddp")
+
+
+def test_auto_picks_ddp_under_a_launcher(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rt = gk.Runtime()
+    assert rt.strategy.name == "ddp" and rt.rank == 1 and rt.world_size == 2
+    assert not rt.strategy.needs_launch
+
+
+def test_log_reads_back_only_every_n_calls() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=3)
+    for value in (1.0, 2.0, torch.tensor(6.0)):
+        assert rt.history == []
+        rt.log(loss=value)
+    assert rt.history == [{"step": 0.0, "loss": 3.0}]
+
+
+def test_print_only_on_rank_zero(capsys) -> None:
+    gk.Runtime(devices="cpu").print("hello")
+    assert capsys.readouterr().out == "hello\n"
+
+
+def test_clipping_limits_the_gradient_norm() -> None:
+    rt = gk.Runtime(devices="cpu", clip=0.5)
+    model = nn.Linear(2, 1)
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+            return super().step(closure)
+
+    opt = Spy(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    rt.backward((model(torch.full((1, 2), 100.0)) * 100).sum())
+    rt.step(opt)
+    assert seen[0] == pytest.approx(0.5, rel=1e-4)
+    assert all(p.grad is None for p in model.parameters())  # zeroed after the step
+
+
+def test_resolve_devices_spellings(fake_gpus) -> None:
+    fake_gpus(2)
+    assert [str(d) for d in resolve_devices("all")] == ["cuda:0", "cuda:1"]
+    assert [str(d) for d in resolve_devices(2)] == ["cuda:0", "cuda:1"]
+    assert [str(d) for d in resolve_devices("0,1")] == ["cuda:0", "cuda:1"]
+    assert [str(d) for d in resolve_devices(["/gpu:1"])] == ["cuda:1"]
+    assert [str(d) for d in resolve_devices("auto")] == ["cuda:0"]
+
+
+def test_cpu_machine_counts_mean_cpu_processes(cpu_only) -> None:
+    assert [str(d) for d in resolve_devices(3)] == ["cpu", "cpu", "cpu"]
+    assert [str(d) for d in resolve_devices("all")] == ["cpu"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"strategy": "fsdp2"},
+            r"unknown strategy 'fsdp2': use one of auto, single, dp, dp-balanced, ddp",
+        ),
+        ({"strategy": "single", "devices": ["cpu", "cpu"]}, r"'single' trains on one device"),
+        ({"accumulate": 0}, r"accumulate=0: give a whole number of at least 1"),
+        ({"log_every": 1.5}, r"log_every=1.5"),
+        ({"clip": -1.0}, r"clip=-1.0: give a positive max gradient norm"),
+        ({"devices": 0}, r"devices=0: give at least 1"),
+        ({"devices": []}, r"devices=\[\]"),
+        ({"devices": "tpu"}, r"invalid device 'tpu'"),
+    ],
+)
+def test_bad_settings_are_config_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(gk.GpukitError, match=message):
+        gk.Runtime(**kwargs)
+
+
+def test_more_gpus_than_exist(fake_gpus) -> None:
+    fake_gpus(2)
+    with pytest.raises(gk.ConfigError, match=r"devices=4, but this machine has 2 GPU\(s\)"):
+        gk.Runtime(devices=4)
+
+
+def test_ddp_without_launch_says_how_to_start_it() -> None:
+    rt = gk.Runtime(devices=["cpu", "cpu"])
+    with pytest.raises(gk.ConfigError, match=r"needs 2 processes.*rt\.launch\(fn\).*--nproc 2"):
+        rt.setup(nn.Linear(1, 1))
+
+
+def test_step_without_backward_is_an_error() -> None:
+    rt = gk.Runtime(devices="cpu")
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    with pytest.raises(gk.ConfigError, match=r"without rt\.backward\(loss\)"):
+        rt.step(opt)
+    rt.backward(model(torch.ones(1, 1)).sum())
+    assert rt.step(opt) is True
+    with pytest.raises(gk.ConfigError, match="since the last step"):
+        rt.step(opt)
+
+
+def test_saving_inside_an_accumulation_window_warns(tmp_path) -> None:
+    rt = gk.Runtime(devices="cpu", accumulate=2)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = rt.setup(model, opt)
+    rt.backward(model(torch.ones(1, 1)).sum())
+    rt.step(opt)
+    with pytest.warns(UserWarning, match="middle of an accumulation window"):
+        rt.save(tmp_path)
+
+
+def test_targets_out_of_range_are_caught_before_the_first_step() -> None:
+    rt = gk.Runtime(devices="cpu")
+    model = rt.setup(nn.Linear(3, 4))
+    criterion = rt.setup_criterion(nn.CrossEntropyLoss())
+    with pytest.raises(gk.ConfigError, match=r"targets hold 9 but the model has 4 classes"):
+        criterion(model(torch.ones(2, 3)), torch.tensor([1, 9]))
+    ignoring = rt.setup_criterion(nn.CrossEntropyLoss(ignore_index=-1))
+    assert ignoring(model(torch.ones(2, 3)), torch.tensor([1, -1])).shape == ()
+
+
+def test_known_raw_errors_inside_a_step_come_out_in_words() -> None:
+    from gpukit.errors import DeviceAssertError
+
+    rt = gk.Runtime(devices="cpu")
+    net = nn.Linear(2, 1)
+    _, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    def asserts(batch: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+            "asynchronously reported at some other API call"
+        )
+
+    with pytest.raises(DeviceAssertError, match="gpukit trace --blocking") as caught:
+        rt.train_step(optimizer, torch.ones(4, 2), asserts)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value, RuntimeError)  # old `except RuntimeError` still catches it
