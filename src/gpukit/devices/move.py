@@ -12,13 +12,12 @@ False
 from __future__ import annotations
 
 import copy as copy_module
-import dataclasses
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from gpukit._util.tree import map_tensors
 from gpukit.devices.device import DeviceSpec, device
 
 T = TypeVar("T")
@@ -50,38 +49,24 @@ def move_to(
 
 
 class _Mover:
+    """What one move needs: the target, and how tensors and modules go there."""
+
     def __init__(self, target: torch.device, copy: bool, non_blocking: bool | None) -> None:
         self.target = target
         self.copy = copy
         self.non_blocking = non_blocking
-        self.moved: dict[int, torch.Tensor] = {}  # id(source) -> result, to keep aliases aliased
 
     def move(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj)
+        # The walker maps each tensor once, so aliases stay aliased after the move.
+        return map_tensors(obj, self._leaf, leaf=(torch.Tensor, nn.Module))
+
+    def _leaf(self, obj: torch.Tensor | nn.Module) -> Any:
         if isinstance(obj, nn.Module):
             module = copy_module.deepcopy(obj) if self.copy else obj
             return module.to(self.target, non_blocking=self._non_blocking_for(None))
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return self._dataclass(obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*(self.move(v) for v in obj))
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self.move(v) for v in obj)
-        if isinstance(obj, Mapping):
-            return self._mapping(obj)
-        return obj
-
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        key = id(t)
-        if key not in self.moved:
-            if t.device == self.target and not self.copy:
-                self.moved[key] = t
-            else:
-                self.moved[key] = t.to(
-                    self.target, non_blocking=self._non_blocking_for(t), copy=self.copy
-                )
-        return self.moved[key]
+        if obj.device == self.target and not self.copy:
+            return obj
+        return obj.to(self.target, non_blocking=self._non_blocking_for(obj), copy=self.copy)
 
     def _non_blocking_for(self, t: torch.Tensor | None) -> bool:
         if self.non_blocking is not None:
@@ -89,25 +74,6 @@ class _Mover:
         if t is None or self.target.type != "cuda" or t.device.type != "cpu":
             return False
         return _is_pinned(t)
-
-    def _dataclass(self, obj: Any) -> Any:
-        out = copy_module.copy(obj)
-        for f in dataclasses.fields(obj):
-            # object.__setattr__ also works on frozen dataclasses, and skips __init__ so
-            # fields with init=False survive.
-            object.__setattr__(out, f.name, self.move(getattr(obj, f.name)))
-        return out
-
-    def _mapping(self, obj: Mapping[Any, Any]) -> Any:
-        items = {k: self.move(v) for k, v in obj.items()}
-        if isinstance(obj, dict):
-            out = copy_module.copy(obj)  # keeps the subclass and e.g. a defaultdict's factory
-            out.update(items)
-            return out
-        try:
-            return type(obj)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

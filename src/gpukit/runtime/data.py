@@ -30,6 +30,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from gpukit._util.tree import tensors
 from gpukit.devices.move import move_to
 from gpukit.errors import ConfigError
 
@@ -189,17 +190,6 @@ def _ready(batch: Any, copy_stream: torch.cuda.Stream) -> Any:
     used there, so their memory is not handed out again while kernels still read it."""
     current = torch.cuda.current_stream(copy_stream.device)
     current.wait_stream(copy_stream)
-    for t in _tensors(batch):
+    for t in tensors(batch):  # every tensor of any batch structure the copy made
         t.record_stream(current)
     return batch
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)

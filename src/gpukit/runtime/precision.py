@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import nn
 
-from gpukit._util.batch import map_structure
+from gpukit._util.tree import map_tensors
 from gpukit.errors import ConfigError
 
 PrecisionName = Literal["32", "bf16-mixed", "16-mixed", "auto"]
@@ -169,6 +169,6 @@ def _autocast(forward: Callable[..., Any], device_type: str, dtype: torch.dtype)
 
 
 def _to_float32(value: Any) -> Any:
-    return map_structure(
+    return map_tensors(
         value, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
     )

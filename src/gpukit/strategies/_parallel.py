@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit._util.batch import map_structure, split, zip_structures
+from gpukit._util.batch import split
+from gpukit._util.tree import map_tensors, zip_map
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one replica
 
@@ -44,7 +45,7 @@ def scatter(
     """(args, kwargs) for each device: batch tensors cut to ``sizes`` and moved there."""
     chunks = split((args, kwargs), sizes)
     return [
-        map_structure(chunk, functools.partial(_move, device))
+        map_tensors(chunk, functools.partial(_move, device))
         for chunk, device in zip(chunks, devices, strict=False)
     ]
 
@@ -165,7 +166,7 @@ def gather(outputs: Sequence[Any], target: torch.device) -> Any:
         moved = [t.to(target) for t in tensors]
         return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)
 
-    return zip_structures(outputs, join)
+    return zip_map(outputs, join)
 
 
 def _run_named(

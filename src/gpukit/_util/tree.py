@@ -1,0 +1,172 @@
+"""The one walker of nested data: tensors inside dicts, Mappings, lists, tuples, namedtuples and
+dataclasses, as batches, model outputs and optimizer states hold them.
+
+Every part of gpukit that looks inside such data (moving it to a device, cutting a batch, the
+loader's stream bookkeeping, memory and placement reports, the op log, the trace) walks it
+here, so they all agree on what a container is and what a leaf is:
+
+- ``torch.Tensor`` is a leaf (and so is any other type passed as ``leaf=``);
+- a namedtuple, list or tuple (or a subclass) is walked in order and rebuilt as its own type;
+- a Mapping is walked by its values; a ``dict`` subclass is rebuilt as a copy of itself (a
+  ``defaultdict`` keeps its factory), another Mapping through its constructor, else as a dict;
+- a dataclass instance is walked by its fields and rebuilt as a copy (frozen ones and fields
+  with ``init=False`` too);
+- anything else (strings, numbers, None) is passed through.
+
+A tensor found twice is mapped once: aliases stay aliases after a move.
+
+>>> import torch
+>>> batch = {"x": torch.zeros(2), "meta": ("a", [torch.ones(1)])}
+>>> [t.shape[0] for t in tensors(batch)]
+[2, 1]
+>>> map_tensors(batch, lambda t: t + 1)["meta"][1][0]
+tensor([2.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+
+def is_namedtuple(obj: object) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def is_dataclass_instance(obj: object) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """The (name, value) pairs directly inside a container; nothing for a leaf or a plain value.
+    Names read as paths: ``[0]`` for sequences, ``.key`` for mappings, namedtuples and
+    dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return
+    if is_namedtuple(obj):
+        for name, value in zip(obj._fields, obj, strict=True):
+            yield f".{name}", value
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield f"[{i}]", value
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield f".{key}", value
+    elif is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            yield f".{f.name}", getattr(obj, f.name)
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj``, depth first, in order (a tensor found twice comes twice).
+
+    >>> import torch
+    >>> len(list(tensors([torch.zeros(1), {"a": torch.zeros(1)}, "text"])))
+    2
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    for _, value in children(obj):
+        yield from tensors(value)
+
+
+def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj`` with its path, e.g. ``x[0].weight``.
+
+    >>> import torch
+    >>> [name for name, _ in named_tensors({"x": [torch.zeros(1)]}, "batch")]
+    ['batch.x[0]']
+    """
+    if isinstance(obj, torch.Tensor):
+        yield prefix or "tensor", obj
+        return
+    for name, value in children(obj):
+        path = f"{prefix}{name}" if prefix or not name.startswith(".") else name[1:]
+        yield from named_tensors(value, path)
+
+
+def map_tensors(
+    obj: Any,
+    fn: Callable[[Any], Any],
+    leaf: type | tuple[type, ...] = torch.Tensor,
+) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to every leaf (tensors, or the types in ``leaf``);
+    containers keep their types, and a leaf found twice is mapped once."""
+    memo: dict[int, Any] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, leaf):
+            key = id(value)
+            if key not in memo:
+                memo[key] = fn(value)
+            return memo[key]
+        return _rebuild(value, walk)
+
+    return walk(obj)
+
+
+def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+    """Structures of one shape combined: ``fn`` gets the tensors found at one place in all of
+    them; values that are not tensors are taken from the first structure.
+
+    >>> import torch
+    >>> zip_map([(torch.ones(1), "a"), (torch.ones(1), "b")], torch.cat)
+    (tensor([1., 1.]), 'a')
+    """
+    first = objs[0]
+    if isinstance(first, torch.Tensor):
+        return fn(list(objs))
+    if isinstance(first, (list, tuple)):
+        columns = iter(list(zip(*objs, strict=True)))
+    elif isinstance(first, Mapping):
+        columns = iter([[o[k] for o in objs] for k in first])
+    elif is_dataclass_instance(first):
+        columns = iter([[getattr(o, f.name) for o in objs] for f in dataclasses.fields(first)])
+    else:
+        return first
+    return _rebuild(first, lambda _: zip_map(next(columns), fn))
+
+
+def _rebuild(obj: Any, walk: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``walk`` applied to each value directly inside it, as its own type."""
+    if is_namedtuple(obj):
+        return type(obj)(*(walk(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        items = [walk(v) for v in obj]
+        return items if type(obj) is list else type(obj)(items)
+    if isinstance(obj, Mapping):
+        return _same_mapping(obj, {k: walk(v) for k, v in obj.items()})
+    if is_dataclass_instance(obj):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            # object.__setattr__ also works on frozen dataclasses, and skips __init__, so
+            # fields with init=False survive.
+            object.__setattr__(out, f.name, walk(getattr(obj, f.name)))
+        return out
+    return obj
+
+
+def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """A mapping like ``original`` holding ``items``: a dict subclass is copied and refilled
+    (a defaultdict keeps its factory), another Mapping is rebuilt by its constructor, else a
+    plain dict holds them."""
+    if type(original) is dict:
+        return items
+    if isinstance(original, dict):
+        out = copy.copy(original)
+        out.update(items)
+        return out
+    with contextlib.suppress(TypeError):
+        return type(original)(items)  # type: ignore[call-arg]
+    if isinstance(original, MutableMapping):
+        rebuilt = copy.copy(original)
+        rebuilt.clear()
+        rebuilt.update(items)
+        return rebuilt
+    return items
