@@ -13,7 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukit.diagnostics.oom import OomNumbers, explain, injected_oom, is_oom, parse
+from gpukit.diagnostics.oom import OomNumbers, explain, is_oom, parse
+from gpukit.runtime.faults import injected_oom
 from gpukit.errors import ConfigError, OutOfMemory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30

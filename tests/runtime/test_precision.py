@@ -12,21 +12,55 @@ from gpukit.runtime.precision import FP16Mixed, make_precision
 CPU = torch.device("cpu")
 
 
-def test_float32_leaves_the_forward_alone() -> None:
+def test_float32_leaves_the_model_alone() -> None:
     model = nn.Linear(2, 2)
-    forward = model.forward
-    make_precision("32", CPU).wrap_forward(model)
-    assert model.forward == forward and "forward" not in vars(model)
+    assert make_precision("32", CPU).setup_module(model) is model
+    assert "forward" not in vars(model)
 
 
 def test_bf16_mixed_runs_the_forward_in_bf16_and_returns_float32() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
-    make_precision("bf16-mixed", CPU).wrap_forward(model)
+    wrapped = make_precision("bf16-mixed", CPU).setup_module(model)
     seen = []
     model[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
-    out = model(torch.ones(2, 4))
+    out = wrapped(torch.ones(2, 4))
     assert seen == [torch.bfloat16] and out.dtype == torch.float32
-    assert list(model.state_dict()) == ["0.weight", "0.bias"]  # the user's model, unwrapped
+    assert list(wrapped.state_dict()) == ["0.weight", "0.bias"]  # the user's keys
+    assert wrapped.module is model and wrapped.training is model.training
+    linear = make_precision("bf16-mixed", CPU).setup_module(nn.Linear(3, 2))
+    assert linear.in_features == 3  # the user's attributes, through the wrapper
+
+
+def test_mixed_precision_never_modifies_the_users_module() -> None:
+    model = nn.Linear(4, 2)
+    rt = gk.Runtime(devices="cpu", precision="bf16-mixed")
+    wrapped = rt.setup(model)
+    assert "forward" not in vars(model) and not model._forward_hooks
+    assert model(torch.ones(1, 4)).dtype == torch.float32  # called directly: plain float32
+    assert rt.unwrap(wrapped) is model
+    wrapped.load_state_dict(model.state_dict())  # the same keys both ways
+
+
+def test_a_second_setup_returns_the_first_wrapper_without_nesting() -> None:
+    model = nn.Linear(4, 2)
+    rt = gk.Runtime(devices="cpu", precision="bf16-mixed")
+    first = rt.setup(model)
+    assert rt.setup(model) is first
+    assert rt.setup(first) is first  # what setup returned, given back
+    assert rt.unwrap(first) is model and first.module is model  # one wrapper deep
+    assert len(rt.state.modules) == 1
+
+
+def test_after_teardown_the_model_is_as_the_user_gave_it() -> None:
+    model = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rt = gk.Runtime(devices="cpu", precision="bf16-mixed")
+    rt.setup(model)
+    rt.teardown()
+    assert type(model).forward is nn.Linear.forward and "forward" not in vars(model)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model(torch.ones(1, 4)).dtype == torch.float32
 
 
 def test_auto_is_float32_on_cpu() -> None:

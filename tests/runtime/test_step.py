@@ -302,13 +302,11 @@ def test_ddp_train_step_without_recovery_keeps_the_overlapped_path() -> None:
 
 
 def test_recovery_refuses_a_forward_that_talks_to_other_ranks() -> None:
-    from gpukit.runtime.step import _refuse_collective_forward
-
     # DDP itself refuses SyncBatchNorm on CPUs, so the check is called as DDP's path would.
     rt = gk.Runtime(devices="cpu", oom="recover")
     rt.setup(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))
     with pytest.raises(ConfigError, match=r"SyncBatchNorm at 1.*oom='raise'"):
-        _refuse_collective_forward(rt)
+        rt.stepper.refuse_collective_forward()
 
 
 def test_the_split_found_is_kept_in_checkpoints(

@@ -396,13 +396,10 @@ def test_a_summing_partial_is_added_not_averaged() -> None:
 def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
     from types import SimpleNamespace
 
-    from gpukit.workloads.loop import _mfu
+    from gpukit.workloads.flops import mfu
+    from gpukit.workloads.report import gpu_count
 
-    device = SimpleNamespace(type="cuda", name="NVIDIA H100 80GB HBM3")
-    one_process = SimpleNamespace(
-        device=device, world_size=1, strategy=SimpleNamespace(devices=[1, 2])
-    )
-    two_processes = SimpleNamespace(
-        device=device, world_size=2, strategy=SimpleNamespace(devices=[1, 2])
-    )
-    assert _mfu(one_process, 989e12) == _mfu(two_processes, 989e12) == 0.5  # type: ignore[arg-type]
+    one_process = SimpleNamespace(world_size=1, strategy=SimpleNamespace(devices=[1, 2]))
+    two_processes = SimpleNamespace(world_size=2, strategy=SimpleNamespace(devices=[1, 2]))
+    assert gpu_count(one_process) == gpu_count(two_processes) == 2  # type: ignore[arg-type]
+    assert mfu(989e12, "NVIDIA H100 80GB HBM3", gpus=2) == 0.5

@@ -172,6 +172,13 @@ def test_gpt_prints_a_text_sample(capsys) -> None:
     assert "Sample of generated text" in capsys.readouterr().out
 
 
+def test_gpt_samples_with_the_model_inside_the_dp_wrapper() -> None:
+    # The sampler takes the user's model as it is: fit hands it rt.unwrap(model).
+    config = TrainConfig(workload="gpt", max_steps=1, progress=False)
+    metrics = gk.Runtime(strategy="dp", devices="cpu,cpu").launch(fit, config)
+    assert metrics["devices"] == ["cpu", "cpu"] and len(metrics["sample"]) == 200
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -5,8 +5,11 @@ or package.module:function returning a Workload or (model, dataset, loss). With 
 device, one DDP process per device is started (or, with --strategy dp or dp-balanced, one
 process drives them all). Rank 0 shows a progress bar (loss, samples/s, ETA) and at the end a
 summary: throughput, MFU on GPUs, and memory per device with the imbalance between devices
-(max/min peak). When a device runs out of memory the step is redone with the batch cut into
-more micro-batches (--oom raise: stop with an explanation instead). With --out DIR:
+(max/min peak). When a device runs out of memory in a single-process run, the step is redone
+with the batch cut into more micro-batches (--oom auto, the default: recovery costs nothing per
+step there); under several processes the run stops with an explanation, since recovering there
+costs DDP its overlap of communication with the backward (--oom recover: recover anyway;
+--oom raise: always stop and explain). With --out DIR:
 DIR/metrics.json, DIR/metrics.csv, DIR/loss.png and DIR/checkpoints/ (one per epoch; --resume
 continues from the newest exactly where it stopped).
 
@@ -33,6 +36,8 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.loop import TrainConfig, check, fit
 
 NAME = "train"
+# Recovery where it is free per step: one process (see gpukit.runtime.step).
+DEFAULT_OOM = "auto"
 
 
 def register(sub: Any) -> None:
@@ -52,9 +57,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--log-every", type=int, default=10, help="read metrics back every N")
     parser.add_argument(
         "--oom",
-        choices=("recover", "raise"),
-        default="recover",
-        help="out of memory: re-split the batch and redo the step, or stop and explain",
+        choices=("auto", "recover", "raise"),
+        default=DEFAULT_OOM,
+        help="out of memory: auto (recover in one process, stop and explain under several), "
+        "recover (re-split the batch and redo the step), raise (stop and explain)",
     )
     parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")

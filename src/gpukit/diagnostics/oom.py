@@ -31,6 +31,7 @@ import torch
 
 from gpukit._util.text import format_bytes as _fb
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.strategies import Strategy, make_strategy
 
 OomFormat = Literal["current", "pre-2.1", "cpu", "mps"]
 
@@ -258,14 +259,15 @@ def explain(
     err: BaseException | str,
     *,
     state_bytes: int | None = None,
-    strategy: str | None = None,
+    strategy: str | Strategy | None = None,
     imbalance: float | None = None,
     micro_batch: int | None = None,
 ) -> OomExplanation:
     """Explain an out-of-memory error (or its message) in numbers, remedies best first.
 
     ``state_bytes``: weights + gradients + optimizer state on that device, when known;
-    ``strategy``: the training strategy's name; ``imbalance``: max/min peak memory over the
+    ``strategy``: the training strategy (or its name), whose own advice joins the ranking
+    (``dp``: balance the devices); ``imbalance``: max/min peak memory over the
     devices in use; ``micro_batch``: samples per micro-batch when it failed.
 
     >>> e = explain("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
@@ -281,8 +283,13 @@ def explain(
     _check("state_bytes", state_bytes, 0, int)
     _check("micro_batch", micro_batch, 1, int)
     _check("imbalance", imbalance, 1, (int, float))
-    if strategy is not None and not isinstance(strategy, str):
-        raise ConfigError(f"explain(strategy={strategy!r}): give a strategy name such as 'dp'")
+    if isinstance(strategy, str):
+        strategy = make_strategy(strategy)
+    elif strategy is not None and not isinstance(strategy, Strategy):
+        raise ConfigError(
+            f"explain(strategy={strategy!r}): give a strategy name such as 'dp', or the "
+            "strategy object (rt.strategy)"
+        )
     cause = err.__cause__ if isinstance(err, OutOfMemory) else None
     raw = str(cause if cause is not None else err)
     numbers = parse(raw)
@@ -343,12 +350,6 @@ _TEXT = {
         "checkpoint.checkpoint(block, x, use_reentrant=False) to recompute activations in "
         'backward, and train with precision="bf16-mixed" to halve most of them',
     ),
-    "dp": (
-        "balance memory over GPUs",
-        'under strategy "dp" GPU 0 gathers every output and '
-        'computes the loss alone{ratio}: strategy="dp-balanced" computes the loss on every '
-        'GPU, and strategy="ddp" balances memory fully',
-    ),
     "mps": (
         "raise the MPS limit",
         "MPS caps this process at {total}: raise "
@@ -367,7 +368,7 @@ def _rank(
     n: OomNumbers,
     raw: str,
     state: int | None,
-    strategy: str | None,
+    strategy: Strategy | None,
     imbalance: float | None,
     micro_batch: int | None,
 ) -> tuple[Remedy, ...]:
@@ -431,12 +432,14 @@ def _rank(
             fewer=f"run {small} samples per micro-batch instead of {micro_batch}",
         )
     add("ckpt", None if act is None else act // 2, 0.7 if known else 0.4)
-    if strategy == "dp" and (imbalance is None or imbalance > 1.2):
-        ratio = imbalance if imbalance is not None else 1.5  # a typical dp imbalance
+    advice = None
+    if strategy is not None:
         peak = None if allocated is None else allocated + (unused or 0)
-        freed = None if peak is None else int(peak * (1 - 1 / ratio))
-        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
-        add("dp", freed, 0.8 if imbalance else 0.5, ratio=said)
+        advice = strategy.oom_advice(peak, imbalance)
+    if advice is not None:  # what only the strategy knows: how it spreads memory
+        covered = 0.5 if advice.freed is None or not need else min(1.0, advice.freed / need)
+        remedy = Remedy(advice.title, advice.detail, 0.0)
+        found.append((round(advice.confidence * covered, 2), advice.freed or 0, remedy))
     if n.format == "mps":
         add("mps", need, 0.6)
     if total is None:
@@ -448,36 +451,3 @@ def _sorted(found: list[tuple[float, int, Remedy]]) -> tuple[Remedy, ...]:
     # Ties go to the remedy that frees more bytes, then to the order they were added in.
     ordered = sorted(found, key=lambda f: (-f[0], -f[1]))
     return tuple(Remedy(r.title, r.detail, min(1.0, s)) for s, _, r in ordered)
-
-
-def _torch_size(n: int) -> str:
-    # c10's format_size, so that parse() reads an injected message exactly like a real one.
-    if n <= 1024:
-        return f"{n} bytes"
-    if n <= 2**20:
-        return f"{n / 2**10:.2f} KiB"
-    return f"{n / 2**20:.2f} MiB" if n <= 2**30 else f"{n / 2**30:.2f} GiB"
-
-
-def injected_oom(samples: int, limit: int) -> BaseException:
-    """A real torch out-of-memory error, as the fault injection GPUKIT_FAULT_OOM_ABOVE raises.
-
-    >>> err = injected_oom(64, 32)
-    >>> is_oom(err), parse(str(err)).requested == 64 * 2**20
-    (True, True)
-    """
-    for name, value in (("samples", samples), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"injected_oom({name}={value!r}): give a whole number >= 1")
-    total, requested = 16 * 2**30, min(samples * 2**20, 8 * 2**30)  # 1 MiB a sample
-    message = (
-        f"CUDA out of memory. Tried to allocate {_torch_size(requested)}. GPU 0 has a total "
-        f"capacity of {_torch_size(total)} of which 0 bytes is free. Of the allocated memory "
-        f"{_torch_size(total - 2**30)} is allocated by PyTorch, and 0 bytes is reserved by "
-        "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-        "documentation for Memory Management  "
-        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-        f" (injected by GPUKIT_FAULT_OOM_ABOVE={limit}: a micro-batch of {samples} samples)"
-    )
-    return OOM_ERROR(message)

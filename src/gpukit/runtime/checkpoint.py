@@ -19,42 +19,51 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
 from gpukit.errors import ConfigError, warn_user
-
-if TYPE_CHECKING:
-    from gpukit.runtime.data import DeviceLoader
-    from gpukit.runtime.runtime import Runtime
+from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.precision import Precision
+from gpukit.runtime.state import TrainState
+from gpukit.strategies import Strategy
 
 FORMAT = 1
 LATEST = "latest"
 
 
-def save(rt: Runtime, directory: Path, keep: int = 3) -> Path:
-    """Write a checkpoint of ``rt``'s models, optimizers and progress; returns its folder."""
+def save(
+    directory: Path,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    *,
+    accumulate: int = 1,
+    keep: int = 3,
+) -> Path:
+    """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder."""
     if keep < 1:
         raise ConfigError(f"keep={keep}: keep at least the newest checkpoint (keep=1)")
-    if rt.micro_step % rt.accumulate:
+    if state.micro_step % accumulate:
         warn_user(
-            f"saving in the middle of an accumulation window (micro-step {rt.micro_step}, "
-            f"accumulate={rt.accumulate}): the partial gradients are not saved, so a resumed "
+            f"saving in the middle of an accumulation window (micro-step {state.micro_step}, "
+            f"accumulate={accumulate}): the partial gradients are not saved, so a resumed "
             "run will not continue exactly; save right after an optimizer step"
         )
-    rng = rt.strategy.all_gather_object(_rng_state(rt.device.torch))  # every rank takes part
-    final = directory / f"step-{rt.global_step:08d}"
-    if rt.is_global_zero:
+    rng = strategy.all_gather_object(_rng_state(strategy.device.torch))  # every rank takes part
+    final = directory / f"step-{state.global_step:08d}"
+    models = _user_models(state, strategy, precision)
+    if strategy.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for i, module in enumerate(rt._modules):
-            save_model(rt.unwrap(module), str(tmp / _weights_name(i, len(rt._modules))))
-        torch.save(_progress(rt, rng), tmp / "state.pt")
+        for i, model in enumerate(models):
+            save_model(model, str(tmp / _weights_name(i, len(models))))
+        torch.save(_progress(state, strategy, precision, rng), tmp / "state.pt")
         for f in tmp.iterdir():
             _fsync(f)
         old = directory / f".old-{final.name}"
@@ -66,48 +75,55 @@ def save(rt: Runtime, directory: Path, keep: int = 3) -> Path:
         shutil.rmtree(old, ignore_errors=True)
         _fsync(directory)
         _prune(directory, keep)
-    rt.barrier()
+    strategy.barrier()
     return final
 
 
-def load(rt: Runtime, directory: Path) -> dict[str, int]:
-    """Restore the newest checkpoint under ``directory`` into ``rt`` (after ``rt.setup``)."""
+def load(
+    directory: Path, state: TrainState, strategy: Strategy, precision: Precision
+) -> dict[str, int]:
+    """Restore the newest checkpoint under ``directory`` into ``state`` (after ``setup``)."""
     path = latest(directory)
     try:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-        if state.get("format") != FORMAT:
-            raise ValueError(f"unknown checkpoint format {state.get('format')!r}")
+        saved = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        if saved.get("format") != FORMAT:
+            raise ValueError(f"unknown checkpoint format {saved.get('format')!r}")
     except Exception as err:
         _unreadable(path, err)
-    if len(state["optimizers"]) != len(rt._optimizers):
+    if len(saved["optimizers"]) != len(state.optimizers):
         raise ConfigError(
-            f"checkpoint {path} holds {len(state['optimizers'])} optimizer(s), but setup got "
-            f"{len(rt._optimizers)}: pass the same optimizers to rt.setup as when it was saved"
+            f"checkpoint {path} holds {len(saved['optimizers'])} optimizer(s), but setup got "
+            f"{len(state.optimizers)}: pass the same optimizers to rt.setup as when it was saved"
         )
+    models = _user_models(state, strategy, precision)
     try:
-        for i, module in enumerate(rt._modules):
+        for i, model in enumerate(models):
             load_model(
-                rt.unwrap(module),
-                str(path / _weights_name(i, len(rt._modules))),
-                device=str(rt.device),
+                model, str(path / _weights_name(i, len(models))), device=str(strategy.device)
             )
     except Exception as err:
         _unreadable(path, err)
-    for optimizer, saved in zip(rt._optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
-    rt.precision.load_state_dict(state["precision"])
-    for loader, saved in zip(rt.loaders, state["loaders"], strict=False):
-        loader.epoch, loader.position = saved["epoch"], _position(loader, saved, path)
-    rt.global_step, rt.micro_step = state["step"], state["micro_step"]
-    rt.oom_split = int(state.get("oom_split", 1))
-    ranks = state["rng"]
-    if len(ranks) != rt.world_size:
+    for optimizer, kept in zip(state.optimizers, saved["optimizers"], strict=True):
+        optimizer.load_state_dict(kept)
+    precision.load_state_dict(saved["precision"])
+    for loader, kept in zip(state.loaders, saved["loaders"], strict=False):
+        loader.epoch, loader.position = kept["epoch"], _position(loader, kept, path)
+    state.global_step, state.micro_step = saved["step"], saved["micro_step"]
+    state.stepped_at = state.micro_step
+    state.oom_split = int(saved.get("oom_split", 1))
+    ranks = saved["rng"]
+    if len(ranks) != strategy.world_size:
         warn_user(
             f"checkpoint {path} was written by {len(ranks)} rank(s), this run has "
-            f"{rt.world_size}: random streams and data shards will not continue exactly"
+            f"{strategy.world_size}: random streams and data shards will not continue exactly"
         )
-    _set_rng_state(ranks[rt.rank % len(ranks)], rt.device.torch)
-    return {"epoch": state["epoch"], "step": state["step"]}
+    _set_rng_state(ranks[strategy.rank % len(ranks)], strategy.device.torch)
+    return {"epoch": saved["epoch"], "step": saved["step"]}
+
+
+def _user_models(state: TrainState, strategy: Strategy, precision: Precision) -> list[Any]:
+    """The user's own models inside what setup returned: their keys are the checkpoint's."""
+    return [strategy.unwrap(precision.unwrap(m)) for m in state.modules]
 
 
 def _position(loader: DeviceLoader, saved: dict[str, Any], path: Path) -> int:
@@ -153,21 +169,23 @@ def latest(directory: Path) -> Path:
     return path
 
 
-def _progress(rt: Runtime, rng: list[dict[str, Any]]) -> dict[str, Any]:
+def _progress(
+    state: TrainState, strategy: Strategy, precision: Precision, rng: list[dict[str, Any]]
+) -> dict[str, Any]:
     loaders = [
         {"epoch": lo.epoch, "position": lo.position, "batch_size": lo.loader.batch_size}
-        for lo in rt.loaders
+        for lo in state.loaders
     ]
     return {
         "format": FORMAT,
         "epoch": loaders[0]["epoch"] if loaders else 0,
-        "step": rt.global_step,
-        "micro_step": rt.micro_step,
-        "oom_split": rt.oom_split,  # the micro-batch split recovery found: not to be found again
-        "world_size": rt.world_size,
+        "step": state.global_step,
+        "micro_step": state.micro_step,
+        "oom_split": state.oom_split,  # the split recovery found: not to be found again
+        "world_size": strategy.world_size,
         "loaders": loaders,
-        "optimizers": [o.state_dict() for o in rt._optimizers],
-        "precision": rt.precision.state_dict(),
+        "optimizers": [o.state_dict() for o in state.optimizers],
+        "precision": precision.state_dict(),
         "rng": rng,
     }
 

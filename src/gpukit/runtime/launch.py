@@ -47,9 +47,15 @@ def check_port(host: str, port: int) -> None:
 
 
 def spawn(
-    config: dict[str, Any], world_size: int, fn: Callable[..., Any], args: tuple[Any, ...]
+    make_runtime: Callable[[], Any],
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> Any:
-    """Run ``fn(Runtime(**config), *args)`` in ``world_size`` new processes; rank 0's result."""
+    """Run ``fn(make_runtime(), *args)`` in ``world_size`` new processes; rank 0's result.
+
+    ``make_runtime`` (picklable: ``functools.partial(Runtime, ...)``, say) is called inside
+    each process, once the launch environment is in place, so it sees its rank."""
     port = free_port()
     # Results and errors travel as files: a pipe would block a rank writing more than its
     # buffer holds while this process waits for the ranks to exit.
@@ -58,7 +64,7 @@ def spawn(
         try:
             mp.start_processes(
                 _worker,
-                args=(config, world_size, port, fn, args, str(outbox)),
+                args=(make_runtime, world_size, port, fn, args, str(outbox)),
                 nprocs=world_size,
                 start_method="spawn",
                 join=True,
@@ -81,7 +87,7 @@ def spawn(
 
 def _worker(
     local_rank: int,
-    config: dict[str, Any],
+    make_runtime: Callable[[], Any],
     world_size: int,
     port: int,
     fn: Callable[..., Any],
@@ -98,10 +104,8 @@ def _worker(
             "MASTER_PORT": str(port),
         }
     )
-    from gpukit.runtime.runtime import Runtime
-
     try:
-        runtime = Runtime(**config)
+        runtime = make_runtime()
         try:
             result = fn(runtime, *args)
         finally:

@@ -2,7 +2,8 @@
 
 - ``"32"``: plain float32; nothing wraps the forward.
 - ``"bf16-mixed"``: the forward runs under ``torch.autocast`` in bfloat16; weights and
-  gradients stay float32.
+  gradients stay float32. ``setup`` returns the model inside a thin :class:`MixedPrecision`
+  module that enters autocast around each call: the user's module itself is never changed.
 - ``"16-mixed"``: autocast in float16 plus a gradient scaler, which skips the optimizer step
   when gradients overflow (inf/NaN) and lowers the scale, or raises it after a run of good steps.
 - ``"auto"``: bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32 on the CPU.
@@ -15,8 +16,6 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -37,8 +36,13 @@ class Precision:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def wrap_forward(self, module: nn.Module) -> None:
-        """Make ``module``'s forward run in this precision; float32 leaves it untouched."""
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """What runs ``module``'s forward in this precision; float32: the module itself."""
+        return module
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module ``setup_module`` was given."""
+        return module.module if isinstance(module, MixedPrecision) else module
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -64,10 +68,8 @@ class BF16Mixed(Precision):
     name: ClassVar[str] = "bf16-mixed"
     dtype: ClassVar[torch.dtype] = torch.bfloat16
 
-    def wrap_forward(self, module: nn.Module) -> None:
-        # An instance attribute shadows the class's forward: module(...) and DDP's call of it
-        # both run under autocast, and the module's type and state_dict keys stay the user's.
-        module.forward = _autocast(module.forward, self.device.type, self.dtype)
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return MixedPrecision(self.unwrap(module), self.device.type, self.dtype)
 
 
 class FP16Mixed(BF16Mixed):
@@ -94,10 +96,18 @@ class FP16Mixed(BF16Mixed):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # A fused optimizer (Adam(fused=True), ...) is always called and skips on the
             # device by itself, so only the scale tells whether it skipped.
-            scale_before = self.scaler.get_scale()
+            # The scales are compared on the device and read once (get_scale() twice would
+            # be two reads); the scaler's own tensor is private, hence the fallback.
+            scale = getattr(self.scaler, "_scale", None)
+            if not isinstance(scale, torch.Tensor):
+                before = self.scaler.get_scale()
+                self.scaler.step(optimizer)
+                self.scaler.update()
+                return self.scaler.get_scale() >= before
+            before_t = scale.clone()
             self.scaler.step(optimizer)
             self.scaler.update()
-            return self.scaler.get_scale() >= scale_before
+            return bool(self.scaler._scale >= before_t)
         ran: list[bool] = []
         hook = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
         try:
@@ -156,19 +166,44 @@ def _auto_name(device: torch.device) -> str:
     return "bf16-mixed" if major >= 8 else "16-mixed"
 
 
-def _autocast(forward: Callable[..., Any], device_type: str, dtype: torch.dtype) -> Any:
-    @functools.wraps(forward)
-    def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            output = forward(*args, **kwargs)
-        # The loss is computed outside autocast: give it float32 outputs, as a float32 model
-        # would, so losses and metrics are not rounded to 8 bits of mantissa.
-        return _to_float32(output)
+class MixedPrecision(nn.Module):
+    """Runs ``module`` under ``torch.autocast(device_type, dtype)`` and hands back float32.
 
-    return forward_in_precision
+    The loss is computed outside autocast: it gets float32 outputs, as from a float32 model, so
+    losses and metrics are not rounded to 8 bits of mantissa. Attributes, ``state_dict`` and
+    ``load_state_dict`` are the wrapped module's own (the same keys as without mixed
+    precision), so code written for the plain model keeps working.
 
+    >>> import torch
+    >>> m = MixedPrecision(torch.nn.Linear(2, 2), "cpu", torch.bfloat16)
+    >>> m(torch.ones(1, 2)).dtype, m.in_features, list(m.state_dict())
+    (torch.float32, 2, ['weight', 'bias'])
+    """
 
-def _to_float32(value: Any) -> Any:
-    return map_tensors(
-        value, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-    )
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            output = self.module(*args, **kwargs)
+        return map_tensors(
+            output, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.load_state_dict(*args, **kwargs)

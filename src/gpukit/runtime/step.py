@@ -1,36 +1,50 @@
-"""One optimizer step over a batch, cut into micro-batches, that survives running out of memory.
+"""The training step: backward, optimizer step, clipping, accumulation, and ``train_step``, one
+optimizer step over a batch cut into micro-batches that survives running out of memory.
 
-``rt.train_step(optimizer, batch, compute_loss)`` cuts the batch into ``accumulate`` micro-
-batches, runs forward and backward on each with the loss weighted by its share of the batch (so
-the gradient is exactly that of the whole batch), and steps. With ``Runtime(oom="recover")`` an
+Nothing here reads a value back from the device on the way: the step queues work and returns.
+The few reads it does make are named where they happen (16-mixed's inf/NaN check, the ranks'
+agreement under ``oom="recover"`` with several processes, one-time checks after the first step).
+
+``train_step(optimizer, batch, compute_loss)`` cuts the batch into ``accumulate`` micro-batches,
+runs forward and backward on each with the loss weighted by its share of the batch (so the
+gradient is exactly that of the whole batch), and steps. When out-of-memory recovery is on, an
 out-of-memory error inside the forward or backward does not end the run: the step's gradients
-and memory are released, its buffers and random generators are restored, the batch is cut into
-twice as many micro-batches, and the step starts again. The effective batch stays the same, and
-so does the result for models whose samples do not interact (BatchNorm's statistics do depend on
-the micro-batch). Under several processes every rank trains its micro-batches without gradient
-synchronisation, the ranks agree on whether anyone failed (one small all-reduce), and only then
-are the gradients averaged: no rank is ever left waiting in a collective that another rank
-abandoned. The split found stays for the following steps. A micro-batch of one sample that still
-does not fit ends the run with the explanation of ``gk.explain``.
+and memory are released, its buffers and random generators restored (see ``snapshot``), the
+batch cut into twice as many micro-batches, and the step started again. The effective batch
+stays the same, and so does the result for models whose samples do not interact (BatchNorm's
+statistics do depend on the micro-batch). Under several processes every rank trains its
+micro-batches without gradient synchronisation, the ranks agree on whether anyone failed (one
+small all-reduce and one read), and only then are the gradients averaged: no rank is left
+waiting in a collective another rank abandoned. That costs DDP its overlap of communication
+with the backward, which is why ``oom="auto"`` recovers only in one process. The split found
+stays for the following steps. A micro-batch of one sample that still does not fit ends the run
+with the explanation of ``gk.explain``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gpukit._util.batch import batch_size, chunk_sizes, split
-from gpukit.diagnostics.oom import injected_oom, is_oom
+from gpukit.diagnostics.memory import breakdown, report
+from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import reraise_readable
-from gpukit.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gpukit.runtime.runtime import Runtime
+from gpukit.diagnostics.trace import untraced
+from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.runtime.config import RuntimeConfig
+from gpukit.runtime.faults import OomFault
+from gpukit.runtime.precision import Precision
+from gpukit.runtime.snapshot import BufferGuard, RngState
+from gpukit.runtime.state import TrainState
+from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")
 
@@ -44,164 +58,287 @@ class _Attempt:
     message: str = ""  # its error message (the exception itself is gone, with its memory)
 
 
-def run_step(
-    rt: Runtime,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    compute_loss: Callable[[Any], torch.Tensor],
-) -> torch.Tensor:
-    """See the module docstring; ``rt.train_step`` is the public entry."""
-    n = batch_size(batch)
-    if n is None:
-        raise ConfigError(
-            f"train_step got a batch of {type(batch).__name__} with no tensor in it: give the "
-            "batch as the loader yields it (tensors, or tuples/dicts of tensors)"
-        )
-    recover = rt.oom == "recover"
-    # Under several processes, recovery needs gradients held back until every rank is known
-    # to have finished its backward.
-    hold_back = recover and rt.world_size > 1
-    if hold_back and not rt._recovery_checked:
-        _refuse_collective_forward(rt)
-    while True:
-        sizes = chunk_sizes(n, rt.accumulate * rt.oom_split)
-        snapshot = _Snapshot(rt) if recover else None
-        attempt = _attempt(rt, batch, sizes, compute_loss, hold_back)
-        failed, exhausted = _agree(rt, attempt, hold_back)
-        if not failed:
-            break
-        optimizer.zero_grad(set_to_none=True)
-        assert snapshot is not None  # failures come back only in recover mode
-        snapshot.restore()
-        _release(rt)
-        if exhausted:
-            raise rt.out_of_memory(attempt.message or "out of memory on another rank", 1)
-        _log_retry(rt, n, sizes, attempt)
-    if hold_back:
-        for module in rt._modules:
-            rt.strategy.sync_held(module)
-    rt._check_gradients_once()  # a collective under DDP: only once every rank is here
-    rt.micro_step += rt.accumulate
-    rt._stepped_at = rt.micro_step
-    rt._optimizer_step(optimizer)
-    assert attempt.loss is not None  # the loop leaves only once every micro-batch fitted
-    return attempt.loss
+class Stepper:
+    """Backward and step for ``state``'s models, as ``config``, ``strategy`` and
+    ``precision`` say; see the module docstring."""
 
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        state: TrainState,
+        strategy: Strategy,
+        precision: Precision,
+        fault: OomFault | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.strategy = strategy
+        self.precision = precision
+        self.fault = fault or OomFault()
+        self.recover = config.recovers(strategy.distributed)
+        # Under several processes, recovery holds gradients back until every rank is known to
+        # have finished its backward.
+        self.hold_back = self.recover and strategy.distributed
+        self._clip_params: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self._guard: BufferGuard | None = None
+        self._guarded = 0  # how many models the guard watches
+        self._gradients_checked = False
+        self._collectives_checked = False
 
-def _refuse_collective_forward(rt: Runtime) -> None:
-    """SyncBatchNorm gathers statistics over the ranks inside the forward: a rank that failed
-    earlier would never join, and the others would wait until the timeout."""
-    rt._recovery_checked = True
-    for module in rt._modules:
-        synced = [
-            n for n, m in rt.unwrap(module).named_modules() if isinstance(m, torch.nn.SyncBatchNorm)
-        ]
-        if synced:
+    # -- the manual loop: rt.backward, rt.step -------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward in the run's precision, averaged over accumulated micro-batches."""
+        if self.config.accumulate > 1:
+            loss = loss / self.config.accumulate
+        try:
+            self.precision.backward(loss)
+        except Exception as err:
+            if is_oom(err):
+                raise self.out_of_memory(err) from err
+            reraise_readable(err)
+        self.state.micro_step += 1
+        self.check_gradients_once()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step once every ``accumulate`` calls; True when the optimizer stepped."""
+        state = self.state
+        if state.micro_step == state.stepped_at:
             raise ConfigError(
-                f"oom='recover' cannot protect a model whose forward talks to the other ranks "
-                f"(SyncBatchNorm at {', '.join(synced[:3])}): a rank that ran out of memory would "
-                "leave the others waiting. Use oom='raise' (gpukit train --oom raise), or plain "
-                "BatchNorm"
+                "rt.step(optimizer) was called without rt.backward(loss) since the last step: "
+                "call rt.backward(loss) once per micro-batch, then rt.step(optimizer)"
+            )
+        state.stepped_at = state.micro_step
+        if state.micro_step % self.config.accumulate != 0:
+            self.sync_next_backward()
+            return False
+        return self.optimizer_step(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale, clip, step and zero the gradients; True unless 16-mixed skipped it."""
+        try:
+            if self.config.clip is not None:
+                self.precision.unscale(optimizer)
+                # No read-back: the norm and the scaling stay on the device.
+                torch.nn.utils.clip_grad_norm_(self._params(optimizer), self.config.clip)
+            stepped = self.precision.step(optimizer)
+        except Exception as err:
+            # Not recoverable by smaller micro-batches: the optimizer state is what grew.
+            if is_oom(err):
+                raise self.out_of_memory(err) from err
+            reraise_readable(err)
+        optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.sync_next_backward()
+        return stepped
+
+    def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The optimizer's parameters, listed once (again only if its groups change)."""
+        groups = optimizer.param_groups
+        count = sum(len(g["params"]) for g in groups)
+        cached = self._clip_params.get(id(optimizer))
+        if cached is None or cached[0] != count:
+            cached = (count, [p for g in groups for p in g["params"]])
+            self._clip_params[id(optimizer)] = cached
+        return cached[1]
+
+    def sync_next_backward(self) -> None:
+        """Tell the strategy whether the coming backward ends an accumulation window (only
+        then does DDP all-reduce; its forward must already know)."""
+        sync = (self.state.micro_step + 1) % self.config.accumulate == 0
+        for module in self.state.modules:
+            self.strategy.set_backward_sync(module, sync)
+
+    def check_gradients_once(self) -> None:
+        """After the first backward, let the strategy catch setups that would fail a step
+        later. A one-time check (a collective under DDP), so not a per-step cost: it is kept
+        out of ``gk.trace()``."""
+        if not self._gradients_checked:
+            self._gradients_checked = True
+            with untraced():
+                for module in self.state.modules:
+                    self.strategy.check_gradients(module)
+
+    # -- rt.train_step ----------------------------------------------------------------------------
+    def train_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        batch: Any,
+        compute_loss: Callable[[Any], torch.Tensor],
+    ) -> torch.Tensor:
+        """See the module docstring; ``rt.train_step`` is the public entry."""
+        n = batch_size(batch)
+        if n is None:
+            raise ConfigError(
+                f"train_step got a batch of {type(batch).__name__} with no tensor in it: give "
+                "the batch as the loader yields it (tensors, or tuples/dicts of tensors)"
+            )
+        state, config = self.state, self.config
+        if self.hold_back and not self._collectives_checked:
+            self.refuse_collective_forward()
+        while True:
+            sizes = chunk_sizes(n, config.accumulate * state.oom_split)
+            saved = self._save() if self.recover else None
+            attempt = self._attempt(batch, sizes, compute_loss)
+            failed, exhausted, anywhere = self._agree(attempt)
+            if not failed:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            assert saved is not None  # failures come back only when recovering
+            self._restore(saved)
+            _release()
+            if exhausted:
+                raise self.out_of_memory(attempt.message or "out of memory on another rank", 1)
+            self._log_retry(n, sizes, attempt)
+        if self.hold_back:
+            for module, flags in zip(state.modules, anywhere, strict=True):
+                self.strategy.sync_held(module, flags)
+        if self._guard is not None and saved is not None:
+            with untraced():  # learns, once, which buffers the steps change
+                self._guard.succeeded(saved[0])
+        self.check_gradients_once()  # a collective under DDP: only once every rank is here
+        state.micro_step += config.accumulate
+        state.stepped_at = state.micro_step
+        self.optimizer_step(optimizer)
+        assert attempt.loss is not None  # the loop leaves only once every micro-batch fitted
+        return attempt.loss
+
+    def refuse_collective_forward(self) -> None:
+        """SyncBatchNorm gathers statistics over the ranks inside the forward: a rank that
+        failed earlier would never join, and the others would wait until the timeout."""
+        self._collectives_checked = True
+        for module in self.state.modules:
+            user = self.precision.unwrap(module)
+            synced = [
+                n
+                for n, m in self.strategy.unwrap(user).named_modules()
+                if isinstance(m, torch.nn.SyncBatchNorm)
+            ]
+            if synced:
+                raise ConfigError(
+                    f"oom='recover' cannot protect a model whose forward talks to the other "
+                    f"ranks (SyncBatchNorm at {', '.join(synced[:3])}): a rank that ran out of "
+                    "memory would leave the others waiting. Use oom='raise' or 'auto' (gpukit "
+                    "train --oom raise), or plain BatchNorm"
+                )
+
+    def _attempt(
+        self, batch: Any, sizes: list[int], compute_loss: Callable[[Any], torch.Tensor]
+    ) -> _Attempt:
+        total = sum(sizes)
+        chunks = split(batch, sizes) if len(sizes) > 1 else [batch]
+        loss_sum: torch.Tensor | None = None
+        size = sizes[0]
+        try:
+            for i, (chunk, size) in enumerate(zip(chunks, sizes, strict=True)):
+                last = i == len(sizes) - 1
+                for module in self.state.modules:
+                    if self.hold_back:
+                        self.strategy.hold_sync(module)
+                    else:
+                        self.strategy.set_backward_sync(module, last)
+                self.fault.check(size)
+                loss = compute_loss(chunk)
+                weighted = loss * (size / total) if len(sizes) > 1 else loss
+                self.precision.backward(weighted)
+                loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
+        except Exception as err:
+            if not is_oom(err):
+                reraise_readable(err)  # a known CUDA/NCCL error in words, anything else as is
+            if not self.recover:
+                raise self.out_of_memory(err, size) from err
+            # Only the message leaves this block: the exception's traceback holds the frames,
+            # and with them every activation of the failed micro-batch.
+            return _Attempt(failed_size=size, message=str(err))
+        return _Attempt(loss=loss_sum)
+
+    def _agree(self, attempt: _Attempt) -> tuple[bool, bool, list[list[bool]]]:
+        """(some rank failed, some rank failed with a micro-batch of one sample, the held
+        modules' flags agreed over the ranks): one ``any_rank``, so at most one read."""
+        failed = attempt.loss is None
+        exhausted = failed and attempt.failed_size <= 1
+        if not self.hold_back:  # this process alone decides: nothing to agree on, no read
+            return failed, exhausted, []
+        held = [self.strategy.held_flags(m) for m in self.state.modules]
+        agreed = self.strategy.any_rank([failed, exhausted, *itertools.chain(*held)])
+        anywhere, at = [], 2
+        for flags in held:
+            anywhere.append(agreed[at : at + len(flags)])
+            at += len(flags)
+        return agreed[0], agreed[1], anywhere
+
+    def _save(self) -> tuple[list[tuple[int, torch.Tensor]], RngState]:
+        if self._guard is None or self._guarded != len(self.state.modules):
+            self._guarded = len(self.state.modules)  # setup only ever adds models
+            users = [self.strategy.unwrap(self.precision.unwrap(m)) for m in self.state.modules]
+            self._guard = BufferGuard(users)
+        return self._guard.save(), RngState(self.strategy.driven_devices)
+
+    def _restore(self, saved: tuple[list[tuple[int, torch.Tensor]], RngState]) -> None:
+        buffers, rng = saved
+        assert self._guard is not None  # made by _save
+        self._guard.restore(buffers)
+        rng.restore()
+
+    def _log_retry(self, n: int, sizes: list[int], attempt: _Attempt) -> None:
+        state = self.state
+        state.oom_split *= 2
+        after = chunk_sizes(n, self.config.accumulate * state.oom_split)
+        event = {
+            "step": state.global_step,
+            "micro_batch_before": max(sizes),
+            "micro_batch_after": max(after),
+            "micro_batches": len(after),
+            "error": attempt.message.splitlines()[0] if attempt.message else "on another rank",
+        }
+        state.oom_events.append(event)
+        if self.strategy.rank == 0:
+            where = " on at least one rank" if self.strategy.distributed else ""
+            log.warning(
+                "out of memory at step %d with micro-batches of %d samples%s: retrying the "
+                "step as %d micro-batches of at most %d (the batch of %d is unchanged)",
+                state.global_step,
+                max(sizes),
+                where,
+                len(after),
+                max(after),
+                n * self.strategy.world_size,
             )
 
-
-def _attempt(
-    rt: Runtime,
-    batch: Any,
-    sizes: list[int],
-    compute_loss: Callable[[Any], torch.Tensor],
-    hold_back: bool,
-) -> _Attempt:
-    total = sum(sizes)
-    chunks = split(batch, sizes) if len(sizes) > 1 else [batch]
-    loss_sum: torch.Tensor | None = None
-    size = sizes[0]
-    try:
-        for i, (chunk, size) in enumerate(zip(chunks, sizes, strict=True)):
-            last = i == len(sizes) - 1
-            for module in rt._modules:
-                if hold_back:
-                    rt.strategy.hold_sync(module)
-                else:
-                    rt.strategy.set_backward_sync(module, last)
-            if rt.fault_oom_above is not None and size > rt.fault_oom_above:
-                raise injected_oom(size, rt.fault_oom_above)
-            loss = compute_loss(chunk)
-            weighted = loss * (size / total) if len(sizes) > 1 else loss
-            rt.precision.backward(weighted)
-            loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
-    except Exception as err:
-        if not is_oom(err):
-            reraise_readable(err)  # a known CUDA/NCCL error in words, anything else as it was
-        if rt.oom != "recover":
-            raise rt.out_of_memory(err, size) from err
-        # Only the message leaves this block: the exception's traceback holds the frames, and
-        # with them every activation of the failed micro-batch.
-        return _Attempt(failed_size=size, message=str(err))
-    return _Attempt(loss=loss_sum)
+    # -- explaining ------------------------------------------------------------------------------
+    def out_of_memory(
+        self, err: BaseException | str, micro_batch: int | None = None
+    ) -> OutOfMemory:
+        """The error to raise for an out-of-memory ``err``: its numbers, explained with what
+        this run knows (weights and optimizer state, the strategy's own advice, imbalance
+        between the devices this process drives)."""
+        state_bytes = imbalance = None
+        # The explanation must never hide the error it explains: what cannot be read is None.
+        with contextlib.suppress(Exception):
+            total = 0
+            for i, module in enumerate(self.state.modules):
+                optimizer = self.state.optimizers[i] if i < len(self.state.optimizers) else None
+                user = self.strategy.unwrap(self.precision.unwrap(module))
+                parts = breakdown(user, optimizer)
+                total += parts.parameters + parts.gradients + parts.optimizer_state
+            state_bytes = total
+        with contextlib.suppress(Exception):
+            driven = self.strategy.driven_devices
+            if len(driven) > 1:
+                imbalance = report([d.torch for d in driven], all_ranks=False).imbalance
+        explanation = explain(
+            err,
+            state_bytes=state_bytes,
+            strategy=self.strategy,
+            imbalance=imbalance,
+            micro_batch=micro_batch,
+        )
+        return OutOfMemory(str(explanation))
 
 
-def _agree(rt: Runtime, attempt: _Attempt, hold_back: bool) -> tuple[bool, bool]:
-    """(some rank failed, some rank failed with a micro-batch of one sample)."""
-    failed = attempt.loss is None
-    exhausted = failed and attempt.failed_size <= 1
-    if not hold_back:
-        return failed, exhausted
-    flags = torch.tensor([float(failed), float(exhausted)], device=rt.device.torch)
-    anywhere = rt.strategy.all_reduce(flags, "max").tolist()
-    return anywhere[0] > 0, anywhere[1] > 0
-
-
-def _release(rt: Runtime) -> None:
+def _release() -> None:
     """Hand the failed step's memory back before trying again."""
     gc.collect()
     # One call empties the cache of every device; entering another device's scope first would
     # create a CUDA context there (hundreds of MiB), on a GPU that is short of memory.
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-class _Snapshot:
-    """What a failed attempt may have changed besides gradients: buffers (BatchNorm's running
-    statistics, its batch count) and the random generators (dropout masks), restored so the
-    retry starts from exactly where the step began."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.buffers = [
-            (b, b.detach().clone()) for m in rt._modules for b in rt.unwrap(m).buffers()
-        ]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for live, saved in self.buffers:
-                live.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
-def _log_retry(rt: Runtime, n: int, sizes: list[int], attempt: _Attempt) -> None:
-    rt.oom_split *= 2
-    after = chunk_sizes(n, rt.accumulate * rt.oom_split)
-    event = {
-        "step": rt.global_step,
-        "micro_batch_before": max(sizes),
-        "micro_batch_after": max(after),
-        "micro_batches": len(after),
-        "error": attempt.message.splitlines()[0] if attempt.message else "on another rank",
-    }
-    rt.oom_events.append(event)
-    if rt.is_global_zero:
-        where = "" if rt.world_size == 1 else " on at least one rank"
-        log.warning(
-            "out of memory at step %d with micro-batches of %d samples%s: retrying the step "
-            "as %d micro-batches of at most %d (the batch of %d is unchanged)",
-            rt.global_step,
-            max(sizes),
-            where,
-            len(after),
-            max(after),
-            n * rt.world_size,
-        )

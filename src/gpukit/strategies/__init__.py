@@ -1,4 +1,9 @@
-"""Strategies by name: how training is spread over devices and processes.
+"""Strategies: how training is spread over devices and processes.
+
+``registry`` (names and the ``"auto"`` choice), ``base`` (the contract: a few hooks), one module
+per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``), ``per_device`` (what a
+``dp-balanced`` forward returns), and the private pieces of single-process data parallelism
+(``_parallel``: scatter, replicate, apply, gather; ``_criterion``: the loss on every device).
 
 >>> from gpukit.strategies import make_strategy
 >>> make_strategy("single").name
@@ -7,37 +12,23 @@
 
 from __future__ import annotations
 
-from gpukit.errors import ConfigError
-from gpukit.strategies.base import ReduceOp, Strategy
+from gpukit.strategies.base import MemoryAdvice, ReduceOp, Strategy
 from gpukit.strategies.ddp import DDP
-from gpukit.strategies.dp import DP, DPBalanced, PerDevice
+from gpukit.strategies.dp import DP, DPBalanced
+from gpukit.strategies.per_device import PerDevice
+from gpukit.strategies.registry import STRATEGIES, choose, make_strategy
 from gpukit.strategies.single import SingleDevice
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SingleDevice, DP, DPBalanced, DDP)
-}
-
-
-def make_strategy(spec: str | Strategy) -> Strategy:
-    """A fresh strategy for a registered name, or the strategy object given."""
-    if isinstance(spec, Strategy):
-        return spec
-    if spec not in STRATEGIES:
-        raise ConfigError(
-            f"unknown strategy {spec!r}: use one of auto, {', '.join(STRATEGIES)} "
-            "(or pass a strategy object such as gk.strategies.DDP(...))"
-        )
-    return STRATEGIES[spec]()
-
 
 __all__ = [
     "DDP",
     "DP",
     "STRATEGIES",
     "DPBalanced",
+    "MemoryAdvice",
     "PerDevice",
     "ReduceOp",
     "SingleDevice",
     "Strategy",
+    "choose",
     "make_strategy",
 ]

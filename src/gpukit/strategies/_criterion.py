@@ -8,7 +8,7 @@ even when the batch does not divide evenly. Called with anything else (one devic
 already gathered) it is the plain loss function: the same call works for one device and many.
 
 >>> import torch
->>> from gpukit.strategies.dp import PerDevice
+>>> from gpukit.strategies.per_device import PerDevice
 >>> cpu = torch.device("cpu")
 >>> crit = ParallelCriterion(torch.nn.functional.l1_loss, cpu, "mean")
 >>> out = PerDevice((torch.zeros(3), torch.zeros(1)), (cpu, cpu), (3, 1))
@@ -26,7 +26,7 @@ from torch import nn
 
 from gpukit.errors import ConfigError
 from gpukit.strategies._parallel import parallel_apply, replicate, scatter
-from gpukit.strategies.dp import PerDevice, Reduction
+from gpukit.strategies.per_device import PerDevice, Reduction
 
 
 class ParallelCriterion:

@@ -7,6 +7,7 @@ strategy it holds. Everything that differs between strategies is a method here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -15,6 +16,18 @@ from torch import nn
 from gpukit.devices.device import Device
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
+
+
+@dataclass(frozen=True)
+class MemoryAdvice:
+    """A strategy's own remedy for running out of memory: ``title`` and ``detail`` in words,
+    ``freed`` the bytes it would free on the device that failed (None: unknown), and
+    ``confidence`` (0..1) that it is the cause."""
+
+    title: str
+    detail: str
+    freed: int | None
+    confidence: float
 
 
 class Strategy:
@@ -36,6 +49,17 @@ class Strategy:
     def configure(self, devices: list[Device]) -> None:
         """Take the devices asked for; raise ConfigError if this strategy cannot use them."""
         self.devices = devices
+
+    @property
+    def driven_devices(self) -> list[Device]:
+        """The devices this process computes on: its own one, or every device under ``dp``.
+        Only their random generators and memory are this process's to read."""
+        return [self.device]
+
+    @property
+    def distributed(self) -> bool:
+        """True when several processes train together: decisions must then be agreed on."""
+        return self.world_size > 1
 
     @property
     def needs_launch(self) -> bool:
@@ -69,11 +93,28 @@ class Strategy:
         """Make the coming forward and backward run no collective at all (out-of-memory
         recovery: a rank may fail halfway, and no other rank may wait for it)."""
 
-    def sync_held(self, module: nn.Module) -> None:
-        """Do now what ``hold_sync`` held back: average the gradients, share the buffers."""
+    def held_flags(self, module: nn.Module) -> list[bool]:
+        """What this rank must tell the others before ``sync_held`` (agreed by ``any_rank``
+        together with the step's own flags, so that the whole agreement is one read)."""
+        return []
+
+    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
+        """Do now what ``hold_sync`` held back: average the gradients, share the buffers.
+        ``anywhere``: ``held_flags`` agreed over the ranks."""
 
     def check_gradients(self, module: nn.Module) -> None:
         """Called once after the first backward, to catch setups that fail a step later."""
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag, True where it is True on at least one rank: how ranks agree on a
+        decision (one small all-reduce and one read under several processes; free alone)."""
+        return list(flags)
+
+    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        """This strategy's own remedy when a device runs out of memory (``peak``: bytes the
+        failing device held at its peak; ``imbalance``: max/min peak over the devices this
+        process drives), or None when it has none to add."""
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` combined over all ranks (a new tensor; the input is left alone)."""

@@ -140,16 +140,16 @@ class DDP(Strategy):
             # failed before its forward would never join.
             module.require_forward_param_sync = False
 
-    def sync_held(self, module: nn.Module) -> None:
+    def held_flags(self, module: nn.Module) -> list[bool]:
+        # Which parameters got a gradient here: one used only on another rank must still join
+        # the sum (as zeros); one that no rank used keeps no gradient, as under DDP's reducer.
+        return [p.grad is not None for p in self._trained(module)]
+
+    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
         user_module = self.unwrap(module)
-        params = [p for p in user_module.parameters() if p.requires_grad]
-        # A parameter unused on this rank but used on another must still join the sum (as
-        # zeros); one that no rank used keeps no gradient, as under DDP's own reduction.
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
-        used = self.all_reduce(has_grad.to(self.device.torch), "max").tolist()
         grads: list[torch.Tensor] = []
-        for p, anywhere in zip(params, used, strict=True):
-            if anywhere:
+        for p, used in zip(self._trained(module), anywhere, strict=True):
+            if used:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
@@ -166,14 +166,17 @@ class DDP(Strategy):
                 dist.broadcast(flat, src=0)
                 _scatter_back(flat, bucket)
 
+    def _trained(self, module: nn.Module) -> list[torch.Tensor]:
+        return [p for p in self.unwrap(module).parameters() if p.requires_grad]
+
     def check_gradients(self, module: nn.Module) -> None:
         if self.find_unused_parameters or self.static_graph:
             return
-        params = dict(self.unwrap(module).named_parameters())
-        mine = [n for n, p in params.items() if p.requires_grad and p.grad is None]
+        params = list(self.unwrap(module).named_parameters())
+        mine = [p.requires_grad and p.grad is None for _, p in params]
         # Every rank must reach the same verdict, or the ones that carry on wait forever.
-        anywhere = {name for found in self.all_gather_object(mine) for name in found}
-        unused = [n for n in params if n in anywhere]  # in the model's order
+        anywhere = self.any_rank(mine)
+        unused = [n for (n, _), missing in zip(params, anywhere, strict=True) if missing]
         if unused:
             more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
             shown = ", ".join(unused[:10]) + more
@@ -183,6 +186,13 @@ class DDP(Strategy):
                 "strategy=gk.strategies.DDP(find_unused_parameters=True) if they are used only "
                 "sometimes, or freeze them with p.requires_grad_(False) if never"
             )
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        if not flags:
+            return []
+        found = torch.tensor(flags, dtype=torch.float32).to(self.device.torch)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return [v > 0 for v in found.tolist()]  # the one read: every rank decides alike
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         if op not in _OPS:

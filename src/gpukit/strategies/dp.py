@@ -21,8 +21,7 @@ torch.Size([])
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -32,29 +31,10 @@ from gpukit._util.batch import batch_size, chunk_sizes
 from gpukit.devices.device import Device, DeviceSpec
 from gpukit.devices.device import device as resolve_device
 from gpukit.errors import ConfigError
+from gpukit.strategies._criterion import ParallelCriterion, reduction_of
 from gpukit.strategies._parallel import gather, parallel_apply, replicate, scatter
-from gpukit.strategies.base import Strategy
-
-Reduction = Literal["mean", "sum"]
-
-
-@dataclass(frozen=True)
-class PerDevice:
-    """Outputs of a ``dp-balanced`` forward, left on the devices that computed them.
-
-    ``outputs[i]`` came from the ``sizes[i]`` samples sent to ``devices[i]``. Give it to the
-    criterion from ``rt.setup_criterion``; call :meth:`gather` where the whole output is
-    needed on one device (an accuracy, say).
-    """
-
-    outputs: tuple[Any, ...]
-    devices: tuple[torch.device, ...]
-    sizes: tuple[int, ...]
-
-    def gather(self, device: DeviceSpec | None = None) -> Any:
-        """The outputs joined along the batch dimension on ``device`` (default: the first)."""
-        target = resolve_device(device).torch if device is not None else self.devices[0]
-        return gather(self.outputs, target)
+from gpukit.strategies.base import MemoryAdvice, Strategy
+from gpukit.strategies.per_device import PerDevice
 
 
 class DataParallelModule(nn.Module):
@@ -149,6 +129,24 @@ class DP(Strategy):
             )
         return chosen.torch
 
+    @property
+    def driven_devices(self) -> list[Device]:
+        return list(self.devices)
+
+    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        if imbalance is not None and imbalance <= 1.2:
+            return None  # balanced enough: the imbalance is not what ran out
+        ratio = imbalance if imbalance is not None else 1.5  # a typical dp imbalance
+        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
+        return MemoryAdvice(
+            "balance memory over GPUs",
+            f'under strategy "dp" GPU 0 gathers every output and computes the loss alone{said}: '
+            'strategy="dp-balanced" computes the loss on every GPU, and strategy="ddp" '
+            "balances memory fully",
+            None if peak is None else int(peak * (1 - 1 / ratio)),
+            0.8 if imbalance else 0.5,
+        )
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         devices = [d.torch for d in self.devices]
@@ -183,11 +181,24 @@ class DPBalanced(DP):
         super().configure(devices)
         self.loss_device = self._member("loss_device", self.loss_device_spec)
 
+    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        if imbalance is not None and imbalance <= 1.2:
+            return None
+        ratio = imbalance if imbalance is not None else 1.2  # master state on the first GPU
+        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
+        return MemoryAdvice(
+            "one replica per process",
+            'under strategy "dp-balanced" the first GPU still holds the master weights, all '
+            f'gradients and the whole optimizer state{said}: strategy="ddp" gives every GPU '
+            "its own replica and its own share of the work, and sharding the optimizer state "
+            "over GPUs (FSDP / ZeRO) shrinks it further",
+            None if peak is None else int(peak * (1 - 1 / ratio)),
+            0.7 if imbalance else 0.4,
+        )
+
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
     ) -> Callable[..., torch.Tensor]:
-        from gpukit.strategies._criterion import ParallelCriterion, reduction_of
-
         reduces = reduction_of(fn, reduction)
         if isinstance(fn, nn.Module):
             fn = fn.to(self.devices[0].torch)

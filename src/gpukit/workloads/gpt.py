@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpukit.errors import ConfigError
-from gpukit.workloads import Workload
+from gpukit.workloads.base import Workload
 
 STRIDE = 8  # characters between window starts: windows overlap, so an epoch sees each ~8 times
 
@@ -211,8 +211,8 @@ class Sampler:
     Starts from ``prompt`` (default: a newline), draws each next character from the softmax
     at ``temperature`` with a fixed generator (the same model gives the same text), and
     returns the ``length`` new characters. Runs in eval mode under ``no_grad``, and restores
-    the model's mode. A ``DistributedDataParallel``, ``DataParallel`` or ``torch.compile``
-    wrapper is looked through.
+    the model's mode. Give it the model itself, not a DDP or DataParallel wrapper (``fit``
+    passes ``rt.unwrap(model)``); a ``torch.compile``'d model is sampled uncompiled.
 
     >>> sampler = Sampler("ab", length=5)
     >>> len(sampler(GPT(GPTConfig(vocab_size=2, context=4)), torch.device("cpu"), length=7))
@@ -240,7 +240,10 @@ class Sampler:
         self.seed = seed
 
     def __call__(self, model: nn.Module, device: torch.device, length: int | None = None) -> str:
-        net = _unwrap(model)
+        # A torch.compile'd model is sampled through the module it wraps: that one has the
+        # config, and running the wrapper in eval mode would cost a recompile for a few hundred
+        # small forwards. No other wrapper is looked through: fit passes rt.unwrap(model).
+        net: nn.Module = getattr(model, "_orig_mod", model)
         context = net.config.context if isinstance(net, GPT) else None
         was_training = net.training
         net.eval()
@@ -273,18 +276,6 @@ class Sampler:
             ids.append(nxt)
             new.append(nxt)
         return new
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside (Distributed)DataParallel and ``torch.compile`` wrappers."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            inner = model.module
-        else:
-            inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def build(seed: int = 0, config: GPTConfig | None = None) -> Workload:

@@ -4,13 +4,17 @@
 logging that reads the loss back only every ``log_every`` steps, a checkpoint at the end of each
 epoch (and when ``max_steps`` stops the run), and at the end a summary with throughput, MFU on
 GPUs and peak memory per device, written under ``out`` as ``metrics.json``, ``metrics.csv`` and
-``loss.png``.
+``loss.png`` (see :mod:`gpukit.workloads.report`).
+
+>>> import gpukit as gk
+>>> config = TrainConfig(workload="mlp", max_steps=3, progress=False)
+>>> metrics = gk.Runtime(devices="cpu").launch(fit, config)
+>>> metrics["steps"], metrics["strategy"], metrics["micro_batch"]
+(3, 'single', 64)
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,26 +23,10 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
-from gpukit.diagnostics.memory import report as memory_report
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
-from gpukit.workloads import Workload, load_workload
-
-# Dense bf16/fp16 tensor-core peaks (FLOP/s) of common GPUs, for MFU; matched by name.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 125e12,
-    "A10": 125e12,
-    "V100": 125e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "T4": 65e12,
-}
+from gpukit.workloads.base import load_workload
+from gpukit.workloads.report import metrics, run_memory, write_outputs
 
 
 @dataclass(frozen=True)
@@ -106,15 +94,23 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         bar.advance(rt, global_batch, start, first_step)  # the final bar shows the last loss
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
-    memory = _memory_report(rt)  # every rank takes part: it gathers under DDP
+    memory = run_memory(rt)  # every rank takes part: it gathers under DDP
     if not rt.is_global_zero:
         return {}
-    metrics = _metrics(rt, config, workload, samples_per_s, seconds, memory, global_batch)
+    summary = metrics(
+        rt,
+        workload,
+        samples_per_s=samples_per_s,
+        seconds=seconds,
+        global_batch=global_batch,
+        memory=memory,
+        config=asdict(config),
+    )
     if workload.sample is not None and config.sample:
-        metrics["sample"] = workload.sample(rt.unwrap(model), rt.device.torch)
+        summary["sample"] = workload.sample(rt.unwrap(model), rt.device.torch)
     if config.out:
-        write_outputs(Path(config.out), metrics, rt.history)
-    return metrics
+        write_outputs(Path(config.out), summary, rt.history)
+    return summary
 
 
 def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
@@ -131,7 +127,11 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
 
 
 def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
-    """Samples per rank per micro-step for a global batch; ConfigError if it does not divide."""
+    """Samples per rank per micro-step for a global batch; ConfigError if it does not divide.
+
+    >>> micro_batch(64, world_size=2, accumulate=4)
+    8
+    """
     parts = world_size * accumulate
     if global_batch < parts or global_batch % parts:
         lower = max(parts, global_batch // parts * parts)
@@ -140,95 +140,6 @@ def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
             f"accumulation step(s): use a multiple of {parts}, e.g. {lower} or {lower + parts}"
         )
     return global_batch // parts
-
-
-def _metrics(
-    rt: Runtime,
-    config: TrainConfig,
-    workload: Workload,
-    samples_per_s: float,
-    seconds: float,
-    memory: MemoryReport,
-    global_batch: int,
-) -> dict[str, Any]:
-    peak_memory = {_row_name(row): row.peak for row in memory.rows}
-    mfu = _mfu(rt, workload.flops_per_sample * samples_per_s)
-    losses = [r["loss"] for r in rt.history if "loss" in r]
-    return {
-        "workload": workload.name,
-        "final_loss": losses[-1] if losses else None,
-        "steps": rt.global_step,
-        "samples_per_s": samples_per_s,
-        "seconds": seconds,
-        "global_batch": global_batch,
-        "world_size": rt.world_size,
-        "strategy": rt.strategy.name,
-        "precision": rt.precision.name,
-        "devices": [str(d) for d in rt.strategy.devices],
-        "mfu": mfu,
-        "peak_memory": peak_memory,
-        "memory": memory.to_dict(),
-        "micro_batch": -(-global_batch // (rt.world_size * rt.accumulate * rt.oom_split)),
-        "oom_retries": rt.oom_events,
-        "config": asdict(config),
-    }
-
-
-def _mfu(rt: Runtime, flops_per_s: float) -> float | None:
-    """Model FLOPs utilisation against the GPUs' dense bf16 peak; None on CPUs or unknown GPUs."""
-    if rt.device.type != "cuda" or not flops_per_s:
-        return None
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in rt.device.name), None)
-    # dp drives several GPUs from one process: count the GPUs, not the processes.
-    gpus = rt.world_size if rt.world_size > 1 else len(rt.strategy.devices)
-    return flops_per_s / (peak * gpus) if peak else None
-
-
-def _memory_report(rt: Runtime) -> MemoryReport:
-    """Memory of every device the run trained on: all of a dp run's GPUs, each rank's under
-    DDP (gathered), the process's RAM on a CPU."""
-    used = [d.torch for d in rt.strategy.devices if d.type == "cuda"]
-    if rt.world_size > 1:
-        used = [rt.device.torch] if rt.device.type == "cuda" else []
-    return memory_report(used or ["cpu"])
-
-
-def _row_name(row: DeviceMemory) -> str:
-    return row.device if row.rank is None else f"{row.device} (rank {row.rank})"
-
-
-def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
-    """metrics.json, metrics.csv (the logged history) and loss.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    names = sorted({k for row in history for k in row} - {"step"})
-    with open(out / "metrics.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", *names])
-        for row in history:
-            writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])
-    _plot_loss(out / "loss.png", history, metrics)
-
-
-def _plot_loss(path: Path, history: list[dict[str, float]], metrics: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display is needed or wanted
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in history if "loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(
-        f"{metrics['workload']}: {metrics['strategy']} x{metrics['world_size']}, "
-        f"{metrics['precision']}"
-    )
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 class _Bar:

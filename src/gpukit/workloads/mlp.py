@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from gpukit.workloads import Workload, forward_flops
+from gpukit.workloads.base import Workload
+from gpukit.workloads.flops import forward_flops
 
 SAMPLES = 2048
 FEATURES = 32

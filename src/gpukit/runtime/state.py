@@ -1,0 +1,42 @@
+"""What a run has and where it stands: the objects ``setup`` saw and the step counters.
+
+The step, the checkpoint and the Runtime share this one object instead of reaching into each
+other: the checkpoint saves and restores it, the step advances it.
+
+>>> state = TrainState()
+>>> state.global_step, state.oom_split
+(0, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpukit.runtime.data import DeviceLoader
+
+
+@dataclass
+class TrainState:
+    """The models (as ``setup`` returned them), optimizers and loaders of a run, and its
+    progress: ``global_step`` optimizer steps, ``micro_step`` backward passes (``stepped_at``:
+    the micro-step of the last ``rt.step``), and the micro-batch split out-of-memory recovery
+    found (``oom_split``, with one entry in ``oom_events`` per recovery)."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    loaders: list[DeviceLoader] = field(default_factory=list)
+    global_step: int = 0
+    micro_step: int = 0
+    stepped_at: int = 0
+    oom_split: int = 1
+    oom_events: list[dict[str, Any]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        """Let go of the models, optimizers and loaders (the counters stay)."""
+        self.modules.clear()
+        self.optimizers.clear()
+        self.loaders.clear()
