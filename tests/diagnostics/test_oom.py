@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpukit.diagnostics.oom import OomNumbers, explain, is_oom, parse
-from gpukit.runtime.faults import injected_oom
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.runtime.faults import injected_oom
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -314,6 +314,23 @@ def test_dp_points_to_dp_balanced() -> None:
     assert "dp-balanced" in str(explain(CURRENT_THIS, strategy="dp"))  # imbalance unknown
     assert "balance memory over GPUs" not in titles(CURRENT_THIS, strategy="dp", imbalance=1.1)
     assert "balance memory over GPUs" not in titles(CURRENT_THIS, strategy="ddp")
+
+
+def test_dp_balanced_gets_advice_of_its_own() -> None:
+    e = explain(CURRENT_THIS, strategy="dp-balanced", imbalance=1.6)
+    own = next(r for r in e.remedies if r.title == "one replica per process")
+    assert "master weights" in own.detail and 'strategy="ddp"' in own.detail
+    assert "1.6x" in own.detail
+    assert "one replica per process" not in titles(
+        CURRENT_THIS, strategy="dp-balanced", imbalance=1.0
+    )
+
+
+def test_the_runtime_passes_its_strategy_object() -> None:
+    import gpukit as gk
+
+    rt = gk.Runtime(strategy="dp", devices=["cpu", "cpu"])
+    assert "balance memory over GPUs" in str(rt.out_of_memory(CURRENT_THIS))
 
 
 def test_request_larger_than_the_gpu_points_at_shapes() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
@@ -87,3 +90,48 @@ def test_cuda_batches_are_prefetched_pinned_and_correct() -> None:
     assert loader.loader.pin_memory
     total = sum(float(b.sum()) for (b,) in loader)
     assert total == float(torch.arange(4096.0).sum())
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    extras: Mapping[str, torch.Tensor]
+
+
+class _Frozen(Mapping[str, torch.Tensor]):
+    def __init__(self, items: dict[str, torch.Tensor]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch copied on the side stream is used on the current one: the allocator must be
+    told so for every tensor in it, or their memory could be reused while kernels read it.
+    Dataclass and custom Mapping batches once went unrecorded."""
+    import gpukit.runtime.data as data_module
+
+    recorded: list[int] = []
+
+    class Stream:
+        device = torch.device("cuda:0")
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    tensors = [torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)]
+    for t in tensors:
+        t.record_stream = lambda stream, t=t: recorded.append(id(t))  # type: ignore[method-assign]
+    batch = [_Batch(tensors[0], _Frozen({"a": tensors[1], "b": tensors[2]})), "label"]
+    assert data_module._ready(batch, Stream()) is batch  # type: ignore[arg-type]
+    assert sorted(recorded) == sorted(id(t) for t in tensors)

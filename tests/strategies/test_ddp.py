@@ -128,3 +128,26 @@ def _log_different_names(rt: gk.Runtime) -> None:
 def test_different_metric_names_on_ranks_are_an_error_not_a_hang() -> None:
     with pytest.raises(gk.ConfigError, match=r"rank \d: rt\.log got different metric names"):
         gk.Runtime(devices=2).launch(_log_different_names)
+
+
+def _log_changing_names(rt: gk.Runtime) -> list[dict[str, float]]:
+    rt.log(loss=float(rt.rank))
+    rt.flush_logs()
+    rt.log(loss=2.0, acc=float(rt.rank))  # a new metric, on every rank alike: fine
+    rt.flush_logs()
+    if rt.rank == 0:
+        rt.log(loss=1.0, extra=1.0)  # one more name here than on the other rank
+    else:
+        rt.log(loss=1.0)
+    try:
+        rt.flush_logs()
+    except gk.ConfigError as err:
+        return [*rt.history, {"error": str(err)}]  # type: ignore[dict-item]
+    return rt.history
+
+
+def test_metric_names_may_change_together_and_a_different_count_is_caught() -> None:
+    history = gk.Runtime(devices=2).launch(_log_changing_names)
+    assert history[0] == {"step": 0.0, "loss": 0.5}
+    assert history[1] == {"step": 0.0, "acc": 0.5, "loss": 2.0}
+    assert "different metric names" in history[2]["error"]  # type: ignore[operator]

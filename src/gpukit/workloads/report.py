@@ -83,7 +83,7 @@ def gpu_count(rt: Runtime) -> int:
     >>> gpu_count(gk.Runtime(strategy="dp", devices="cpu,cpu,cpu"))
     3
     """
-    return rt.world_size if rt.world_size > 1 else len(rt.strategy.devices)
+    return rt.world_size * len(rt.strategy.driven_devices)
 
 
 def run_memory(rt: Runtime) -> MemoryReport:
@@ -94,9 +94,7 @@ def run_memory(rt: Runtime) -> MemoryReport:
     >>> [row.device for row in run_memory(gk.Runtime(devices="cpu")).rows]
     ['cpu']
     """
-    used = [d.torch for d in rt.strategy.devices if d.type == "cuda"]
-    if rt.world_size > 1:
-        used = [rt.device.torch] if rt.device.type == "cuda" else []
+    used = [d.torch for d in rt.strategy.driven_devices if d.type == "cuda"]
     return memory_report(used or ["cpu"])
 
 
