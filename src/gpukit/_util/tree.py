@@ -122,6 +122,7 @@ def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any
     first = objs[0]
     if isinstance(first, torch.Tensor):
         return fn(list(objs))
+    columns: Iterator[Sequence[Any]]
     if isinstance(first, (list, tuple)):
         columns = iter(list(zip(*objs, strict=True)))
     elif isinstance(first, Mapping):

@@ -106,8 +106,8 @@ class FP16Mixed(BF16Mixed):
                 return self.scaler.get_scale() >= before
             before_t = scale.clone()
             self.scaler.step(optimizer)
-            self.scaler.update()
-            return bool(self.scaler._scale >= before_t)
+            self.scaler.update()  # updates that same tensor in place
+            return bool(scale >= before_t)
         ran: list[bool] = []
         hook = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
         try:
