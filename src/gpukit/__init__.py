@@ -13,7 +13,7 @@ from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oplog import PlacementLog, log_placement
 from gpukit.diagnostics.placement import PlacementReport, placement
 from gpukit.diagnostics.readable import explain_error
-from gpukit.diagnostics.trace.core import Trace, trace
+from gpukit.diagnostics.trace import Trace, trace
 from gpukit.errors import ConfigError, DeviceError, GpukitError, OutOfMemory
 from gpukit.runtime.runtime import Runtime
 

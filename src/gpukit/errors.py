@@ -56,8 +56,8 @@ class OutOfMemory(GpukitError, RuntimeError):
     it, this is a ``RuntimeError``, so ``except RuntimeError`` code keeps catching it."""
 
 
-# Translations of raw torch/CUDA/NCCL errors (see gpukit.translate). They are RuntimeErrors as
-# well, so code that already catches torch's RuntimeError keeps working after translation.
+# Translations of raw torch/CUDA/NCCL errors (see gpukit.diagnostics.readable). They are
+# RuntimeErrors as well, so code that already catches torch's RuntimeError keeps working.
 
 
 class CrossDeviceError(GpukitError, RuntimeError):

@@ -1,4 +1,4 @@
-"""Out-of-memory messages read into numbers, and remedies ranked by them (gpukit.oom).
+"""Out-of-memory messages read into numbers, and remedies ranked by them (gpukit.diagnostics.oom).
 
 The messages are verbatim from real runs of torch (current and pre-2.1 CUDA formats, the CPU
 allocator's and MPS's); expected byte counts are written out independently of the parser.

@@ -6,6 +6,7 @@ from the CPU to meta, CPU work inside a meta model).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from pathlib import Path
@@ -79,6 +80,32 @@ def test_backward_ops_are_recorded_and_attributed_to_backward() -> None:
     assert grads and grads[0].outputs[0].dtype == torch.float32
     assert log.records[-1].module == "(backward)"
     assert any(r.op == "aten::sum" and r.module == "(no module)" for r in log.records)
+
+
+def test_tensors_in_list_arguments_and_nested_module_data_are_specs() -> None:
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        extra: dict[str, torch.Tensor]
+
+    class Nested(nn.Module):
+        def forward(self, batch: dict[str, list[torch.Tensor]]) -> Out:
+            x = torch.cat(batch["x"])
+            return Out(x[None, torch.tensor([0])], {"meta": x.to("meta")})
+
+    a, b = torch.ones(2), torch.ones(3)
+    with log_placement() as log:
+        Nested()({"x": [a, b]})
+    cat = next(r for r in log.records if r.op == "aten::cat")
+    assert [str(s) for s in cat.inputs] == ["cpu[2]f32", "cpu[3]f32"]
+    index = next(r for r in log.records if r.op == "aten::index")
+    assert [str(s) for s in index.inputs] == ["cpu[1,5]f32", "cpu[1]i64"]  # indices: [None, t]
+    with log_placement(level="module") as log:
+        Nested()({"x": [a, b]})
+    assert (log.modules["Nested"].inputs, log.modules["Nested"].outputs) == (
+        {"cpu"},
+        {"cpu", "meta"},
+    )
 
 
 def test_module_level_aggregates_per_module_by_path() -> None:

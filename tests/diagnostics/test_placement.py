@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -65,6 +66,17 @@ def test_tensors_in_containers_are_reported_as_tensors() -> None:
     assert cpu["tensors"] == {"count": 2, "elements": 10, "bytes": 6 * 4 + 4 * 2}
     assert cpu["parameters"]["count"] == 0
     assert gk.placement(torch.ones(3)).to_dict()["devices"]["cpu"]["tensors"]["count"] == 1
+
+
+def test_tensors_in_a_dataclass_batch_are_found() -> None:
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        extra: dict[str, torch.Tensor]
+
+    batch = Batch(torch.ones(2), {"mask": torch.ones(3, dtype=torch.bool)})
+    cpu = gk.placement([batch]).to_dict()["devices"]["cpu"]
+    assert cpu["tensors"] == {"count": 2, "elements": 5, "bytes": 2 * 4 + 3}
 
 
 def test_placement_of_something_without_tensors_is_an_error() -> None:

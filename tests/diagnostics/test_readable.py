@@ -1,4 +1,5 @@
-"""Raw torch/CUDA/cuDNN/NCCL/gloo errors translated into readable gpukit errors (gpukit.translate).
+"""Raw torch/CUDA/cuDNN/NCCL/gloo errors translated into readable gpukit errors
+(gpukit.diagnostics.readable and its rules).
 
 The messages are verbatim from torch (those that need a GPU, a driver or NCCL are copied from
 real runs); the cross-device error with the meta device and the gloo timeout are provoked here.
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpukit.diagnostics.readable import explain_error, reraise_readable
-from gpukit.diagnostics.rules import cuda as _cuda_errors
+from gpukit.diagnostics.rules import cuda as cuda_rules
 from gpukit.errors import (
     ConfigError,
     CrossDeviceError,
@@ -217,7 +218,7 @@ def test_no_kernel_image_names_the_gpu_and_the_builds_architectures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        _cuda_errors,
+        cuda_rules,
         "_cuda_build",
         lambda: ("NVIDIA GeForce RTX 5090", (12, 0), ["sm_80", "sm_90"]),
     )

@@ -23,11 +23,14 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.diagnostics.trace.core import Sync, Trace, Transfer, trace
+from gpukit.diagnostics.trace import Sync, Trace, Transfer, trace
+from gpukit.diagnostics.trace.records import Recorder
+from gpukit.diagnostics.trace.report import render
 from gpukit.errors import ConfigError
 
-# The module itself: `gpukit.trace` is also the name of the function gpukit exports.
-trace_module = importlib.import_module("gpukit.diagnostics.trace.core")
+# Where the devices whose copies are ignored are read: tests empty it so that the meta device
+# stands in for a GPU.
+records_module = importlib.import_module("gpukit.diagnostics.trace.records")
 
 
 def write_script(tmp_path: Path, source: str) -> tuple[Path, dict[str, int]]:
@@ -136,7 +139,7 @@ COPIES = """
 def test_cross_device_copies_with_meta_standing_in_for_a_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(records_module, "_IGNORED_DEVICE_TYPES", frozenset())
     path, at = write_script(tmp_path, COPIES)
     t = run_traced(path)
     found = {(c.line, c.kind, c.count, c.bytes, c.pinned, c.blocking) for c in t.transfers}
@@ -157,27 +160,27 @@ def test_cross_device_copies_with_meta_standing_in_for_a_gpu(
 
 
 def test_blocking_d2h_copy_is_a_transfer_and_a_sync_listed_once() -> None:
-    t = Trace()
+    r = Recorder()
 
     def read_back() -> None:
-        t._record_transfer(torch.device("cuda:0"), torch.device("cpu"), 4000, False, True)
+        r.record_transfer(torch.device("cuda:0"), torch.device("cpu"), 4000, False, True)
 
     sync_line = read_back.__code__.co_firstlineno + 1
 
     read_back()
     read_back()
-    t._record_transfer(torch.device("cuda:0"), torch.device("cuda:1"), 100, True, False)
-    (d2h, d2d) = t.transfers
+    r.record_transfer(torch.device("cuda:0"), torch.device("cuda:1"), 100, True, False)
+    (d2h, d2d) = r.transfers
     assert (d2h.kind, d2h.count, d2h.bytes, d2h.function) == ("d2h", 2, 8000, "read_back")
     assert (d2d.kind, d2d.pinned) == ("d2d", False)  # pinned means nothing between GPUs
-    assert t.syncs == [Sync("d2h-copy", 2, __file__, sync_line, "read_back", "cuda:0", True)]
-    report = t.report()
+    assert r.syncs == [Sync("d2h-copy", 2, __file__, sync_line, "read_back", "cuda:0", True)]
+    report = render(r.ops_per_device, r.transfers, r.syncs)
     assert "d2h-copy" not in report and "keep results on the device" in report
     assert "gk.placement(model)" in report
 
 
 def test_to_dict_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(records_module, "_IGNORED_DEVICE_TYPES", frozenset())
     path, _ = write_script(tmp_path, COPIES + "\n" + SYNCS)
     data = run_traced(path).to_dict()
     assert set(data) == {"transfers", "syncs", "ops_per_device"}
@@ -255,7 +258,7 @@ def test_a_nested_trace_sees_its_part_and_the_outer_one_everything() -> None:
 def test_numpy_data_moved_at_creation_is_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
 
-    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(records_module, "_IGNORED_DEVICE_TYPES", frozenset())
     with trace() as t:
         torch.tensor(np.ones(4, dtype=np.float32), device="meta")
         torch.as_tensor(np.ones(4, dtype=np.float32), device="meta")
@@ -268,7 +271,7 @@ def test_every_way_to_make_a_device_tensor_from_host_data_is_one_copy(
 ) -> None:
     import numpy as np
 
-    monkeypatch.setattr(trace_module, "_IGNORED_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(records_module, "_IGNORED_DEVICE_TYPES", frozenset())
     on_device = torch.empty(2, device="meta")
     host = torch.ones(3)
     with trace() as t:
@@ -296,9 +299,9 @@ def test_a_forked_child_records_nothing() -> None:
     counted = ctx.Queue()
 
     def child_work() -> None:  # ops the child's inherited trace would count
-        before = sum(t._ops.values())
+        before = sum(t.ops_per_device.values())
         torch.ones(3).sum()
-        counted.put(sum(t._ops.values()) - before)
+        counted.put(sum(t.ops_per_device.values()) - before)
 
     with trace() as t:
         child = ctx.Process(target=child_work)
@@ -376,7 +379,7 @@ def test_file_rules_for_attribution() -> None:
     assert classify(str(gpukit_dir / "workloads" / "loop.py")) == where._USER
     assert classify(str(gpukit_dir / "workloads" / "gpt.py")) == where._USER
     assert classify(str(gpukit_dir / "runtime" / "runtime.py")) == where._GPUKIT
-    assert classify(str(gpukit_dir / "diagnostics" / "trace" / "core.py")) == where._GPUKIT
+    assert classify(str(gpukit_dir / "diagnostics" / "trace" / "records.py")) == where._GPUKIT
     assert classify(str(torch_dir / "nn" / "modules" / "linear.py")) == where._LIBRARY
     assert classify(str(torch_dir / "optim" / "adamw.py")) == where._HOST_SIDE
     assert classify(threading.__file__) == where._LIBRARY
@@ -511,3 +514,11 @@ def test_torchscript_compiles_torch_tensor_inside_a_trace() -> None:
         scripted = torch.jit.script(_scripted_sum)
     assert scripted([1.0, 2.0]).tolist() == [2.0, 4.0]
     assert _builtins._get_builtin_table() == before  # the wrappers' entries are gone with them
+
+
+def test_the_trace_package_is_small_modules_of_one_concept_each() -> None:
+    package = Path(str(records_module.__file__)).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in package.glob("*.py")}
+    assert {"records.py", "dispatch.py", "entries.py", "where.py", "report.py"} <= set(sizes)
+    assert "core.py" not in sizes
+    assert max(sizes.values()) <= 300, sizes

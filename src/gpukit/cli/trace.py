@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.blocking:
         _env.set_cuda_launch_blocking()
     from gpukit.diagnostics.oplog import log_placement
-    from gpukit.diagnostics.trace.core import trace
+    from gpukit.diagnostics.trace import trace
 
     failure: BaseException | None = None
     exit_code = 0

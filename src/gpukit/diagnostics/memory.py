@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from rich.table import Table
 from torch import nn
 from torch.optim import Optimizer
 
+from gpukit._util import tree
 from gpukit._util.text import format_bytes, make_table, render_plain
 from gpukit.devices import hw as _hw
 from gpukit.devices import nvml as _nvml
@@ -227,9 +228,7 @@ def breakdown(model: nn.Module, optimizer: Optimizer | None = None) -> MemoryBre
         "parameters": list(model.parameters()),
         "gradients": [p.grad for p in model.parameters() if p.grad is not None],
         "buffers": list(model.buffers()),
-        "optimizer_state": _tensors(
-            list(optimizer.state.values()) if optimizer is not None else []
-        ),
+        "optimizer_state": tree.tensors(optimizer.state if optimizer is not None else {}),
     }
     seen: set[tuple[str, int, int]] = set()
     by_device: dict[str, dict[str, int]] = {}
@@ -371,15 +370,6 @@ def _cpu_row(rank: int | None) -> DeviceMemory:
     peak = max(status.get("VmHWM") or _max_rss(), current)
     ram = _hw.ram_total(), _hw.ram_available()
     return DeviceMemory("cpu", rank, current, current, peak, *ram, None)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested dicts, lists and tuples (an optimizer's state)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for value in obj.values() if isinstance(obj, dict) else obj:
-            yield from _tensors(value)
 
 
 def _bytes(n: int | None) -> str:

@@ -37,7 +37,8 @@ from torch.nn.modules.module import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpukit.diagnostics.oplog_summary import ModuleStats, PlacementSummary, _counts
+from gpukit._util import tree
+from gpukit.diagnostics.oplog_summary import ModuleStats, PlacementSummary, device_counts
 from gpukit.errors import ConfigError
 
 Level = Literal["op", "module"]
@@ -266,7 +267,7 @@ class PlacementLog:
                 label = frame.name if frame.name == frame.stats.type else (
                     f"{frame.name} ({frame.stats.type})")  # fmt: skip
                 self._out.write(f"{label}  {_join(frame.inputs)} -> {_join(outputs)}  "
-                                f"ops: {_counts(frame.ops) or '-'}\n")  # fmt: skip
+                                f"ops: {device_counts(frame.ops) or '-'}\n")  # fmt: skip
 
     def _stats(self, name: str, type_name: str) -> ModuleStats:
         stats = self.modules.get(name)
@@ -385,18 +386,40 @@ def _spec(t: torch.Tensor) -> TensorSpec:
     return _new(TensorSpec, (t.device, shape, t.dtype))
 
 
+# Values of op arguments that never hold a tensor: no walk for them.
+_PLAIN = (int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)  # fmt: skip
+
+
 def _specs(obj: Any) -> tuple[TensorSpec, ...]:
+    """The specs of the tensors in ``obj`` (an op's arguments or outputs, a module's inputs or
+    output), in order.
+
+    It runs for every op, whose arguments are tensors, plain values and lists of either (by the
+    op schemas): those are read here without the generators of a walk, which would cost
+    several times more; anything else (a module's dicts, dataclasses) goes through the walker.
+    """
     if isinstance(obj, torch.Tensor):
         return (_spec(obj),)
-    if not isinstance(obj, (list, tuple, dict)):
-        return ()
+    if type(obj) is not tuple and type(obj) is not list:
+        return () if isinstance(obj, _PLAIN) else _walked(obj)
     found: list[TensorSpec] = []
-    for item in obj.values() if isinstance(obj, dict) else obj:
+    for item in obj:
         if isinstance(item, torch.Tensor):
             found.append(_spec(item))
-        elif isinstance(item, (list, tuple, dict)):
-            found.extend(_specs(item))
+        elif type(item) is list or type(item) is tuple:  # Tensor[], int[]: cat, view, foreach
+            for value in item:
+                if isinstance(value, torch.Tensor):
+                    found.append(_spec(value))
+                elif not isinstance(value, _PLAIN):
+                    found.extend(_walked(value))
+        elif not isinstance(item, _PLAIN):
+            found.extend(_walked(item))
     return tuple(found)
+
+
+def _walked(obj: Any) -> tuple[TensorSpec, ...]:
+    return tuple(map(_spec, tree.tensors(obj)))
 
 
 def _fact(op: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],

@@ -1,5 +1,5 @@
 """What a placement log found, summarised: ops per device, CPU ops under an accelerator model,
-cross-device copies, ops whose inputs mixed devices (see ``gpukit.placement_log``)."""
+cross-device copies, ops whose inputs mixed devices (see ``gpukit.diagnostics.oplog``)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class PlacementSummary:
                     m.name,
                     m.type,
                     str(m.calls),
-                    _counts(m.ops),
+                    device_counts(m.ops),
                     ", ".join(sorted(m.inputs)),
                     ", ".join(sorted(m.outputs)),
                 ]
@@ -86,7 +86,12 @@ class PlacementSummary:
         return text
 
 
-def _counts(ops: dict[str, int]) -> str:
+def device_counts(ops: dict[str, int]) -> str:
+    """Ops per device as the log writes them.
+
+    >>> device_counts({"cuda:0": 3, "cpu": 1})
+    'cpu x1, cuda:0 x3'
+    """
     return ", ".join(f"{dev} x{n}" for dev, n in sorted(ops.items()))
 
 

@@ -9,13 +9,13 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from gpukit._util import tree
 from gpukit._util.text import format_bytes
 from gpukit.errors import GpukitError
 
@@ -104,7 +104,8 @@ class PlacementReport:
 
 
 def placement(obj: nn.Module | torch.Tensor | Any) -> PlacementReport:
-    """Report where the tensors of a model (or of a tensor, dict, list or tuple of them) live.
+    """Report where the tensors of a model live, or those of a tensor or of nested data (dicts,
+    lists, tuples, namedtuples, dataclasses) holding them.
 
     Warns when a model spans several devices, and names the modules where the split happens:
     a layer whose own weight and bias differ is usually a bug; a model whose halves sit on two
@@ -127,14 +128,14 @@ def placement(obj: nn.Module | torch.Tensor | Any) -> PlacementReport:
                 stacklevel=2,
             )
         return report
-    tensors = list(_named_tensors(obj, ""))
+    tensors = list(tree.tensors(obj))
     if not tensors and not isinstance(obj, (dict, list, tuple)):
         raise GpukitError(
             f"gk.placement() got a {type(obj).__name__}: pass an nn.Module, a tensor, "
             "or a dict/list/tuple of tensors"
         )
     report = PlacementReport(type(obj).__name__)
-    for _, t in tensors:
+    for t in tensors:
         _tally(report, "tensors", t)
     return report
 
@@ -144,17 +145,6 @@ def _tally(report: PlacementReport, role: Role, t: torch.Tensor) -> None:
     if dev not in report.tallies:
         report.tallies[dev] = {r: _Tally() for r in ROLES}
     report.tallies[dev][role].add(t)
-
-
-def _named_tensors(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "tensor", obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _named_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _named_tensors(v, f"{prefix}[{i}]")
 
 
 def _split_modules(model: nn.Module) -> list[SplitModule]:

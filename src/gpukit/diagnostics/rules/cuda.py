@@ -1,5 +1,7 @@
 """The CUDA stack's own failures, in words: device-side asserts, cuDNN errors, a GPU the torch
-build has no kernels for, a driver older than the build's CUDA (see ``gpukit.translate``)."""
+build has no kernels for, a driver older than the build's CUDA (see
+``gpukit.diagnostics.readable``). Each rule takes an error's message and returns a readable
+error, or None when the message is not of its kind."""
 
 from __future__ import annotations
 
@@ -50,7 +52,13 @@ _KINDS = (  # (words in the assertion, what it means, the likely cause, the fix)
 )
 
 
-def _device_assert(text: str) -> GpukitError | None:
+def device_assert(text: str) -> GpukitError | None:
+    """A :class:`~gpukit.errors.DeviceAssertError` naming the kernel, the assertion and its
+    likely cause (class targets, an index), or None.
+
+    >>> print(str(device_assert("CUDA error: device-side assert triggered")).splitlines()[0])
+    a CUDA kernel failed a device-side assertion
+    """
     if not _ASSERT.search(text):
         return None
     kernel = _KERNEL.search(text)
@@ -116,7 +124,13 @@ def _cudnn_version(raw: str) -> str:
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
-def _cudnn(text: str) -> GpukitError | None:
+def cudnn(text: str) -> GpukitError | None:
+    """A :class:`~gpukit.errors.CudnnError` for a ``CUDNN_STATUS_*`` failure or a cuDNN version
+    mismatch, or None.
+
+    >>> print(str(cudnn("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED")).splitlines()[0])
+    cuDNN failed: CUDNN_STATUS_NOT_SUPPORTED
+    """
     m = _CUDNN.search(text)
     if m is None:
         return None
@@ -171,7 +185,13 @@ def _cuda_build() -> tuple[str | None, tuple[int, int] | None, list[str]]:
     return name, capability, arches
 
 
-def _no_kernel(text: str) -> GpukitError | None:
+def no_kernel(text: str) -> GpukitError | None:
+    """A :class:`~gpukit.errors.NoKernelImageError` naming the GPU's architecture and the
+    build's, or None.
+
+    >>> no_kernel("CUDA error: out of memory") is None
+    True
+    """
     if not _NO_KERNEL.search(text):
         return None
     name, capability, arches = _cuda_build()
@@ -207,7 +227,14 @@ _DRIVER = re.compile(
 _WHEEL = {11: "cu118", 12: "cu126"}  # one wheel per CUDA major version the driver may run
 
 
-def _driver(text: str) -> GpukitError | None:
+def driver(text: str) -> GpukitError | None:
+    """A :class:`~gpukit.errors.DriverTooOldError` with the CUDA version the driver supports
+    and a wheel that runs on it, or None.
+
+    >>> print(str(driver("The NVIDIA driver on your system is too old (found version 11040)."
+    ...     )).splitlines()[0])
+    the NVIDIA driver supports CUDA up to 11.4...
+    """
     m = _DRIVER.search(text)
     if m is None:
         return None

@@ -6,18 +6,14 @@ import contextlib
 import linecache
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from gpukit._util.text import format_bytes
-
-if TYPE_CHECKING:
-    from gpukit.diagnostics.trace.core import Sync, Transfer
+from gpukit.diagnostics.trace.records import HOST, Sync, Transfer
 
 # Rough costs on a current GPU, only to rank the findings (see Trace.report).
 SYNC_S = 30e-6  # one host<->device round trip: 10-50 us stall, and the GPU's queue runs dry
 COPY_LAUNCH_S = 10e-6
 PAGEABLE_BPS, PINNED_BPS, PEER_BPS = 12e9, 25e9, 50e9
-_HOST = "cpu"
 
 
 def render(
@@ -38,7 +34,7 @@ def render(
         "ranked by estimated cost on a GPU (30 us per sync; copies 10 us + 12 GB/s "
         "pageable, 25 GB/s pinned); [potential]: ran on the CPU, would wait on a GPU",
     ]
-    if set(ops_per_device) <= {_HOST}:
+    if set(ops_per_device) <= {HOST}:
         lines.append("every op ran on the CPU: copies a GPU run would make are not seen")
     found.sort(key=lambda f: -f[0])
     for i, (cost, what, code, fix) in enumerate(found, 1):

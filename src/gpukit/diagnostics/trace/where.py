@@ -42,7 +42,7 @@ def _classify(filename: str) -> int:
     return _USER
 
 
-def _user_frame() -> tuple[Where, bool]:
+def user_frame() -> tuple[Where, bool]:
     """The innermost frame of user code, and whether the code that called into gpukit's hook
     is torch's host-side bookkeeping (``_HOST_SIDE_DIRS``)."""
     frame = sys._getframe(1)
