@@ -16,13 +16,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpukit._util.text import render_plain
-from gpukit.bench import overhead
-from gpukit.bench.overhead import make_batches, make_model_and_optimizer, run_overhead
+from gpukit.bench import overhead_loops as loops
+from gpukit.bench.overhead import run_overhead
+from gpukit.bench.overhead_loops import make_batches, make_model_and_optimizer
+from gpukit.bench.timing import torch_threads
 from gpukit.cli import bench
 from gpukit.errors import ConfigError
+from gpukit.runtime.runtime import Runtime
 
-Builder = Callable[[nn.Module, Optimizer], overhead.Loop]
+Builder = Callable[[nn.Module, Optimizer], loops.Loop]
 FRAMEWORK_MODULES = ("accelerate", "lightning", "lightning.fabric", "lightning_fabric")
+GPUKIT_VARIANTS = ("gpukit", "gpukit-train-step", "gpukit-train-default")
+ALL_VARIANTS = ["plain", *GPUKIT_VARIANTS, "accelerate", "fabric"]
 
 
 @pytest.fixture
@@ -56,21 +61,17 @@ def fake_accelerate(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 def trained(build: Builder, steps: int = 8) -> dict[str, torch.Tensor]:
     """The weights after ``steps`` steps of ``build``'s loop from the benchmark's start,
     on one thread as in the benchmark (a busy 2-core machine makes 2 threads crawl)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model, optimizer = make_model_and_optimizer()
         build(model, optimizer)(make_batches(steps))
-    finally:
-        torch.set_num_threads(threads)
     return model.state_dict()
 
 
-def test_plain_and_gpukit_are_timed_every_round(no_frameworks: None) -> None:
+def test_plain_and_every_gpukit_variant_are_timed_every_round(no_frameworks: None) -> None:
     result = run_overhead(steps=5, rounds=2)
-    assert [v.name for v in result.variants] == ["plain", "gpukit", "accelerate", "fabric"]
-    plain, gpukit = result.variant("plain"), result.variant("gpukit")
-    for v in (plain, gpukit):
+    assert [v.name for v in result.variants] == ALL_VARIANTS
+    plain = result.variant("plain")
+    for v in (plain, *map(result.variant, GPUKIT_VARIANTS)):
         assert v.available and v.note == "" and v.version
         assert len(v.seconds) == 2 and all(s > 0 for s in v.seconds)
         assert v.seconds_per_step is not None and v.seconds_per_step > 0
@@ -86,7 +87,20 @@ def test_missing_frameworks_are_reported_not_installed(no_frameworks: None) -> N
         assert not v.available and v.note == "not installed"
         assert v.seconds_per_step is None and v.ratio is None and v.version is None
     text = render_plain(result.table())
-    assert text.count("not installed") == 2 and "│ gpukit " in text
+    assert text.count("not installed") == 2
+    assert all(f"│ {name} " in text for name in ALL_VARIANTS)
+
+
+def test_each_variant_records_what_its_wrapper_was_built_with(no_frameworks: None) -> None:
+    result = run_overhead(steps=2, rounds=1)
+    assert result.variant("plain").settings == {}
+    assert result.variant("gpukit").settings == {"devices": "cpu", "precision": "32"}
+    assert result.variant("gpukit-train-step").settings == {"devices": "cpu"}
+    default = result.variant("gpukit-train-default").settings
+    assert default == loops.train_default() and default["log_every"] == 10
+    assert result.variant("fabric").settings == {"accelerator": "cpu", "devices": 1}
+    text = render_plain(result.table())
+    assert f"oom={default['oom']}" in text and "log_every=10" in text
 
 
 def test_an_installed_framework_is_timed_beside_the_others(
@@ -116,32 +130,46 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
     assert set(data["environment"]) >= {
         "date", "command", "python", "torch", "cpu", "threads", "device", "gpukit"
     }  # fmt: skip
-    assert [v["name"] for v in data["variants"]] == ["plain", "gpukit", "accelerate", "fabric"]
+    assert [v["name"] for v in data["variants"]] == ALL_VARIANTS
     for v in data["variants"]:
         assert set(v) == {
             "name", "available", "version", "note", "seconds_per_step", "ratio_to_plain",
-            "seconds_per_step_by_round", "ratio_to_plain_by_round",
+            "seconds_per_step_by_round", "ratio_to_plain_by_round", "settings",
         }  # fmt: skip
-    assert data["variants"][0]["ratio_to_plain"] == 1.0
-    assert data["variants"][2]["seconds_per_step"] is None
+    by_name = {v["name"]: v for v in data["variants"]}
+    assert by_name["plain"]["ratio_to_plain"] == 1.0
+    assert all(len(by_name[n]["ratio_to_plain_by_round"]) == 2 for n in GPUKIT_VARIANTS)
+    assert by_name["accelerate"]["seconds_per_step"] is None
 
 
-def test_gpukit_loop_does_the_same_work_as_plain() -> None:
+@pytest.mark.parametrize(
+    "build", [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop]
+)
+def test_gpukit_loops_do_exactly_the_same_arithmetic_as_plain(build: Builder) -> None:
+    """Bit for bit, because each gpukit variant computes the same float32 operations in the
+    same order: no autocast (precision "32", also what "auto" gives on the CPU), and one
+    micro-batch per step, where ``rt.train_step`` backpropagates the loss itself (with more
+    micro-batches it weights each loss by its share of the batch, which rounds differently).
+    ``rt.log`` and the OOM snapshot only read. The premises are checked first, so that a
+    changed default fails here with its reason rather than as a mismatch of weights."""
+    for settings in (loops.GPUKIT, loops.TRAIN_STEP, loops.train_default()):
+        rt = Runtime(**settings)
+        assert (rt.precision.name, rt.accumulate) == ("32", 1), settings
     start = make_model_and_optimizer()[0].state_dict()
-    plain, gpukit = trained(overhead.plain_loop), trained(overhead.gpukit_loop)
-    assert plain.keys() == gpukit.keys()
+    plain, other = trained(loops.plain_loop), trained(build)
+    assert plain.keys() == other.keys()
     for name in plain:
         assert not torch.equal(plain[name], start[name]), f"{name} did not train"
-        assert torch.equal(plain[name], gpukit[name]), f"{name} differs"
+        assert torch.equal(plain[name], other[name]), f"{name} differs"
 
 
 @pytest.mark.parametrize(
     ("build", "module"),
-    [(overhead.accelerate_loop, "accelerate"), (overhead.fabric_loop, "lightning.fabric")],
+    [(loops.accelerate_loop, "accelerate"), (loops.fabric_loop, "lightning.fabric")],
 )
 def test_framework_loops_do_the_same_work_as_plain(build: Builder, module: str) -> None:
     pytest.importorskip(module)
-    plain, other = trained(overhead.plain_loop), trained(build)
+    plain, other = trained(loops.plain_loop), trained(build)
     for name in plain:
         torch.testing.assert_close(other[name], plain[name], rtol=0, atol=0)
 
@@ -181,6 +209,7 @@ def test_cli_table(no_frameworks: None, capsys: pytest.CaptureFixture[str]) -> N
     assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "gpukit bench overhead: 3 steps × 1 rounds" in out and "not installed" in out
+    assert all(f"│ {name} " in out for name in ALL_VARIANTS)
 
 
 @pytest.mark.parametrize(

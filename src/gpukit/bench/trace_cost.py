@@ -2,17 +2,19 @@
 
 The loop is ``gpukit train``'s: a built-in workload (default ``gpt``, the character-level
 transformer: hundreds of small ops per step, where a per-op hook costs the most), AdamW,
-``rt.train_step`` and ``rt.log`` on one device. The same model and optimizer run both variants,
-alternately:
+``rt.train_step`` and ``rt.log`` on one device, with the Runtime settings ``gpukit train`` uses
+by default (read from its parser: see :mod:`gpukit.bench.train_defaults`). The same model and
+optimizer run both variants, alternately:
 
 - ``untraced``: the loop as ``gpukit train`` runs it;
 - ``traced``: the same steps inside ``with gk.trace():`` (copies, syncs, ops per device).
 
-Method: warm-up steps untimed; then ``rounds`` rounds, each timing ``steps`` steps of each
-variant (order alternating between rounds), the garbage collector run before each timed block
-and off during it; on a GPU the device is synchronised before each clock read. Reported: the
-median seconds per step of each, and the ratio as the median of the per-round ratios (each
-compares timings taken moments apart, so slow drifts of the machine cancel out).
+Method (see :mod:`gpukit.bench.timing`): ``steps`` warm-up steps of each variant untimed; then
+``rounds`` rounds, each timing ``steps`` steps of each variant (order alternating between
+rounds), the garbage collector run before each timed block and off during it; on a GPU the
+device is synchronised before each clock read. Reported: the median seconds per step of each,
+and the ratio as the median of the per-round ratios (each compares timings taken moments apart,
+so slow drifts of the machine cancel out).
 
 >>> result = run_trace_cost(workload="mlp", steps=2, rounds=1)
 >>> [v["name"] for v in result["variants"]]
@@ -21,10 +23,7 @@ compares timings taken moments apart, so slow drifts of the machine cancel out).
 
 from __future__ import annotations
 
-import gc
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +31,8 @@ from rich.table import Table
 
 from gpukit._util.text import make_table
 from gpukit.bench.environment import environment
-from gpukit.errors import ConfigError
+from gpukit.bench.timing import check_count, synchronizer, time_rounds
+from gpukit.bench.train_defaults import runtime_settings
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
@@ -40,21 +40,25 @@ from gpukit.workloads import load_workload
 def run_trace_cost(workload: str = "gpt", steps: int = 20, rounds: int = 5) -> dict[str, Any]:
     """Time ``steps`` training steps of ``workload`` with and without the trace, ``rounds``
     times; a JSON-ready dict with the environment, both variants and the ratio."""
-    for name, value in (("steps", steps), ("rounds", rounds)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
-    from gpukit.diagnostics.trace.core import trace
+    check_count("steps", steps)
+    check_count("rounds", rounds)
+    from gpukit.diagnostics.trace import trace
 
     step = _training_step(workload)
-    step(steps)  # warm-up: lazy initialisation, optimizer state, allocator caches
-    with trace():
-        step(2)
-    times: dict[str, list[float]] = {"untraced": [], "traced": []}
-    for r in range(rounds):
-        order = ["untraced", "traced"] if r % 2 == 0 else ["traced", "untraced"]
-        for variant in order:
-            times[variant].append(_timed(step, steps, traced=variant == "traced", trace=trace))
-    ratios = [t / u for t, u in zip(times["traced"], times["untraced"], strict=True)]
+
+    def traced() -> None:
+        with trace():
+            step(steps)
+
+    # Warm-up (one run of each) covers lazy initialisation, optimizer state, allocator caches
+    # and the trace's own first-use costs.
+    timings = time_rounds(
+        {"untraced": lambda: step(steps), "traced": traced},
+        rounds,
+        per=steps,
+        synchronize=synchronizer(step.device),
+    )
+    ratios = timings.ratios("traced", "untraced")
     device = str(step.device)
     return {
         "experiment": "trace",
@@ -63,10 +67,10 @@ def run_trace_cost(workload: str = "gpt", steps: int = 20, rounds: int = 5) -> d
         "steps": steps,
         "rounds": rounds,
         "variants": [
-            {"name": n, "seconds_per_step": statistics.median(ts), "rounds": ts}
-            for n, ts in times.items()
+            {"name": n, "seconds_per_step": timings.median(n), "rounds": list(ts)}
+            for n, ts in timings.seconds.items()
         ],
-        "ratio": statistics.median(ratios),
+        "ratio": timings.ratio("traced", "untraced"),
         "ratio_range": [min(ratios), max(ratios)],
     }
 
@@ -94,8 +98,9 @@ def table(result: dict[str, Any]) -> Table:
 
 def _training_step(workload: str) -> Any:
     """A callable running N optimizer steps of ``workload`` as gpukit train does."""
-    spec = load_workload(workload, seed=0)
-    rt = Runtime(seed=0, log_every=10)
+    settings = runtime_settings()  # gpukit train's, on the device it would pick
+    spec = load_workload(workload, seed=settings["seed"])
+    rt = Runtime(**settings)
     model = spec.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     loader = torch.utils.data.DataLoader(
@@ -120,26 +125,3 @@ def _training_step(workload: str) -> Any:
 def _forever(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
-
-
-def _timed(step: Callable[[int], None], steps: int, traced: bool, trace: Any) -> float:
-    device = step.device  # type: ignore[attr-defined]
-    gc.collect()
-    gc.disable()
-    try:
-        _synchronize(device)
-        start = time.perf_counter()
-        if traced:
-            with trace():
-                step(steps)
-        else:
-            step(steps)
-        _synchronize(device)
-        return (time.perf_counter() - start) / steps
-    finally:
-        gc.enable()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -2,11 +2,15 @@
 
 Experiments:
     overhead   the per-step cost of a training wrapper: one tiny-MLP training loop in plain
-               PyTorch, through gpukit's Runtime, and through Hugging Face Accelerate and
-               Lightning Fabric where those are installed (they are never required). CPU only,
-               one thread; every variant warms up, then R interleaved rounds time N steps of
-               each. Reports the median time per step and the median of the per-round ratios
-               to plain, with the machine, the versions, the date and the command.
+               PyTorch; through gpukit's Runtime as rt.backward + rt.step (gpukit), as
+               rt.train_step with Runtime's defaults (gpukit-train-step), and as rt.train_step
+               + rt.log with gpukit train's default settings (gpukit-train-default); and through
+               Hugging Face Accelerate and Lightning Fabric where those are installed (they are
+               never required). Same weights, same batches, same arithmetic in every variant.
+               CPU only, one thread; every variant warms up, then R rounds (order rotated each
+               round) time N steps of each. Reports the median time per step and the median of
+               the per-round ratios to plain, with each wrapper's settings, the machine, the
+               versions, the date and the command.
     trace      what gk.trace() costs: N optimizer steps of a built-in workload's training loop
                (gpukit train's; default gpt) on the best device, untraced and traced, in R
                alternating rounds; the median time per step of each and the median ratio.
@@ -53,7 +57,7 @@ def register(sub: Any) -> None:
         "--steps", type=int, default=200, metavar="N", help="steps timed per round (default 200)"
     )
     overhead.add_argument(
-        "--rounds", type=int, default=15, metavar="R", help="interleaved rounds (default 15)"
+        "--rounds", type=int, default=15, metavar="R", help="rotated rounds (default 15)"
     )
     overhead.add_argument(
         "--out", type=Path, metavar="FILE", help="also write the JSON result to FILE"
