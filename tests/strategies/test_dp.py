@@ -396,10 +396,12 @@ def test_a_summing_partial_is_added_not_averaged() -> None:
 def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
     from types import SimpleNamespace
 
+    import gpukit as gk
     from gpukit.workloads.flops import mfu
     from gpukit.workloads.report import gpu_count
 
-    one_process = SimpleNamespace(world_size=1, strategy=SimpleNamespace(devices=[1, 2]))
-    two_processes = SimpleNamespace(world_size=2, strategy=SimpleNamespace(devices=[1, 2]))
+    one_process = gk.Runtime(strategy="dp", devices=["cpu", "cpu"])
+    # Each of two DDP processes drives one device.
+    two_processes = SimpleNamespace(world_size=2, strategy=SimpleNamespace(driven_devices=[1]))
     assert gpu_count(one_process) == gpu_count(two_processes) == 2  # type: ignore[arg-type]
     assert mfu(989e12, "NVIDIA H100 80GB HBM3", gpus=2) == 0.5

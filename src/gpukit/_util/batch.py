@@ -28,6 +28,8 @@ from gpukit._util.tree import map_tensors, tensors
 def chunk_sizes(total: int, parts: int) -> list[int]:
     """``total`` items over at most ``parts`` chunks as evenly as possible (larger ones first);
     never an empty chunk, so a batch smaller than ``parts`` gives ``total`` chunks of one."""
+    if parts == 1:
+        return [total]  # every step without accumulation: nothing to divide
     parts = max(1, min(parts, total))
     base, extra = divmod(total, parts)
     return [base + 1 if i < extra else base for i in range(parts)]
@@ -35,6 +37,10 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
 
 def batch_size(obj: Any) -> int | None:
     """The first dimension of the first tensor (of at least one dimension) inside ``obj``."""
+    # The usual (inputs, targets) batch, answered without walking: this runs every step.
+    first = obj[0] if isinstance(obj, (tuple, list)) and obj else obj
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return int(first.shape[0])
     for tensor in tensors(obj):
         if tensor.dim() > 0:
             return int(tensor.shape[0])

@@ -1,8 +1,8 @@
 """Metrics kept on the device and read back once per flush.
 
-``log(step, loss=loss)`` adds each value to a running sum on the device: no read-back, so the
-GPU never waits for the host. Every ``log_every`` calls (and on ``flush``) the means are read
-back once and appended to ``history``.
+``log(step, loss=loss)`` keeps each value where it is, on the device: no read-back, so the GPU
+never waits for the host, and no device work either. Every ``log_every`` calls (and on
+``flush``) the means are read back once and appended to ``history``.
 
 Under several processes a flush is one all-reduce and one read, whatever the number of
 metrics. Every rank must log the same names; that is checked in the same all-reduce: besides the
@@ -44,24 +44,22 @@ class Metrics:
         self.log_every = log_every
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
+        self._values: dict[str, list[torch.Tensor]] = {}  # name -> logged since the flush
         self._calls = 0
         self._checks: dict[tuple[str, ...], torch.Tensor] = {}  # names -> their check, on device
 
     def log(self, step: int, **metrics: torch.Tensor | float) -> None:
-        """Add ``metrics`` to the sums; flush every ``log_every`` calls (``step``: the optimizer
-        step the flushed record is stamped with)."""
+        """Keep ``metrics`` for the next flush; flush every ``log_every`` calls (``step``: the
+        optimizer step the flushed record is stamped with)."""
         if not metrics:
             raise ConfigError("rt.log() got no metrics: pass them by name, e.g. rt.log(loss=loss)")
         for name, value in metrics.items():
             t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            if name in self._sums:
-                self._sums[name].add_(t.to(self._sums[name].device))
-                self._counts[name] += 1
-            else:
-                self._sums[name] = t.to(self.device, torch.float32, copy=True)
-                self._counts[name] = 1
+            if t.device != self.device:
+                t = t.to(self.device)
+            # Kept, not added up: appending costs no device work, and the flush sums them all
+            # in one op per name.
+            self._values.setdefault(name, []).append(t)
         self._calls += 1
         if self._calls % self.log_every == 0:
             self.flush(step)
@@ -69,15 +67,14 @@ class Metrics:
     def flush(self, step: int) -> dict[str, float]:
         """Read back the means of what was logged since the last flush (one read; under several
         processes every rank must call it together), and append them to ``history``."""
-        names = tuple(sorted(self._sums))
+        names = tuple(sorted(self._values))
         if not names:
             return {}
-        means = torch.stack([self._sums[n] / self._counts[n] for n in names])
+        means = torch.stack([torch.stack(self._values[n]).to(torch.float32).mean(0) for n in names])
         values = self._across_ranks(names, means) if self.strategy.distributed else means.tolist()
         record = {"step": float(step), **dict(zip(names, values, strict=True))}
         self.history.append(record)
-        self._sums.clear()
-        self._counts.clear()
+        self._values.clear()
         return record
 
     def _across_ranks(self, names: tuple[str, ...], means: torch.Tensor) -> list[float]:

@@ -112,12 +112,16 @@ class BufferGuard:
 class RngState:
     """The CPU's random generator and those of the GPUs in ``devices``, saved now."""
 
-    def __init__(self, devices: Sequence[Device]) -> None:
+    def __init__(self, gpus: Sequence[int]) -> None:
         self.cpu = torch.get_rng_state()
-        gpus = sorted({d.index for d in devices if d.type == "cuda" and d.index is not None})
         self.cuda: list[tuple[int, Any]] = (
             [(i, torch.cuda.get_rng_state(i)) for i in gpus] if torch.cuda.is_initialized() else []
         )
+
+    @staticmethod
+    def gpus_of(devices: Sequence[Device]) -> list[int]:
+        """The GPU indices among ``devices``: the only generators this process may touch."""
+        return sorted({d.index for d in devices if d.type == "cuda" and d.index is not None})
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)

@@ -82,6 +82,7 @@ class Stepper:
         self._clip_params: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._guard: BufferGuard | None = None
         self._guarded = 0  # how many models the guard watches
+        self._gpus: list[int] = []  # whose random generators the snapshot saves
         self._gradients_checked = False
         self._collectives_checked = False
 
@@ -192,7 +193,7 @@ class Stepper:
         if self.hold_back:
             for module, flags in zip(state.modules, anywhere, strict=True):
                 self.strategy.sync_held(module, flags)
-        if self._guard is not None and saved is not None:
+        if self._guard is not None and self._guard.changing is None and saved is not None:
             with untraced():  # learns, once, which buffers the steps change
                 self._guard.succeeded(saved[0])
         self.check_gradients_once()  # a collective under DDP: only once every rank is here
@@ -224,32 +225,52 @@ class Stepper:
     def _attempt(
         self, batch: Any, sizes: list[int], compute_loss: Callable[[Any], torch.Tensor]
     ) -> _Attempt:
-        total = sum(sizes)
-        chunks = split(batch, sizes) if len(sizes) > 1 else [batch]
-        loss_sum: torch.Tensor | None = None
         size = sizes[0]
         try:
-            for i, (chunk, size) in enumerate(zip(chunks, sizes, strict=True)):
-                last = i == len(sizes) - 1
+            if len(sizes) == 1 and not self.hold_back:
+                # The whole batch at once, as a plain loop does it: this runs every step, so
+                # it does nothing more than that loop would.
                 for module in self.state.modules:
-                    if self.hold_back:
-                        self.strategy.hold_sync(module)
-                    else:
-                        self.strategy.set_backward_sync(module, last)
+                    self.strategy.set_backward_sync(module, True)
                 self.fault.check(size)
-                loss = compute_loss(chunk)
-                weighted = loss * (size / total) if len(sizes) > 1 else loss
-                self.precision.backward(weighted)
-                loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
+                loss = compute_loss(batch)
+                self.precision.backward(loss)
+                return _Attempt(loss=loss.detach())
+            return _Attempt(loss=self._micro_batches(batch, sizes, compute_loss))
         except Exception as err:
             if not is_oom(err):
                 reraise_readable(err)  # a known CUDA/NCCL error in words, anything else as is
+            size = getattr(err, "gpukit_micro_batch", size)
             if not self.recover:
                 raise self.out_of_memory(err, size) from err
             # Only the message leaves this block: the exception's traceback holds the frames,
             # and with them every activation of the failed micro-batch.
             return _Attempt(failed_size=size, message=str(err))
-        return _Attempt(loss=loss_sum)
+
+    def _micro_batches(
+        self, batch: Any, sizes: list[int], compute_loss: Callable[[Any], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward over ``batch`` cut to ``sizes``, each loss weighted by its share;
+        the batch's mean loss. An error leaves with the size of the micro-batch it came from."""
+        total = sum(sizes)
+        loss_sum: torch.Tensor | None = None
+        for i, (chunk, size) in enumerate(zip(split(batch, sizes), sizes, strict=True)):
+            last = i == len(sizes) - 1
+            for module in self.state.modules:
+                if self.hold_back:
+                    self.strategy.hold_sync(module)
+                else:
+                    self.strategy.set_backward_sync(module, last)
+            try:
+                self.fault.check(size)
+                weighted = compute_loss(chunk) * (size / total)
+                self.precision.backward(weighted)
+            except Exception as err:
+                err.gpukit_micro_batch = size  # type: ignore[attr-defined]
+                raise
+            loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
+        assert loss_sum is not None  # sizes is never empty
+        return loss_sum
 
     def _agree(self, attempt: _Attempt) -> tuple[bool, bool, list[list[bool]]]:
         """(some rank failed, some rank failed with a micro-batch of one sample, the held
@@ -271,7 +292,8 @@ class Stepper:
             self._guarded = len(self.state.modules)  # setup only ever adds models
             users = [self.strategy.unwrap(self.precision.unwrap(m)) for m in self.state.modules]
             self._guard = BufferGuard(users)
-        return self._guard.save(), RngState(self.strategy.driven_devices)
+            self._gpus = RngState.gpus_of(self.strategy.driven_devices)
+        return self._guard.save(), RngState(self._gpus)
 
     def _restore(self, saved: tuple[list[tuple[int, torch.Tensor]], RngState]) -> None:
         buffers, rng = saved

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gpukit._util.text import explained as _say
+from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
 
 
@@ -65,11 +66,7 @@ def check_targets(outputs: Any, targets: Any, *, ignore_index: int = -100) -> No
     t = targets.detach().long()
     bad = ((t < 0) | (t >= classes)) & (t != ignore_index)
     kept = torch.where(bad, t, torch.zeros_like(t))
-    from gpukit.diagnostics.trace.core import (
-        untraced,  # this one read is gpukit's own, not the user's line's
-    )
-
-    with untraced():
+    with untraced():  # this one read is gpukit's own, not the user's line's
         count, low, high = torch.stack([bad.sum(), kept.min(), kept.max()]).tolist()
     if count == 0:
         return

@@ -1,0 +1,152 @@
+"""The package's shape: rooms by concept, few modules at the root, small modules, imports that
+flow one way, and no module borrowing another's private names."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import gpukit
+
+PACKAGE = Path(gpukit.__file__).resolve().parent
+SRC = PACKAGE.parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# Packages by concept, as the README's "Architecture" section describes them.
+ROOMS = {"_util", "bench", "cli", "devices", "diagnostics", "doctor", "runtime", "strategies",
+         "workloads"}  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def is_module(name: str) -> bool:
+    path = SRC.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, names, line) of every import in the file: at the top, inside functions and
+    under TYPE_CHECKING alike, since each of them can close a cycle."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+    return found
+
+
+def edges() -> dict[str, set[str]]:
+    """gpukit module -> the gpukit modules it imports (``from pkg import mod`` counts as
+    importing ``pkg.mod``; ``from pkg import name`` as importing ``pkg``)."""
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        me = module_name(path)
+        targets = graph.setdefault(me, set())
+        for module, names, _ in imports(path):
+            if not module.startswith("gpukit"):
+                continue
+            subs = [f"{module}.{n}" for n in names if is_module(f"{module}.{n}")]
+            targets.update(subs or [module])
+            if len(subs) < len(names):
+                targets.add(module)
+        targets.discard(me)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_root_holds_few_modules_and_the_rest_is_in_rooms() -> None:
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 8, root
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == ROOMS
+
+
+def test_no_module_is_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in MODULES
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, f"split these by concept: {long}"
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(edges())
+    assert not found, f"import cycles (counting imports in functions and TYPE_CHECKING): {found}"
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    borrowed = []
+    for path in MODULES:
+        me = module_name(path)
+        for module, names, line in imports(path):
+            if not module.startswith("gpukit") or module == me:
+                continue
+            private = [
+                n for n in names if n.startswith("_") and not n.startswith("__")
+                and not is_module(f"{module}.{n}")  # a private module of the package is fine
+            ]  # fmt: skip
+            if private:
+                borrowed.append(f"{path.relative_to(PACKAGE)}:{line} {module}: {private}")
+    assert not borrowed, borrowed
+
+
+def test_the_runtime_never_asks_which_strategy_it_holds() -> None:
+    """What differs between strategies is a method of the strategy: no isinstance checks on
+    strategy classes and no comparisons of strategy names outside strategies/."""
+    names = {"single", "dp", "dp-balanced", "ddp", "fsdp"}
+    classes = {"SingleDevice", "DP", "DPBalanced", "DDP"}
+    found = []
+    for path in MODULES:
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in ("strategies", "cli", "bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value in names for c in node.comparators
+            ):
+                found.append(f"{rel}:{node.lineno}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and any(isinstance(n, ast.Name) and n.id in classes for n in ast.walk(node))
+            ):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, found
