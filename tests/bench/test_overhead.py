@@ -27,7 +27,7 @@ from gpukit.runtime.runtime import Runtime
 Builder = Callable[[nn.Module, Optimizer], loops.Loop]
 FRAMEWORK_MODULES = ("accelerate", "lightning", "lightning.fabric", "lightning_fabric")
 GPUKIT_VARIANTS = ("gpukit", "gpukit-train-step", "gpukit-train-default")
-ALL_VARIANTS = ["plain", *GPUKIT_VARIANTS, "accelerate", "fabric"]
+ALL_VARIANTS = ["plain", "plain-logged", *GPUKIT_VARIANTS, "accelerate", "fabric"]
 
 
 @pytest.fixture
@@ -77,6 +77,9 @@ def test_plain_and_every_gpukit_variant_are_timed_every_round(no_frameworks: Non
         assert v.seconds_per_step is not None and v.seconds_per_step > 0
         assert v.ratio is not None and v.ratio > 0
     assert plain.ratio == 1.0 and plain.ratios == (1.0, 1.0)
+    logged = result.variant("gpukit-train-default")  # it logs: compared with a loop that does
+    assert logged.baseline == "plain-logged" and logged.baseline_ratio is not None
+    assert result.variant("gpukit").baseline == "plain"
     assert result.environment["threads"] == 1 and result.environment["device"] == "cpu"
 
 
@@ -134,7 +137,8 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
     for v in data["variants"]:
         assert set(v) == {
             "name", "available", "version", "note", "seconds_per_step", "ratio_to_plain",
-            "seconds_per_step_by_round", "ratio_to_plain_by_round", "settings",
+            "seconds_per_step_by_round", "ratio_to_plain_by_round", "settings", "baseline",
+            "ratio_to_baseline",
         }  # fmt: skip
     by_name = {v["name"]: v for v in data["variants"]}
     assert by_name["plain"]["ratio_to_plain"] == 1.0
@@ -143,7 +147,8 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
 
 
 @pytest.mark.parametrize(
-    "build", [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop]
+    "build",
+    [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop, loops.plain_logged_loop],
 )
 def test_gpukit_loops_do_exactly_the_same_arithmetic_as_plain(build: Builder) -> None:
     """Bit for bit, because each gpukit variant computes the same float32 operations in the

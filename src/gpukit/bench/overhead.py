@@ -4,17 +4,22 @@ The same tiny training loop (the built-in ``mlp`` workload's 32-64-64-4 MLP, Ada
 cross-entropy, float32; see :mod:`gpukit.bench.overhead_loops`) runs as
 
 - ``plain``: PyTorch alone: forward, loss, ``backward``, ``step``, ``zero_grad(set_to_none=True)``;
+- ``plain-logged``: the same, keeping the loss on the device and reading its mean back every
+  ``--log-every`` steps of ``gpukit train``: the fair reference for a loop that logs;
 - ``gpukit``: through ``Runtime(devices="cpu", precision="32")``: ``rt.backward``, ``rt.step``;
 - ``gpukit-train-step``: one ``rt.train_step(optimizer, batch, compute_loss)`` per batch, with
   Runtime's default settings (``devices="cpu"``; precision "auto", which is 32 on the CPU);
 - ``gpukit-train-default``: ``rt.train_step`` then ``rt.log(loss=loss)``, with the Runtime
   settings ``gpukit train`` uses by default (its ``--oom``, ``--log-every 10``, ``--seed 0``,
-  read from its argument parser), on the CPU;
+  read from its argument parser), on the CPU; compared with ``plain-logged`` too;
 - ``accelerate``: through Hugging Face Accelerate (``Accelerator(cpu=True)``), where installed;
 - ``fabric``: through Lightning Fabric (``Fabric(accelerator="cpu", devices=1)``), where installed.
 
 Every variant starts from the same weights and iterates over the same list of batches already in
-memory (no DataLoader), so only the wrapper differs. A model this small makes the step as cheap
+memory (no DataLoader), so only the wrapper differs. Each variant is built ``INSTANCES`` times
+and the rounds take turns among them: one model's place in memory can make it a few percent
+faster or slower than an identical one, and taking turns spreads that over the rounds instead
+of giving it to one variant. A model this small makes the step as cheap
 as it gets, which is where a wrapper's Python overhead shows the most.
 
 Method (see :mod:`gpukit.bench.timing`): CPU only, one torch thread (restored afterwards): the
@@ -22,16 +27,18 @@ work is dispatch and Python, and more threads only add scheduling noise; nothing
 to a GPU, whose clock reads would need synchronising. Every variant first runs ``steps`` untimed
 steps; then ``rounds`` rounds each time ``steps`` steps of every variant, in an order rotated
 each round, the garbage collector off while timing. Per variant: the median seconds per step
-over the rounds, and the ratio to plain as the median of the per-round ratios.
+over the rounds, and the ratio to plain (and to its own baseline, where that is another) as the
+median of the per-round ratios.
 
 >>> result = run_overhead(steps=2, rounds=1)
->>> [(v.name, v.available) for v in result.variants][:3]
-[('plain', True), ('gpukit', True), ('gpukit-train-step', True)]
+>>> [(v.name, v.available) for v in result.variants][:4]
+[('plain', True), ('plain-logged', True), ('gpukit', True), ('gpukit-train-step', True)]
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +67,10 @@ WORKLOAD = {
 }
 
 
+# Copies of each variant, taking turns over the rounds (see the module docstring).
+INSTANCES = 3
+
+
 @dataclass(frozen=True)
 class _Variant:
     name: str
@@ -67,10 +78,17 @@ class _Variant:
     settings: Callable[[], dict[str, Any]]  # the wrapper's constructor arguments
     modules: tuple[str, ...] = ()  # one of these must import; () for the always-there ones
     version: str | None = None  # of the always-there ones; the others say at import
+    baseline: str = "plain"  # the loop that does the same work without the wrapper
 
 
 VARIANTS = (
     _Variant("plain", loops.plain_loop, dict, version=torch.__version__),
+    _Variant(
+        "plain-logged",
+        loops.plain_logged_loop,
+        lambda: {"log_every": loops.train_default()["log_every"]},
+        version=torch.__version__,
+    ),
     _Variant("gpukit", loops.gpukit_loop, lambda: dict(loops.GPUKIT), version=__version__),
     _Variant(
         "gpukit-train-step",
@@ -83,6 +101,7 @@ VARIANTS = (
         loops.train_default_loop,
         loops.train_default,
         version=__version__,
+        baseline="plain-logged",
     ),
     _Variant("accelerate", loops.accelerate_loop, lambda: dict(loops.ACCELERATE), ("accelerate",)),
     _Variant("fabric", loops.fabric_loop, lambda: dict(loops.FABRIC), loops.FABRIC_MODULES),
@@ -99,6 +118,8 @@ class VariantResult:
     ratios: tuple[float, ...] = ()  # these seconds / plain's in the same round
     note: str = ""  # "not installed", or why it failed
     settings: dict[str, Any] = field(default_factory=dict)  # what the wrapper was built with
+    baseline: str = "plain"
+    baseline_ratios: tuple[float, ...] = ()  # these seconds / the baseline's, per round
 
     @property
     def available(self) -> bool:
@@ -114,6 +135,11 @@ class VariantResult:
         """Median over the rounds of the ratio to plain (exactly 1.0 for plain)."""
         return statistics.median(self.ratios) if self.ratios else None
 
+    @property
+    def baseline_ratio(self) -> float | None:
+        """Median over the rounds of the ratio to this variant's own baseline."""
+        return statistics.median(self.baseline_ratios) if self.baseline_ratios else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -125,6 +151,8 @@ class VariantResult:
             "ratio_to_plain": self.ratio,
             "seconds_per_step_by_round": list(self.seconds),
             "ratio_to_plain_by_round": list(self.ratios),
+            "baseline": self.baseline,
+            "ratio_to_baseline": self.baseline_ratio,
         }
 
 
@@ -166,22 +194,28 @@ class OverheadResult:
             f"CPU, {env['threads']} thread(s)",
             caption=f"{env['cpu']}; torch {env['torch']}; Python {env['python']}; "
             f"{env['date']}\nratio: median of the per-round ratios to plain; range: their "
-            "lowest and highest",
+            "lowest and highest; × baseline: the same, to the plain loop doing the same work ("
+            + ", ".join(f"{v.name}: {v.baseline}" for v in self.variants if v.baseline != "plain")
+            + ")",
             title_justify="left",
             caption_justify="left",
             header_style="bold",
         )
-        columns = ("variant", "version", "µs/step (median)", "× plain", "range", "settings")
+        columns = (
+            "variant", "version", "µs/step (median)", "× plain", "range", "× baseline",
+            "settings",
+        )  # fmt: skip
         for column in (*columns, "note"):
-            table.add_column(column, overflow="fold")
+            table.add_column(column, overflow="fold", no_wrap=column in ("variant", "note"))
         for v in self.variants:
             settings = ", ".join(f"{k}={val}" for k, val in v.settings.items())
             if v.seconds_per_step is None or v.ratio is None:
-                table.add_row(v.name, v.version or "-", "-", "-", "-", settings, v.note)
+                table.add_row(v.name, v.version or "-", "-", "-", "-", "-", settings, v.note)
                 continue
             spread = f"{min(v.ratios):.3f}-{max(v.ratios):.3f}"
             per_step = f"{v.seconds_per_step * 1e6:.1f}"
-            table.add_row(v.name, v.version, per_step, f"{v.ratio:.3f}", spread, settings, "")
+            own = "-" if v.baseline == "plain" else f"{v.baseline_ratio:.3f}"
+            table.add_row(v.name, v.version, per_step, f"{v.ratio:.3f}", spread, own, settings, "")
         return table
 
 
@@ -198,14 +232,14 @@ def run_overhead(steps: int = 200, rounds: int = 15) -> OverheadResult:
     check_count("rounds", rounds, "rotated rounds over the variants")
     batches = loops.make_batches(steps)
     with torch_threads(1):
-        built: dict[str, loops.Loop] = {}
+        built: dict[str, list[loops.Loop]] = {}
         notes: dict[str, str] = {}
         versions = {v.name: _prepare(v, built, notes) for v in VARIANTS}
         torch.set_num_threads(1)  # in case a framework's setup changed it
         env = environment("cpu", threads=torch.get_num_threads())
         # Each run is ``steps`` steps over the same batches; warm-up included (one run each).
-        runs = {name: _bind(loop, batches) for name, loop in built.items()}
-        timings = time_rounds(runs, rounds, per=steps)
+        runs = {name: _take_turns(instances, batches) for name, instances in built.items()}
+        timings = time_rounds(runs, rounds, per=steps, warmup=INSTANCES)
     results = tuple(
         VariantResult(v.name, versions[v.name], note=notes[v.name], settings=v.settings())
         if v.name in notes
@@ -215,20 +249,30 @@ def run_overhead(steps: int = 200, rounds: int = 15) -> OverheadResult:
             timings.seconds[v.name],
             timings.ratios(v.name, "plain"),
             settings=v.settings(),
+            baseline=v.baseline,
+            baseline_ratios=timings.ratios(v.name, v.baseline),
         )
         for v in VARIANTS
     )
     return OverheadResult(steps, rounds, results, env)
 
 
-def _bind(loop: loops.Loop, batches: list[loops.Batch]) -> Callable[[], None]:
-    return lambda: loop(batches)
+def _take_turns(instances: list[loops.Loop], batches: list[loops.Batch]) -> Callable[[], None]:
+    """One run over ``batches`` per call, by each instance in turn."""
+    turns = itertools.cycle(instances)
+    return lambda: next(turns)(batches)
 
 
-def _prepare(variant: _Variant, built: dict[str, loops.Loop], notes: dict[str, str]) -> str | None:
+def _instances(variant: _Variant) -> list[loops.Loop]:
+    return [variant.build(*loops.make_model_and_optimizer()) for _ in range(INSTANCES)]
+
+
+def _prepare(
+    variant: _Variant, built: dict[str, list[loops.Loop]], notes: dict[str, str]
+) -> str | None:
     """Build ``variant``'s loop into ``built`` (or say in ``notes`` why not); its version."""
     if not variant.modules:
-        built[variant.name] = variant.build(*loops.make_model_and_optimizer())
+        built[variant.name] = _instances(variant)
         return variant.version
     try:
         module = loops.import_first(variant.modules)
@@ -241,7 +285,7 @@ def _prepare(variant: _Variant, built: dict[str, loops.Loop], notes: dict[str, s
     # An optional framework that breaks (a version clash with this torch) must not cost the
     # numbers of the others.
     try:
-        built[variant.name] = variant.build(*loops.make_model_and_optimizer())
+        built[variant.name] = _instances(variant)
     except Exception as err:
         notes[variant.name] = f"failed: {type(err).__name__}: {err}"
     return str(version) if version is not None else None

@@ -93,6 +93,32 @@ def plain_loop(model: nn.Module, optimizer: Optimizer) -> Loop:
     return train
 
 
+def plain_logged_loop(model: nn.Module, optimizer: Optimizer) -> Loop:
+    """The reference for a loop that logs: PyTorch alone, keeping the loss on the device and
+    reading its mean back every ``--log-every`` steps of ``gpukit train`` (nanoGPT's habit of
+    logging at an interval, without a read every step).
+
+    >>> model, optimizer = make_model_and_optimizer()
+    >>> plain_logged_loop(model, optimizer)(make_batches(2))
+    """
+    history: list[float] = []
+    every = int(train_default()["log_every"])
+
+    def train(batches: Sequence[Batch]) -> None:
+        total: torch.Tensor | None = None
+        for i, (x, y) in enumerate(batches):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total = loss.detach() if total is None else total + loss.detach()
+            if (i + 1) % every == 0:
+                history.append(total.item() / every)
+                total = None
+
+    return train
+
+
 def gpukit_loop(model: nn.Module, optimizer: Optimizer) -> Loop:
     """The same loop through gpukit's ``Runtime`` on the CPU in float32.
 

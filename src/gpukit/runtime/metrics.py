@@ -16,14 +16,15 @@ same sums and raises together, without a second collective or read.
 >>> from gpukit.strategies import make_strategy
 >>> strategy = make_strategy("single")
 >>> m = Metrics(torch.device("cpu"), log_every=2, strategy=strategy)
->>> m.log(0, loss=torch.tensor(1.0))
->>> m.log(1, loss=torch.tensor(3.0))
+>>> m.log(0, {"loss": torch.tensor(1.0)})
+>>> m.log(1, {"loss": torch.tensor(3.0)})
 >>> m.history
 [{'step': 1.0, 'loss': 2.0}]
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
@@ -44,22 +45,27 @@ class Metrics:
         self.log_every = log_every
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
-        self._values: dict[str, list[torch.Tensor]] = {}  # name -> logged since the flush
+        self._values: dict[str, list[torch.Tensor | float]] = {}  # logged since the flush
         self._calls = 0
         self._checks: dict[tuple[str, ...], torch.Tensor] = {}  # names -> their check, on device
 
-    def log(self, step: int, **metrics: torch.Tensor | float) -> None:
+    def log(self, step: int, metrics: dict[str, torch.Tensor | float]) -> None:
         """Keep ``metrics`` for the next flush; flush every ``log_every`` calls (``step``: the
         optimizer step the flushed record is stamped with)."""
         if not metrics:
             raise ConfigError("rt.log() got no metrics: pass them by name, e.g. rt.log(loss=loss)")
+        # Kept as given (detached): no device work and no copy here, on every step; the flush
+        # moves and adds them all at once. This runs every step, so it stays this short.
+        values = self._values
         for name, value in metrics.items():
-            t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            if t.device != self.device:
-                t = t.to(self.device)
-            # Kept, not added up: appending costs no device work, and the flush sums them all
-            # in one op per name.
-            self._values.setdefault(name, []).append(t)
+            kept = values.get(name)
+            if kept is None:
+                kept = values[name] = []
+            if isinstance(value, torch.Tensor):
+                # Detached so that no graph is kept until the flush (train_step's loss already is).
+                kept.append(value.detach() if value.requires_grad else value)
+            else:
+                kept.append(float(value))
         self._calls += 1
         if self._calls % self.log_every == 0:
             self.flush(step)
@@ -70,12 +76,26 @@ class Metrics:
         names = tuple(sorted(self._values))
         if not names:
             return {}
-        means = torch.stack([torch.stack(self._values[n]).to(torch.float32).mean(0) for n in names])
+        means = torch.stack([self._mean(self._values[n]) for n in names])
         values = self._across_ranks(names, means) if self.strategy.distributed else means.tolist()
         record = {"step": float(step), **dict(zip(names, values, strict=True))}
         self.history.append(record)
         self._values.clear()
         return record
+
+    def _mean(self, kept: list[torch.Tensor | float]) -> torch.Tensor:
+        """The mean of one metric's values, in float32 on the device."""
+        if all(isinstance(v, float) for v in kept):
+            return torch.tensor(sum(kept) / len(kept), dtype=torch.float32).to(self.device)
+        with contextlib.suppress(TypeError, RuntimeError):  # floats among them, or devices
+            return torch.stack(kept).to(self.device, torch.float32).mean(0)  # type: ignore[arg-type]
+        parts = [
+            v.to(self.device, torch.float32)
+            if isinstance(v, torch.Tensor)
+            else torch.tensor(v, dtype=torch.float32).to(self.device)
+            for v in kept
+        ]
+        return torch.stack(parts).mean(0)
 
     def _across_ranks(self, names: tuple[str, ...], means: torch.Tensor) -> list[float]:
         if len(names) > CAPACITY:

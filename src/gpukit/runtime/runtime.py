@@ -297,7 +297,7 @@ class Runtime:
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Accumulate metrics on the device; every ``log_every`` calls, average them over the
         calls and the ranks, read them back once, and append them to ``rt.history``."""
-        self.metrics.log(self.state.global_step, **metrics)
+        self.metrics.log(self.state.global_step, metrics)
 
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""
@@ -345,6 +345,7 @@ class Runtime:
         # DDP's reducer must go while its process group still exists: destroyed later, by the
         # garbage collector at interpreter exit, it can block the process forever.
         self.state.clear()
+        self.stepper.close()
         gc.collect()
         self.strategy.teardown()
 
