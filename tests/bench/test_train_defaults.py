@@ -1,5 +1,5 @@
-"""The benchmarks take `gpukit train`'s default Runtime settings from its parser, so that they
-follow the command line when a default changes."""
+"""The benchmarks and the command line take `gpukit train`'s default Runtime settings from one
+place, so that they follow each other when a default changes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from gpukit.bench import trace_cost
 from gpukit.bench.train_defaults import runtime_settings
-from gpukit.cli import train
 from gpukit.cli.__main__ import build_parser
 from gpukit.runtime.runtime import Runtime
+from gpukit.workloads import loop
 
 
 def test_the_settings_are_what_gpukit_train_parses_without_options() -> None:
@@ -29,16 +29,15 @@ def test_the_settings_are_what_gpukit_train_parses_without_options() -> None:
     assert runtime_settings(devices="cpu") == {**settings, "devices": "cpu"}
 
 
-def test_a_changed_cli_default_reaches_the_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
-    register = train.register
-
-    def changed(sub: Any) -> None:
-        register(sub)
-        sub.choices[train.NAME].set_defaults(oom="raise", log_every=7)
-
-    monkeypatch.setattr(train, "register", changed)
+def test_a_changed_default_reaches_the_command_line_and_the_benchmarks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(loop.RUNTIME_DEFAULTS, "oom", "raise")
+    monkeypatch.setitem(loop.RUNTIME_DEFAULTS, "log_every", 7)
     settings = runtime_settings(devices="cpu")
     assert (settings["oom"], settings["log_every"]) == ("raise", 7)
+    args = build_parser().parse_args(["train"])
+    assert (args.oom, args.log_every) == ("raise", 7)
 
 
 def test_the_trace_benchmark_builds_its_runtime_with_them(monkeypatch: pytest.MonkeyPatch) -> None:

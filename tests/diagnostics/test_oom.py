@@ -326,6 +326,11 @@ def test_dp_balanced_gets_advice_of_its_own() -> None:
     )
 
 
+def test_a_name_without_a_strategy_adds_no_advice() -> None:
+    assert str(explain(CURRENT_THIS, strategy="auto")) == str(explain(CURRENT_THIS))
+    assert str(explain(CURRENT_THIS, strategy="my-own")) == str(explain(CURRENT_THIS))
+
+
 def test_the_runtime_passes_its_strategy_object() -> None:
     import gpukit as gk
 

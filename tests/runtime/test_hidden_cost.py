@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.cli.train import DEFAULT_OOM
+from gpukit.workloads.loop import DEFAULT_OOM
 
 STEPS, LOG_EVERY = 30, 10
 FLUSHES = STEPS // LOG_EVERY
@@ -130,7 +130,8 @@ def test_recovery_copies_only_the_buffers_a_step_changes() -> None:
     changing = {guard.names[i] for i in guard.changing or []}
     assert changing == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     saved, _ = rt.stepper._save()
-    assert sum(t.numel() for _, t in saved) == 16 + 16 + 1
+    assert sum(t.numel() for _, t in saved.copies) == 16 + 16 + 1
+    assert [guard.names[i] for i, _ in saved.versions] == ["table"]  # only watched by version
 
 
 def test_clipping_lists_the_parameters_once() -> None:

@@ -29,6 +29,7 @@ def test_bf16_mixed_runs_the_forward_in_bf16_and_returns_float32() -> None:
     assert wrapped.module is model and wrapped.training is model.training
     linear = make_precision("bf16-mixed", CPU).setup_module(nn.Linear(3, 2))
     assert linear.in_features == 3  # the user's attributes, through the wrapper
+    assert wrapped[0] is model[0] and len(wrapped) == 1 and list(wrapped) == list(model)
 
 
 def test_mixed_precision_never_modifies_the_users_module() -> None:

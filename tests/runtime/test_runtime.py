@@ -190,3 +190,20 @@ def test_known_raw_errors_inside_a_step_come_out_in_words() -> None:
         rt.train_step(optimizer, torch.ones(4, 2), asserts)
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert isinstance(caught.value, RuntimeError)  # old `except RuntimeError` still catches it
+
+
+def test_a_logged_tensor_counts_with_the_value_it_had_when_logged() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=4)
+    seen = torch.zeros(())
+    for _ in range(4):
+        seen += 1  # changed in place after each log
+        rt.log(seen=seen)
+    assert rt.history == [{"step": 0.0, "seen": 2.5}]
+
+
+def test_log_takes_numbers() -> None:
+    rt = gk.Runtime(devices="cpu")
+    with pytest.raises(gk.ConfigError, match=r"rt.log\(acc=...\) got a tensor of shape \(3,\)"):
+        rt.log(acc=torch.ones(3))
+    with pytest.raises(gk.ConfigError, match="got no metrics"):
+        rt.log()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
@@ -151,3 +154,68 @@ def test_metric_names_may_change_together_and_a_different_count_is_caught() -> N
     assert history[0] == {"step": 0.0, "loss": 0.5}
     assert history[1] == {"step": 0.0, "acc": 0.5, "loss": 2.0}
     assert "different metric names" in history[2]["error"]  # type: ignore[operator]
+
+
+def _mixed_precision_inside_ddp(rt: gk.Runtime, folder: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    reduced: list[int] = []
+
+    def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+        reduced.append(1)
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    model.register_comm_hook(None, counting)
+    flags = (model.require_backward_grad_sync, model.require_forward_param_sync)
+    batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    loss = rt.train_step(optimizer, batch, lambda b: F.cross_entropy(model(b[0]), b[1]))
+    keys = list(model.state_dict())
+    model.load_state_dict(model.state_dict())  # the keys DDP saves load back through it
+    rt.save(folder)
+    saved = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+    rt.load(folder)
+    restored = all(torch.equal(saved[k], v) for k, v in net.state_dict().items())
+    return {
+        "outer": type(model).__name__,
+        "inner": type(model.module).__name__,
+        "user": rt.unwrap(model) is net,
+        "flags_after_setup": flags,
+        "reducer_calls": len(reduced),
+        "loss_dtype": str(loss.dtype),
+        "keys": keys[:2],
+        "restored": restored,
+    }
+
+
+def test_mixed_precision_sits_inside_ddp_so_its_switches_hold(tmp_path: Path) -> None:
+    """Autocast is inside DDP: DDP's no-sync and buffer switches, which gpukit sets for
+    accumulation and out-of-memory recovery, are on the outermost module; checkpoints and
+    state dicts keep DDP's own keys."""
+    rt = gk.Runtime(
+        strategy="ddp", devices=["cpu", "cpu"], precision="bf16-mixed", accumulate=2,
+        oom="recover",
+    )  # fmt: skip
+    out = rt.launch(_mixed_precision_inside_ddp, str(tmp_path))
+    assert (out["outer"], out["inner"], out["user"]) == (
+        "DistributedDataParallel", "MixedPrecision", True,
+    )  # fmt: skip
+    assert out["flags_after_setup"][0] is False  # the first micro-batch does not all-reduce
+    assert out["reducer_calls"] == 0  # held back: gpukit averages after the ranks agree
+    assert out["loss_dtype"] == "torch.float32"
+    assert out["keys"] == ["module.0.weight", "module.0.bias"]
+    assert out["restored"] is True
+
+
+def _only_rank_0_logs(rt: gk.Runtime) -> None:
+    if rt.rank == 0:
+        rt.log(loss=1.0)
+    rt.flush_logs()
+
+
+def test_a_rank_that_logged_nothing_still_joins_the_flush() -> None:
+    with pytest.raises(gk.ConfigError, match=r"rank \d: rt\.log got different metric names"):
+        gk.Runtime(devices=2).launch(_only_rank_0_logs)

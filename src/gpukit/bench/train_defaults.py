@@ -1,9 +1,9 @@
 """The Runtime settings of ``gpukit train`` run without options, for the benchmarks that time
 "the loop as ``gpukit train`` runs it".
 
-They are read from the command line's own argument parser, the one place they are defined, so
-that a benchmark follows the command line when one of its defaults (``--oom``, ``--log-every``,
-``--seed``, ...) changes, instead of keeping a copy that drifts.
+They live beside the training loop (``gpukit.workloads.loop.RUNTIME_DEFAULTS``), where the
+command line takes its defaults from too, so that a benchmark follows the command line when one
+of them (``--oom``, ``--log-every``, ``--seed``, ...) changes, instead of keeping a copy.
 
 >>> settings = runtime_settings(devices="cpu")
 >>> settings["devices"], settings["seed"], settings["log_every"]
@@ -12,11 +12,9 @@ that a benchmark follows the command line when one of its defaults (``--oom``, `
 
 from __future__ import annotations
 
-import argparse
-import inspect
 from typing import Any
 
-from gpukit.runtime.runtime import Runtime
+from gpukit.workloads.loop import RUNTIME_DEFAULTS
 
 
 def runtime_settings(devices: Any = None) -> dict[str, Any]:
@@ -26,15 +24,7 @@ def runtime_settings(devices: Any = None) -> dict[str, Any]:
     >>> runtime_settings()["oom"] in ("raise", "recover", "auto")
     True
     """
-    from gpukit.cli import train  # late: the command line imports the benchmarks, not back
-
-    parser = argparse.ArgumentParser()
-    train.register(parser.add_subparsers())
-    given = vars(parser.parse_args([train.NAME]))
-    # `gpukit train` hands Runtime exactly its options named like Runtime's parameters (the
-    # others go to the training loop: workload, epochs, lr, ...).
-    parameters = inspect.signature(Runtime).parameters
-    settings = {name: value for name, value in given.items() if name in parameters}
+    settings = dict(RUNTIME_DEFAULTS)
     if devices is not None:
         settings["devices"] = devices
     return settings

@@ -33,11 +33,9 @@ from gpukit.cli._common import add_command, console
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
-from gpukit.workloads.loop import TrainConfig, check, fit
+from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, check, fit
 
 NAME = "train"
-# Recovery where it is free per step: one process (see gpukit.runtime.step).
-DEFAULT_OOM = "auto"
 
 
 def register(sub: Any) -> None:
@@ -45,20 +43,31 @@ def register(sub: Any) -> None:
         sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
-    parser.add_argument("--strategy", default="auto", help="auto, single, dp, dp-balanced or ddp")
-    parser.add_argument("--precision", default="auto", help="auto, 32, bf16-mixed or 16-mixed")
-    parser.add_argument("--devices", default="auto", help="auto, all, N, or a list like 0,1")
+    default = RUNTIME_DEFAULTS
+    parser.add_argument(
+        "--strategy", default=default["strategy"], help="auto, single, dp, dp-balanced or ddp"
+    )
+    parser.add_argument(
+        "--precision", default=default["precision"], help="auto, 32, bf16-mixed or 16-mixed"
+    )
+    parser.add_argument(
+        "--devices", default=default["devices"], help="auto, all, N, or a list like 0,1"
+    )
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after S optimizer steps")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch per step")
     parser.add_argument("--lr", type=float, default=None, help="default: the workload's")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="read metrics back every N")
+    parser.add_argument(
+        "--accumulate", type=int, default=default["accumulate"], help="micro-steps per step"
+    )
+    parser.add_argument("--seed", type=int, default=default["seed"])
+    parser.add_argument(
+        "--log-every", type=int, default=default["log_every"], help="read metrics back every N"
+    )
     parser.add_argument(
         "--oom",
         choices=("auto", "recover", "raise"),
-        default=DEFAULT_OOM,
+        default=default["oom"],
         help="out of memory: auto (recover in one process, stop and explain under several), "
         "recover (re-split the batch and redo the step), raise (stop and explain)",
     )

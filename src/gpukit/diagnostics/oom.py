@@ -31,7 +31,7 @@ import torch
 
 from gpukit._util.text import format_bytes as _fb
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.strategies import Strategy, make_strategy
+from gpukit.strategies import STRATEGIES, Strategy, make_strategy
 
 OomFormat = Literal["current", "pre-2.1", "cpu", "mps"]
 
@@ -284,7 +284,8 @@ def explain(
     _check("micro_batch", micro_batch, 1, int)
     _check("imbalance", imbalance, 1, (int, float))
     if isinstance(strategy, str):
-        strategy = make_strategy(strategy)
+        # A name gpukit has no strategy for ("auto", a name of yours) has no advice to add.
+        strategy = make_strategy(strategy) if strategy in STRATEGIES else None
     elif strategy is not None and not isinstance(strategy, Strategy):
         raise ConfigError(
             f"explain(strategy={strategy!r}): give a strategy name such as 'dp', or the "

@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_model
 from gpukit.errors import ConfigError, warn_user
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.precision import Precision
-from gpukit.runtime.state import TrainState
+from gpukit.runtime.state import TrainState, user_model
 from gpukit.strategies import Strategy
 
 FORMAT = 1
@@ -123,7 +123,7 @@ def load(
 
 def _user_models(state: TrainState, strategy: Strategy, precision: Precision) -> list[Any]:
     """The user's own models inside what setup returned: their keys are the checkpoint's."""
-    return [strategy.unwrap(precision.unwrap(m)) for m in state.modules]
+    return [user_model(m, strategy, precision) for m in state.modules]
 
 
 def _position(loader: DeviceLoader, saved: dict[str, Any], path: Path) -> int:

@@ -1,8 +1,8 @@
 """Metrics kept on the device and read back once per flush.
 
-``log(step, loss=loss)`` keeps each value where it is, on the device: no read-back, so the GPU
-never waits for the host, and no device work either. Every ``log_every`` calls (and on
-``flush``) the means are read back once and appended to ``history``.
+``log(step, {"loss": loss})`` adds each value to a running sum on the device: no read-back, so
+the GPU never waits for the host. Every ``log_every`` calls (and on ``flush``) the means are
+read back once and appended to ``history``.
 
 Under several processes a flush is one all-reduce and one read, whatever the number of
 metrics. Every rank must log the same names; that is checked in the same all-reduce: besides the
@@ -24,7 +24,6 @@ same sums and raises together, without a second collective or read.
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 
 import torch
@@ -45,27 +44,33 @@ class Metrics:
         self.log_every = log_every
         self.strategy = strategy
         self.history: list[dict[str, float]] = []
-        self._values: dict[str, list[torch.Tensor | float]] = {}  # logged since the flush
+        self._sums: dict[str, torch.Tensor] = {}  # name -> sum since the flush, on the device
+        self._counts: dict[str, int] = {}
         self._calls = 0
         self._checks: dict[tuple[str, ...], torch.Tensor] = {}  # names -> their check, on device
 
     def log(self, step: int, metrics: dict[str, torch.Tensor | float]) -> None:
-        """Keep ``metrics`` for the next flush; flush every ``log_every`` calls (``step``: the
+        """Add ``metrics`` to the sums; flush every ``log_every`` calls (``step``: the
         optimizer step the flushed record is stamped with)."""
         if not metrics:
             raise ConfigError("rt.log() got no metrics: pass them by name, e.g. rt.log(loss=loss)")
-        # Kept as given (detached): no device work and no copy here, on every step; the flush
-        # moves and adds them all at once. This runs every step, so it stays this short.
-        values = self._values
+        sums, counts = self._sums, self._counts
         for name, value in metrics.items():
-            kept = values.get(name)
-            if kept is None:
-                kept = values[name] = []
-            if isinstance(value, torch.Tensor):
-                # Detached so that no graph is kept until the flush (train_step's loss already is).
-                kept.append(value.detach() if value.requires_grad else value)
+            # Added now, not kept: a tensor changed in place later (a counter, a parameter)
+            # must count with the value it had when it was logged. One device op, no read.
+            t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            if t.numel() != 1:
+                raise ConfigError(
+                    f"rt.log({name}=...) got a tensor of shape {tuple(t.shape)}: log numbers "
+                    "(a one-element tensor or a float), e.g. the mean of what you measured"
+                )
+            total = sums.get(name)
+            if total is None:
+                sums[name] = t.to(self.device, torch.float32, copy=True)
+                counts[name] = 1
             else:
-                kept.append(float(value))
+                total.add_(t if t.device == total.device else t.to(total.device))
+                counts[name] += 1
         self._calls += 1
         if self._calls % self.log_every == 0:
             self.flush(step)
@@ -73,40 +78,29 @@ class Metrics:
     def flush(self, step: int) -> dict[str, float]:
         """Read back the means of what was logged since the last flush (one read; under several
         processes every rank must call it together), and append them to ``history``."""
-        names = tuple(sorted(self._values))
-        if not names:
-            return {}
-        means = torch.stack([self._mean(self._values[n]) for n in names])
-        values = self._across_ranks(names, means) if self.strategy.distributed else means.tolist()
+        names = tuple(sorted(self._sums))
+        if not self.strategy.distributed:
+            if not names:
+                return {}
+            means = torch.stack([self._sums[n] / self._counts[n] for n in names])
+            values = means.tolist()
+        else:
+            # Every rank joins, even one that logged nothing: that is how the others learn it.
+            values = self._across_ranks(names)
+            if not names:
+                return {}
         record = {"step": float(step), **dict(zip(names, values, strict=True))}
         self.history.append(record)
-        self._values.clear()
+        self._sums.clear()
+        self._counts.clear()
         return record
 
-    def _mean(self, kept: list[torch.Tensor | float]) -> torch.Tensor:
-        """The mean of one metric's values, in float32 on the device."""
-        if all(isinstance(v, float) for v in kept):
-            return torch.tensor(sum(kept) / len(kept), dtype=torch.float32).to(self.device)
-        with contextlib.suppress(TypeError, RuntimeError):  # floats among them, or devices
-            return torch.stack(kept).to(self.device, torch.float32).mean(0)  # type: ignore[arg-type]
-        parts = [
-            v.to(self.device, torch.float32)
-            if isinstance(v, torch.Tensor)
-            else torch.tensor(v, dtype=torch.float32).to(self.device)
-            for v in kept
-        ]
-        return torch.stack(parts).mean(0)
-
-    def _across_ranks(self, names: tuple[str, ...], means: torch.Tensor) -> list[float]:
-        if len(names) > CAPACITY:
-            raise ConfigError(
-                f"rt.log got {len(names)} different metric names between two flushes; at most "
-                f"{CAPACITY} can be averaged over the ranks at once: log fewer names, or flush "
-                "more often (a smaller log_every)"
-            )
+    def _across_ranks(self, names: tuple[str, ...]) -> list[float]:
+        kept = names[:CAPACITY]  # more is refused below, by every rank alike
+        means = [self._sums[n].to(torch.float64) / self._counts[n] for n in kept]
         # float64: the checks' sums must be exact integers (below 2**53 for up to 2**18 ranks).
-        padding = torch.zeros(CAPACITY - len(names), dtype=torch.float64, device=self.device)
-        vector = torch.cat([means.to(torch.float64), padding, self._check(names)])
+        padding = torch.zeros(CAPACITY - len(kept), dtype=torch.float64, device=self.device)
+        vector = torch.cat([*(m.reshape(1) for m in means), padding, self._check(names)])
         summed = self.strategy.all_reduce(vector, "sum").tolist()  # the flush's one read
         ranks = self.strategy.world_size
         sums, squares = summed[CAPACITY : CAPACITY + _CHECKS], summed[CAPACITY + _CHECKS :]
@@ -115,14 +109,20 @@ class Metrics:
                 "rt.log got different metric names on different ranks: log the same names on "
                 "every rank, the same number of times (values are averaged across ranks)"
             )
+        if len(names) > CAPACITY:
+            raise ConfigError(
+                f"rt.log got {len(names)} different metric names between two flushes; at most "
+                f"{CAPACITY} can be averaged over the ranks at once: log fewer names, or flush "
+                "more often (a smaller log_every)"
+            )
         return [v / ranks for v in summed[: len(names)]]
 
     def _check(self, names: tuple[str, ...]) -> torch.Tensor:
-        """The count of ``names``, the bytes of their CRC-32, and the squares of those five,
-        made on the device once per set of names."""
+        """The count of ``names`` (at most 2**16, for exact squares), the bytes of their
+        CRC-32, and the squares of those five, made on the device once per set of names."""
         if names not in self._checks:
             crc = zlib.crc32("\n".join(names).encode())
-            ints = [len(names), *crc.to_bytes(4, "little")]
+            ints = [min(len(names), 2**16), *crc.to_bytes(4, "little")]
             values = [float(i) for i in ints] + [float(i * i) for i in ints]
             self._checks[names] = torch.tensor(values, dtype=torch.float64).to(self.device)
         return self._checks[names]

@@ -2,7 +2,7 @@
 
 - ``"32"``: plain float32; nothing wraps the forward.
 - ``"bf16-mixed"``: the forward runs under ``torch.autocast`` in bfloat16; weights and
-  gradients stay float32. ``setup`` returns the model inside a thin :class:`MixedPrecision`
+  gradients stay float32. ``setup`` puts the model inside a thin :class:`MixedPrecision`
   module that enters autocast around each call: the user's module itself is never changed.
 - ``"16-mixed"``: autocast in float16 plus a gradient scaler, which skips the optimizer step
   when gradients overflow (inf/NaN) and lowers the scale, or raises it after a run of good steps.
@@ -81,7 +81,6 @@ class FP16Mixed(BF16Mixed):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.scaler = torch.amp.GradScaler(device.type)
-        self._unscaled = False
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -170,9 +169,12 @@ class MixedPrecision(nn.Module):
     """Runs ``module`` under ``torch.autocast(device_type, dtype)`` and hands back float32.
 
     The loss is computed outside autocast: it gets float32 outputs, as from a float32 model, so
-    losses and metrics are not rounded to 8 bits of mantissa. Attributes, ``state_dict`` and
-    ``load_state_dict`` are the wrapped module's own (the same keys as without mixed
-    precision), so code written for the plain model keeps working.
+    losses and metrics are not rounded to 8 bits of mantissa. It sits inside the strategy's
+    wrapper (DDP calls it as it would call the model), and is as transparent as a module can
+    be: attributes, indexing, ``state_dict`` and ``load_state_dict`` are the wrapped model's
+    own, and a wrapper above it (DDP) saves and loads the same keys as without mixed precision.
+    What still shows it: ``named_parameters()`` and ``isinstance``; ``rt.unwrap(model)`` gives
+    the model itself.
 
     >>> import torch
     >>> m = MixedPrecision(torch.nn.Linear(2, 2), "cpu", torch.bfloat16)
@@ -185,6 +187,13 @@ class MixedPrecision(nn.Module):
         self.module = module
         self.device_type = device_type
         self.dtype = dtype
+        # state_dict() leaves this level out of the keys (below), so a state dict loaded
+        # through a wrapper above arrives without it: put it back before the children load.
+        register = getattr(self, "register_load_state_dict_pre_hook", None)
+        if register is not None:
+            register(_add_level)
+        else:  # torch < 2.0 has only the private name
+            self._register_load_state_dict_pre_hook(_add_level, with_module=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
@@ -202,8 +211,26 @@ class MixedPrecision(nn.Module):
                 raise
             return getattr(inner, name)
 
+    def __getitem__(self, index: Any) -> Any:
+        return self.module[index]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self.module)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Any:
+        return iter(self.module)  # type: ignore[call-overload]
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.load_state_dict(*args, **kwargs)
+
+
+def _add_level(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    """Load-time twin of ``MixedPrecision.state_dict``: keys under ``prefix`` gain the
+    wrapper's own level (``module.``), which that state_dict left out."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)

@@ -21,6 +21,7 @@ loop runs on one CPU, one GPU, or one process per device under DDP.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
 import gc
 import random
@@ -43,7 +44,7 @@ from gpukit.runtime.faults import OomFault
 from gpukit.runtime.launch import spawn
 from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.precision import make_precision
-from gpukit.runtime.state import TrainState
+from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
 from gpukit.runtime.targets import with_target_check
 from gpukit.strategies import ReduceOp, Strategy, choose
@@ -85,7 +86,14 @@ class Runtime:
         oom: OomPolicy = "raise",
     ) -> None:
         self.config = config = RuntimeConfig(
-            strategy, precision, devices, accumulate, clip, seed, log_every, oom
+            strategy=strategy,
+            precision=precision,
+            devices=devices,
+            accumulate=accumulate,
+            clip=clip,
+            seed=seed,
+            log_every=log_every,
+            oom=oom,
         )
         launched = _env.launched() is not None
         self.strategy = choose(strategy, resolve_devices(devices, launched), launched)
@@ -192,12 +200,10 @@ class Runtime:
         """
         if not self.strategy.needs_launch:
             return fn(self, *args)
-        c = self.config
-        make = functools.partial(
-            Runtime, c.strategy, c.precision, c.devices, c.accumulate, c.clip, c.seed,
-            c.log_every, c.oom,
-        )  # fmt: skip
-        return spawn(make, self.world_size, fn, args)
+        # Each process builds its own Runtime from the same settings (its rank comes from
+        # the environment the launcher sets).
+        settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        return spawn(functools.partial(Runtime, **settings), self.world_size, fn, args)
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
         """Place the model for the strategy and precision, and wrap DataLoaders.
@@ -211,7 +217,9 @@ class Runtime:
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         if module is None:
-            module = self.precision.setup_module(self.strategy.setup_module(user))
+            # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
+            # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
+            module = self.strategy.setup_module(self.precision.setup_module(user))
             self.state.modules.append(module)
         self.state.optimizers += [
             o
@@ -245,7 +253,7 @@ class Runtime:
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's model inside what ``setup`` returned."""
-        return self.strategy.unwrap(self.precision.unwrap(module))
+        return user_model(module, self.strategy, self.precision)
 
     # -- the step -----------------------------------------------------------------------------
     def train_step(

@@ -28,6 +28,7 @@ the step began, so both are saved before each attempt and restored after a failu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,24 +61,33 @@ class BufferGuard:
         self.names = [n for n, _, _ in named]
         self.buffers = [b for _, b, _ in named]
         self.norms = {i for i, (_, _, norm) in enumerate(named) if norm}
-        self.versions = [b._version for b in self.buffers]
         self.changing: list[int] | None = None  # learnt after the first successful step
+        self.unwatched: list[int] = []  # the others: only their versions are kept
 
-    def save(self) -> list[tuple[int, torch.Tensor]]:
-        """Copies of the buffers the coming step may change (all of them the first time)."""
-        watched = range(len(self.buffers)) if self.changing is None else self.changing
-        return [(i, self.buffers[i].detach().clone()) for i in watched]
+    def save(self) -> SavedBuffers:
+        """Copies of the buffers the coming step may change (all of them the first time), and
+        the version of each buffer not copied: a retry must see it unchanged."""
+        buffers = self.buffers
+        if self.changing is None:
+            every = range(len(buffers))
+            return SavedBuffers(
+                [(i, buffers[i].detach().clone()) for i in every],
+                [(i, buffers[i]._version) for i in every],
+            )
+        return SavedBuffers(
+            [(i, buffers[i].detach().clone()) for i in self.changing],
+            [(i, buffers[i]._version) for i in self.unwatched],
+        )
 
-    def succeeded(self, saved: list[tuple[int, torch.Tensor]]) -> None:
+    def succeeded(self, saved: SavedBuffers) -> None:
         """After the first good step: find the buffers it changed (one read per device, once;
         the caller keeps it out of the trace)."""
         if self.changing is not None:
             return
-        now = [b._version for b in self.buffers]
-        changed = {i for i, (a, b) in enumerate(zip(self.versions, now, strict=True)) if a != b}
+        changed = {i for i, v in saved.versions if self.buffers[i]._version != v}
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         with torch.no_grad():
-            for i, copy in saved:
+            for i, copy in saved.copies:
                 if i not in changed and copy.numel():
                     differs = (copy != self.buffers[i]).any()
                     by_device.setdefault(differs.device, []).append((i, differs))
@@ -85,28 +95,34 @@ class BufferGuard:
             flags = torch.stack([d for _, d in found]).tolist()
             changed |= {i for (i, _), flag in zip(found, flags, strict=True) if flag}
         self.changing = sorted(changed | self.norms)
-        self.versions = now
+        self.unwatched = [i for i in range(len(self.buffers)) if i not in set(self.changing)]
 
-    def restore(self, saved: list[tuple[int, torch.Tensor]]) -> None:
-        """Put the saved buffers back; refuse when an unsaved buffer has changed."""
-        kept = {i for i, _ in saved}
+    def restore(self, saved: SavedBuffers) -> None:
+        """Put the saved buffers back; refuse when a buffer not copied changed in the attempt."""
+        copied = {i for i, _ in saved.copies}
         moved = [
             self.names[i]
-            for i, b in enumerate(self.buffers)
-            if i not in kept and b._version != self.versions[i]
+            for i, version in saved.versions
+            if i not in copied and self.buffers[i]._version != version
         ]
         if moved:
             raise ConfigError(
                 f"out-of-memory recovery cannot redo this step: buffer(s) {', '.join(moved[:3])} "
-                "changed in place although the first step left them alone, so the step's "
-                "starting values were not saved. Use oom='raise', or change such buffers from "
-                "the first step on"
+                "changed in place during the failed attempt although the first step left them "
+                "alone, so their starting values were not saved. Use oom='raise', or change "
+                "such buffers from the first step on"
             )
         with torch.no_grad():
-            for i, copy in saved:
+            for i, copy in saved.copies:
                 self.buffers[i].copy_(copy)
-                # The copy bumps the version too: what counts is what the retry changes.
-                self.versions[i] = self.buffers[i]._version
+
+
+@dataclass
+class SavedBuffers:
+    """What ``BufferGuard.save`` kept: (index, copy) and (index, version) pairs."""
+
+    copies: list[tuple[int, torch.Tensor]]
+    versions: list[tuple[int, int]]
 
 
 class RngState:

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.precision import Precision
+from gpukit.strategies import Strategy
 
 
 @dataclass
@@ -40,3 +42,9 @@ class TrainState:
         self.modules.clear()
         self.optimizers.clear()
         self.loaders.clear()
+
+
+def user_model(module: nn.Module, strategy: Strategy, precision: Precision) -> nn.Module:
+    """The user's own model inside what ``setup`` returned: the strategy's wrapper (DDP, dp)
+    holds the precision's (autocast), which holds the model."""
+    return precision.unwrap(strategy.unwrap(module))

@@ -27,6 +27,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +43,8 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.faults import OomFault
 from gpukit.runtime.precision import Precision
-from gpukit.runtime.snapshot import BufferGuard, RngState
-from gpukit.runtime.state import TrainState
+from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
+from gpukit.runtime.state import TrainState, user_model
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")
@@ -82,7 +83,10 @@ class Stepper:
         # Without accumulation or recovery a batch is never cut: train_step's shortest path.
         # (Its backward-sync flag stays on, as sync_next_backward sets it after each step.)
         self.whole_batches = config.accumulate == 1 and not self.recover
-        self._clip_params: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        # optimizer -> (its groups' parameter lists and lengths, those parameters in one list)
+        self._clip_params: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], list[torch.Tensor]]
+        ] = weakref.WeakKeyDictionary()
         self._guard: BufferGuard | None = None
         self._previous_loss: torch.Tensor | None = None  # see _whole_batch_step
         self._guarded = 0  # how many models the guard watches
@@ -139,11 +143,11 @@ class Stepper:
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The optimizer's parameters, listed once (again only if its groups change)."""
         groups = optimizer.param_groups
-        count = sum(len(g["params"]) for g in groups)
-        cached = self._clip_params.get(id(optimizer))
-        if cached is None or cached[0] != count:
-            cached = (count, [p for g in groups for p in g["params"]])
-            self._clip_params[id(optimizer)] = cached
+        shape = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        cached = self._clip_params.get(optimizer)
+        if cached is None or cached[0] != shape:
+            cached = (shape, [p for g in groups for p in g["params"]])
+            self._clip_params[optimizer] = cached
         return cached[1]
 
     def sync_next_backward(self) -> None:
@@ -178,7 +182,7 @@ class Stepper:
                 "the batch as the loader yields it (tensors, or tuples/dicts of tensors)"
             )
         state, config = self.state, self.config
-        if self.whole_batches:
+        if self.whole_batches and state.oom_split == 1:  # a split a checkpoint brought is kept
             return self._whole_batch_step(optimizer, batch, n, compute_loss)
         if self.hold_back and not self._collectives_checked:
             self.refuse_collective_forward()
@@ -222,12 +226,14 @@ class Stepper:
         try:
             self.fault.check(n)
             loss = compute_loss(batch)
-            # The last step's loss, and with it its autograd graph, goes now: after this
-            # forward, where a plain loop's `loss = ...` lets it go. Freed earlier, before the
-            # optimizer step, it measurably slowed small steps on the CPU (allocator reuse).
-            self._previous_loss = loss
             self.precision.backward(loss)
+            # The last step's loss, and with it its autograd graph, goes now, after this
+            # step's forward, where a plain loop's `loss = ...` lets it go. Freed before the
+            # optimizer step instead, it measurably slowed small steps on the CPU (allocator
+            # reuse). A loss whose backward failed is never kept: its graph holds activations.
+            self._previous_loss = loss
         except Exception as err:
+            self._previous_loss = None
             if not is_oom(err):
                 reraise_readable(err)
             raise self.out_of_memory(err, n) from err
@@ -242,10 +248,9 @@ class Stepper:
         failed earlier would never join, and the others would wait until the timeout."""
         self._collectives_checked = True
         for module in self.state.modules:
-            user = self.precision.unwrap(module)
             synced = [
                 n
-                for n, m in self.strategy.unwrap(user).named_modules()
+                for n, m in user_model(module, self.strategy, self.precision).named_modules()
                 if isinstance(m, torch.nn.SyncBatchNorm)
             ]
             if synced:
@@ -268,11 +273,12 @@ class Stepper:
                     self.strategy.set_backward_sync(module, True)
                 self.fault.check(size)
                 loss = compute_loss(batch)
-                self._previous_loss = loss  # freed after the next forward (_whole_batch_step)
                 self.precision.backward(loss)
+                self._previous_loss = loss  # freed after the next forward (_whole_batch_step)
                 return _Attempt(loss=loss.detach())
             return _Attempt(loss=self._micro_batches(batch, sizes, compute_loss))
         except Exception as err:
+            self._previous_loss = None
             if not is_oom(err):
                 reraise_readable(err)  # a known CUDA/NCCL error in words, anything else as is
             size = getattr(err, "gpukit_micro_batch", size)
@@ -287,13 +293,14 @@ class Stepper:
     ) -> torch.Tensor:
         """Forward and backward over ``batch`` cut to ``sizes``, each loss weighted by its share;
         the batch's mean loss. An error leaves with the size of the micro-batch it came from."""
+        self._previous_loss = None
         total = sum(sizes)
         loss_sum: torch.Tensor | None = None
         for i, (chunk, size) in enumerate(zip(split(batch, sizes), sizes, strict=True)):
             last = i == len(sizes) - 1
             for module in self.state.modules:
                 if self.hold_back:
-                    self.strategy.hold_sync(module)
+                    self.strategy.hold_sync(module, i == 0)
                 else:
                     self.strategy.set_backward_sync(module, last)
             try:
@@ -322,15 +329,15 @@ class Stepper:
             at += len(flags)
         return agreed[0], agreed[1], anywhere
 
-    def _save(self) -> tuple[list[tuple[int, torch.Tensor]], RngState]:
+    def _save(self) -> tuple[SavedBuffers, RngState]:
         if self._guard is None or self._guarded != len(self.state.modules):
             self._guarded = len(self.state.modules)  # setup only ever adds models
-            users = [self.strategy.unwrap(self.precision.unwrap(m)) for m in self.state.modules]
+            users = [user_model(m, self.strategy, self.precision) for m in self.state.modules]
             self._guard = BufferGuard(users)
             self._gpus = RngState.gpus_of(self.strategy.driven_devices)
         return self._guard.save(), RngState(self._gpus)
 
-    def _restore(self, saved: tuple[list[tuple[int, torch.Tensor]], RngState]) -> None:
+    def _restore(self, saved: tuple[SavedBuffers, RngState]) -> None:
         buffers, rng = saved
         assert self._guard is not None  # made by _save
         self._guard.restore(buffers)
@@ -362,8 +369,12 @@ class Stepper:
             )
 
     def close(self) -> None:
-        """Let go of the last loss (its graph holds the model's parameters)."""
+        """Let go of what refers to the models: the last loss (its graph holds the
+        parameters), the clipping lists and the buffer snapshot's watch list."""
         self._previous_loss = None
+        self._clip_params.clear()
+        self._guard = None
+        self._guarded = 0
 
     # -- explaining ------------------------------------------------------------------------------
     def out_of_memory(
@@ -378,7 +389,7 @@ class Stepper:
             total = 0
             for i, module in enumerate(self.state.modules):
                 optimizer = self.state.optimizers[i] if i < len(self.state.optimizers) else None
-                user = self.strategy.unwrap(self.precision.unwrap(module))
+                user = user_model(module, self.strategy, self.precision)
                 parts = breakdown(user, optimizer)
                 total += parts.parameters + parts.gradients + parts.optimizer_state
             state_bytes = total

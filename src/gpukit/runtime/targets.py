@@ -15,12 +15,11 @@ import torch
 from gpukit._util.text import explained as _say
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
+from gpukit.strategies.per_device import PerDevice
 
 
 def _class_count(outputs: Any, targets: torch.Tensor) -> int | None:
     # Where the class dimension is, judged by shapes; None when they fit neither layout.
-    from gpukit.strategies.dp import PerDevice  # late: strategies may import this module
-
     if isinstance(outputs, PerDevice):
         if not outputs.outputs or not isinstance(outputs.outputs[0], torch.Tensor):
             return None

@@ -89,9 +89,11 @@ class Strategy:
     def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
         """Whether the next backward should synchronise gradients across ranks."""
 
-    def hold_sync(self, module: nn.Module) -> None:
+    def hold_sync(self, module: nn.Module, first: bool) -> None:
         """Make the coming forward and backward run no collective at all (out-of-memory
-        recovery: a rank may fail halfway, and no other rank may wait for it)."""
+        recovery: a rank may fail halfway, and no other rank may wait for it). ``first``: the
+        attempt's first micro-batch, before which every rank is still together (where a
+        strategy shares what its forward would have shared)."""
 
     def held_flags(self, module: nn.Module) -> list[bool]:
         """What this rank must tell the others before ``sync_held`` (agreed by ``any_rank``
@@ -99,7 +101,7 @@ class Strategy:
         return []
 
     def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
-        """Do now what ``hold_sync`` held back: average the gradients, share the buffers.
+        """Do now what ``hold_sync`` held back: average the gradients.
         ``anywhere``: ``held_flags`` agreed over the ranks."""
 
     def check_gradients(self, module: nn.Module) -> None:

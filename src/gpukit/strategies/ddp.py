@@ -133,12 +133,21 @@ class DDP(Strategy):
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = enabled
 
-    def hold_sync(self, module: nn.Module) -> None:
+    def hold_sync(self, module: nn.Module, first: bool) -> None:
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = False
-            # Otherwise the next forward may broadcast buffers: a collective that a rank which
+            # Otherwise the forward may broadcast buffers itself: a collective that a rank which
             # failed before its forward would never join.
             module.require_forward_param_sync = False
+            if first and module.broadcast_buffers:
+                # What DDP's own first forward after a synchronised step would do (rank 0's
+                # buffers, BatchNorm's statistics say, are everyone's), at a point every rank
+                # reaches: before any forward of the attempt.
+                buffers = [b for b in self.unwrap(module).buffers() if b.numel()]
+                for bucket in _buckets(buffers, _BUCKET_BYTES):
+                    flat = torch.cat([b.reshape(-1) for b in bucket])
+                    dist.broadcast(flat, src=0)
+                    _scatter_back(flat, bucket)
 
     def held_flags(self, module: nn.Module) -> list[bool]:
         # Which parameters got a gradient here: one used only on another rank must still join
@@ -146,7 +155,6 @@ class DDP(Strategy):
         return [p.grad is not None for p in self._trained(module)]
 
     def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
-        user_module = self.unwrap(module)
         grads: list[torch.Tensor] = []
         for p, used in zip(self._trained(module), anywhere, strict=True):
             if used:
@@ -158,13 +166,6 @@ class DDP(Strategy):
             dist.all_reduce(flat)
             flat /= self.world_size
             _scatter_back(flat, bucket)
-        if getattr(module, "broadcast_buffers", False):
-            # DDP's rule: rank 0's buffers (BatchNorm statistics, say) are everyone's.
-            buffers = [b for b in user_module.buffers() if b.numel()]
-            for bucket in _buckets(buffers, _BUCKET_BYTES):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.broadcast(flat, src=0)
-                _scatter_back(flat, bucket)
 
     def _trained(self, module: nn.Module) -> list[torch.Tensor]:
         return [p for p in self.unwrap(module).parameters() if p.requires_grad]

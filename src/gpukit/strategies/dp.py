@@ -133,18 +133,29 @@ class DP(Strategy):
     def driven_devices(self) -> list[Device]:
         return list(self.devices)
 
+    # What running out of memory most likely means under this strategy: (title, why, fix,
+    # the imbalance to assume when none was measured, confidence with and without one).
+    memory_story: ClassVar[tuple[str, str, str, float, float, float]] = (
+        "balance memory over GPUs",
+        'under strategy "dp" GPU 0 gathers every output and computes the loss alone',
+        'strategy="dp-balanced" computes the loss on every GPU, and strategy="ddp" balances '
+        "memory fully",
+        1.5,  # a typical dp imbalance
+        0.8,
+        0.5,
+    )
+
     def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
         if imbalance is not None and imbalance <= 1.2:
             return None  # balanced enough: the imbalance is not what ran out
-        ratio = imbalance if imbalance is not None else 1.5  # a typical dp imbalance
+        title, why, fix, assumed, sure, unsure = self.memory_story
+        ratio = imbalance if imbalance is not None else assumed
         said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
         return MemoryAdvice(
-            "balance memory over GPUs",
-            f'under strategy "dp" GPU 0 gathers every output and computes the loss alone{said}: '
-            'strategy="dp-balanced" computes the loss on every GPU, and strategy="ddp" '
-            "balances memory fully",
+            title,
+            f"{why}{said}: {fix}",
             None if peak is None else int(peak * (1 - 1 / ratio)),
-            0.8 if imbalance else 0.5,
+            sure if imbalance else unsure,
         )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -181,20 +192,16 @@ class DPBalanced(DP):
         super().configure(devices)
         self.loss_device = self._member("loss_device", self.loss_device_spec)
 
-    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
-        if imbalance is not None and imbalance <= 1.2:
-            return None
-        ratio = imbalance if imbalance is not None else 1.2  # master state on the first GPU
-        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
-        return MemoryAdvice(
-            "one replica per process",
-            'under strategy "dp-balanced" the first GPU still holds the master weights, all '
-            f'gradients and the whole optimizer state{said}: strategy="ddp" gives every GPU '
-            "its own replica and its own share of the work, and sharding the optimizer state "
-            "over GPUs (FSDP / ZeRO) shrinks it further",
-            None if peak is None else int(peak * (1 - 1 / ratio)),
-            0.7 if imbalance else 0.4,
-        )
+    memory_story: ClassVar[tuple[str, str, str, float, float, float]] = (
+        "one replica per process",
+        'under strategy "dp-balanced" the first GPU still holds the master weights, all '
+        "gradients and the whole optimizer state",
+        'strategy="ddp" gives every GPU its own replica and its own share of the work, and '
+        "sharding the optimizer state over GPUs (FSDP / ZeRO) shrinks it further",
+        1.2,  # the master state on the first GPU
+        0.7,
+        0.4,
+    )
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None

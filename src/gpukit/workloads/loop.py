@@ -28,6 +28,20 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
 from gpukit.workloads.report import metrics, run_memory, write_outputs
 
+# The Runtime settings `gpukit train` uses when given no option: its command line's defaults,
+# and what the benchmarks time as "gpukit train's default settings". oom "auto": recovery
+# where it costs nothing per step (one process; see gpukit.runtime.step).
+RUNTIME_DEFAULTS: dict[str, Any] = {
+    "strategy": "auto",
+    "precision": "auto",
+    "devices": "auto",
+    "accumulate": 1,
+    "seed": 0,
+    "log_every": 10,
+    "oom": "auto",
+}
+DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -66,9 +80,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
 
     checkpoints = Path(config.out) / "checkpoints" if config.out else None
     if config.resume:
-        if checkpoints is None:
-            raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
-        rt.load(checkpoints)
+        rt.load(_resume_folder(config))
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -119,11 +131,15 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
     workload = load_workload(config.workload, seed=config.seed)
     micro_batch(config.batch_size or workload.batch_size, world_size, accumulate)
     if config.resume:
-        if not config.out:
-            raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
         from gpukit.runtime.checkpoint import latest
 
-        latest(Path(config.out) / "checkpoints")
+        latest(_resume_folder(config))
+
+
+def _resume_folder(config: TrainConfig) -> Path:
+    if not config.out:
+        raise ConfigError("--resume needs --out DIR: the checkpoints live in DIR/checkpoints")
+    return Path(config.out) / "checkpoints"
 
 
 def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
