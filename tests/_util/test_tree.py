@@ -76,13 +76,6 @@ def test_map_keeps_every_container_type_and_aliases() -> None:
     assert obj["frozen"].a[0] == 3.0  # the input is untouched
 
 
-def test_named_tensors_reads_as_paths() -> None:
-    names = [n for n, _ in tree.named_tensors({"pair": Pair(torch.zeros(1), torch.zeros(1))})]
-    assert names == ["pair.x", "pair.y"]
-    assert [n for n, _ in tree.named_tensors([torch.zeros(1)])] == ["[0]"]
-    assert [n for n, _ in tree.named_tensors(torch.zeros(1))] == ["tensor"]
-
-
 def test_zip_map_combines_like_structures() -> None:
     a = Frozen(torch.zeros(1), tag="a")
     b = Frozen(torch.ones(1), tag="b")

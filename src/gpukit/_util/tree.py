@@ -76,21 +76,6 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
         yield from tensors(value)
 
 
-def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor inside ``obj`` with its path, e.g. ``x[0].weight``.
-
-    >>> import torch
-    >>> [name for name, _ in named_tensors({"x": [torch.zeros(1)]}, "batch")]
-    ['batch.x[0]']
-    """
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "tensor", obj
-        return
-    for name, value in children(obj):
-        path = f"{prefix}{name}" if prefix or not name.startswith(".") else name[1:]
-        yield from named_tensors(value, path)
-
-
 def map_tensors(
     obj: Any,
     fn: Callable[[Any], Any],
