@@ -14,18 +14,37 @@ from gpukit.diagnostics.oplog import PlacementLog, log_placement
 from gpukit.diagnostics.placement import PlacementReport, placement
 from gpukit.diagnostics.readable import explain_error
 from gpukit.diagnostics.trace import Trace, trace
-from gpukit.errors import ConfigError, DeviceError, GpukitError, OutOfMemory
+from gpukit.errors import (
+    ConfigError,
+    CrossDeviceError,
+    CudnnError,
+    DeviceAssertError,
+    DeviceError,
+    DistributedError,
+    DriverTooOldError,
+    GpukitError,
+    LaunchError,
+    NoKernelImageError,
+    OutOfMemory,
+)
 from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "CrossDeviceError",
+    "CudnnError",
     "Device",
+    "DeviceAssertError",
     "DeviceError",
+    "DistributedError",
+    "DriverTooOldError",
     "GpukitError",
+    "LaunchError",
     "MemoryBreakdown",
     "MemoryReport",
+    "NoKernelImageError",
     "OutOfMemory",
     "PlacementLog",
     "PlacementReport",

@@ -56,6 +56,10 @@ class OutOfMemory(GpukitError, RuntimeError):
     it, this is a ``RuntimeError``, so ``except RuntimeError`` code keeps catching it."""
 
 
+class LaunchError(GpukitError):
+    """A rank of a launched job failed; the message holds its error and traceback."""
+
+
 # Translations of raw torch/CUDA/NCCL errors (see gpukit.diagnostics.readable). They are
 # RuntimeErrors as well, so code that already catches torch's RuntimeError keeps working.
 

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.launch import LaunchError
+from gpukit.errors import LaunchError
 
 GLOBAL_BATCH = 16
 

@@ -19,11 +19,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from gpukit import errors
-from gpukit.errors import ConfigError, GpukitError
-
-
-class LaunchError(GpukitError):
-    """A rank of a launched job failed; the message holds its error and traceback."""
+from gpukit.errors import ConfigError, GpukitError, LaunchError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
