@@ -47,8 +47,18 @@ def test_accumulation_equals_the_big_batch() -> None:
 def test_auto_strategy_and_device() -> None:
     rt = gk.Runtime()
     assert rt.strategy.name == "single" and rt.world_size == 1 and rt.is_global_zero
-    assert rt.device == gk.device() and rt.rank == 0 and rt.local_rank == 0
+    assert rt.device == gk.device().torch and rt.device_info == gk.device()
+    assert rt.rank == 0 and rt.local_rank == 0
     assert gk.Runtime(devices=2).strategy.name == ("ddp")
+
+
+def test_device_is_a_torch_device_that_tensors_accept() -> None:
+    rt = gk.Runtime(devices="cpu")
+    assert isinstance(rt.device, torch.device)
+    assert torch.ones(2).to(rt.device).device == rt.device
+    assert torch.zeros(2, device=rt.device).device == rt.device
+    assert torch.nn.Linear(2, 1).to(rt.device).weight.device == rt.device
+    assert rt.device_info.type == "cpu" and str(rt.device_info) == str(rt.device)
 
 
 def test_auto_picks_ddp_under_a_launcher(monkeypatch) -> None:

@@ -118,7 +118,7 @@ def _training_step(workload: str) -> Any:
         for _ in range(n):
             rt.log(loss=rt.train_step(optimizer, next(batches), compute_loss))
 
-    run.device = rt.device.torch  # type: ignore[attr-defined]
+    run.device = rt.device  # type: ignore[attr-defined]
     return run
 
 

@@ -171,8 +171,15 @@ class Runtime:
 
     # -- where this process sits ------------------------------------------------------------
     @property
-    def device(self) -> Device:
-        """The device this process trains on."""
+    def device(self) -> torch.device:
+        """The device this process trains on, as a ``torch.device``: ``x.to(rt.device)`` and
+        ``torch.zeros(2, device=rt.device)`` work as they do with plain PyTorch."""
+        return self.strategy.device.torch
+
+    @property
+    def device_info(self) -> Device:
+        """gpukit's :class:`Device` for ``rt.device``: its name, memory and compute
+        capability."""
         return self.strategy.device
 
     @property
@@ -236,7 +243,7 @@ class Runtime:
         ``gpukit.runtime.data``)."""
         self._ensure_ready()
         shards, shard = self.strategy.sampler_placement()
-        wrapped = DeviceLoader(loader, self.device.torch, shards, shard, self.config.seed or 0)
+        wrapped = DeviceLoader(loader, self.device, shards, shard, self.config.seed or 0)
         self.state.loaders.append(wrapped)
         return wrapped
 

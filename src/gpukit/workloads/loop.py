@@ -119,7 +119,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         config=asdict(config),
     )
     if workload.sample is not None and config.sample:
-        summary["sample"] = workload.sample(rt.unwrap(model), rt.device.torch)
+        summary["sample"] = workload.sample(rt.unwrap(model), rt.device)
     if config.out:
         write_outputs(Path(config.out), summary, rt.history)
     return summary

@@ -52,7 +52,7 @@ def metrics(
     flops_per_s = workload.flops_per_sample * samples_per_s
     # PEAK_FLOPS lists GPUs: a CPU's model name must not match one of them by chance.
     utilisation = (
-        mfu(flops_per_s, rt.device.name, gpu_count(rt)) if rt.device.type == "cuda" else None
+        mfu(flops_per_s, rt.device_info.name, gpu_count(rt)) if rt.device.type == "cuda" else None
     )
     losses = [r["loss"] for r in rt.history if "loss" in r]
     return {
