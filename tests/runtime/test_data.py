@@ -43,9 +43,9 @@ def test_no_shuffle_keeps_order_and_drop_last_is_kept() -> None:
 
 def test_position_continues_where_an_interrupted_pass_stopped() -> None:
     data = TensorDataset(torch.arange(12))
-    full = DeviceLoader(DataLoader(data, batch_size=2, shuffle=True), CPU, 1, 0, seed=1)
+    full = DeviceLoader(DataLoader(data, batch_size=2), CPU, 1, 0, seed=1)
     expected = [b[0].tolist() for b in full]
-    resumed = DeviceLoader(DataLoader(data, batch_size=2, shuffle=True), CPU, 1, 0, seed=1)
+    resumed = DeviceLoader(DataLoader(data, batch_size=2), CPU, 1, 0, seed=1)
     resumed.position = 4
     assert [b[0].tolist() for b in resumed] == expected[4:]
     assert len(expected) == 6 and resumed.epoch == 1
@@ -70,12 +70,15 @@ class _Evens(Sampler[int]):
         return (self.n + 1) // 2
 
 
-def test_custom_sampler_is_kept_on_one_rank_and_refused_on_several() -> None:
-    data = TensorDataset(torch.arange(6))
-    kept = DeviceLoader(DataLoader(data, sampler=_Evens(6), batch_size=3), CPU, 1, 0, seed=0)
-    assert _indices(kept) == [0, 2, 4]
-    with pytest.raises(gk.ConfigError, match=r"custom sampler \(_Evens\) over 2 ranks"):
-        DeviceLoader(DataLoader(data, sampler=_Evens(6)), CPU, 2, 0, seed=0)
+def test_custom_sampler_is_kept_on_one_rank_and_strided_on_several() -> None:
+    data = TensorDataset(torch.arange(12))
+    kept = DeviceLoader(DataLoader(data, sampler=_Evens(12), batch_size=3), CPU, 1, 0, seed=0)
+    assert _indices(kept) == [0, 2, 4, 6, 8, 10] and kept.sampler.__class__ is _Evens
+    shards = [
+        _indices(DeviceLoader(DataLoader(data, sampler=_Evens(12), batch_size=2), CPU, 2, r, 0))
+        for r in range(2)
+    ]
+    assert shards == [[0, 4, 8], [2, 6, 10]]
 
 
 def test_fewer_samples_than_ranks_is_refused() -> None:

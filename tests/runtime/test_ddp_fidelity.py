@@ -14,10 +14,11 @@ What makes the two equal, by construction of each side:
 - initial weights: ``Runtime(seed=...)`` seeds torch in each process; the plain program calls
   ``torch.manual_seed`` with that seed before building the model (and DDP broadcasts rank 0's);
 - dropout: both draw from the global torch generator, seeded alike on both sides, so the masks
-  match only if nothing else draws from it differently. A plain ``DataLoader`` without a
+  match only if nothing else draws from it differently. A ``DataLoader`` without a
   ``generator`` draws one int64 from it each time an epoch's iterator starts (the workers' base
-  seed, drawn even with ``num_workers=0``); the variants "..._generator" give the loader a
-  seeded generator, as PyTorch's reproducibility notes advise, so that draw leaves it alone;
+  seed, drawn even with ``num_workers=0``), and gpukit's loader makes that same draw; the
+  variants "..._generator" give the loader a seeded generator, as PyTorch's reproducibility
+  notes advise, so that draw leaves it alone;
 - accumulation: gpukit divides by ``accumulate`` and skips DDP's all-reduce on the non-final
   micro-batches, as ``model.no_sync()`` and ``loss / accumulate`` do.
 
@@ -296,20 +297,9 @@ def test_accumulation_equals_no_sync_and_dividing_the_loss(results: Results) -> 
     _assert_same_tensors(results, "accumulate_train_step")
 
 
-# Known gap, kept failing visibly until the loader draws from the global generator at each
-# iterator start as a plain DataLoader does (strict: passing then is a signal to remove this).
-_LOADER_DRAW = pytest.mark.xfail(
-    strict=True,
-    reason="gpukit's DeviceLoader takes the workers' base seed from a private generator, where "
-    "a plain DataLoader draws it from the global one at each iterator start",
-)
-
-
-@_LOADER_DRAW
 def test_batchnorm_and_dropout(results: Results) -> None:
-    # The tutorial's DataLoader has no generator. Fails while gpukit's loader leaves the global
-    # generator alone where the plain one draws from it (see the random-stream test below):
-    # from the first step on, every dropout mask differs.
+    # The tutorial's DataLoader has no generator: both loaders draw the workers' base seed
+    # from the global generator at each pass, so every dropout mask matches.
     _assert_same_tensors(results, "bn_dropout")
 
 
@@ -317,7 +307,6 @@ def test_batchnorm_and_dropout_with_a_seeded_loader_generator(results: Results) 
     _assert_same_tensors(results, "bn_dropout_generator")
 
 
-@_LOADER_DRAW
 def test_the_random_stream_moves_as_in_the_plain_program(results: Results) -> None:
     moved = [
         f"{name} rank {rank}"
@@ -327,10 +316,8 @@ def test_the_random_stream_moves_as_in_the_plain_program(results: Results) -> No
             results[f"plain-{name}"][rank]["rng"], results[f"gpukit-{name}"][rank]["rng"]
         )
     ]
-    # Where this fails, the plain program's generator is gpukit's advanced by one int64 draw per
-    # epoch: the plain DataLoader's base-seed draw at each `for x, y in loader`, which gpukit's
-    # DeviceLoader makes from a private generator instead. Any later random draw (dropout,
-    # augmentation, noise) then differs from the plain program's.
+    # Each `for x, y in loader` draws the workers' base seed from the global generator, in the
+    # plain DataLoader and in gpukit's alike; any later draw (dropout, noise) then matches.
     assert not moved, f"the torch random stream moved differently from the plain program: {moved}"
 
 

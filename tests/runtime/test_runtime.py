@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
 from gpukit.runtime.runtime import resolve_devices
+from gpukit.strategies.ddp import DDP
 
 
 def _model() -> nn.Module:
@@ -66,9 +67,11 @@ def test_auto_picks_ddp_under_a_launcher(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    joined: list[int] = []  # one rank of a launched job joins its process group at once
+    monkeypatch.setattr(DDP, "setup_environment", lambda self: joined.append(self.rank))
     rt = gk.Runtime()
     assert rt.strategy.name == "ddp" and rt.rank == 1 and rt.world_size == 2
-    assert not rt.strategy.needs_launch
+    assert not rt.strategy.needs_launch and joined == [1]
 
 
 def test_log_reads_back_only_every_n_calls() -> None:

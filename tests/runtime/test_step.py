@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gpukit as gk
 from gpukit.errors import ConfigError, OutOfMemory
@@ -28,6 +28,11 @@ def _train(rt: gk.Runtime, batch: int = 32, epochs: int = 2) -> dict[str, np.nda
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = DataLoader(_data(), batch_size=batch // rt.world_size, shuffle=True)
+    if rt.world_size == 1:
+        # One process keeps a DataLoader's own RandomSampler, as plain PyTorch would; the order
+        # the ranks split between them is a DistributedSampler's with the run's seed.
+        order = DistributedSampler(_data(), num_replicas=1, rank=0, seed=0)
+        loader = DataLoader(_data(), batch_size=batch, sampler=order)
     model, optimizer, loader = rt.setup(model, optimizer, loader)
 
     def compute_loss(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

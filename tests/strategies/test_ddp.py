@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gpukit as gk
 from gpukit.errors import LaunchError
@@ -31,6 +31,11 @@ def _train(rt: gk.Runtime, epochs: int, shuffle: bool) -> dict[str, np.ndarray]:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     per_rank = GLOBAL_BATCH // rt.world_size // rt.accumulate
     loader = DataLoader(_data(), batch_size=per_rank, shuffle=shuffle)
+    if shuffle and rt.world_size == 1:
+        # One process keeps a DataLoader's own RandomSampler, as plain PyTorch would; the order
+        # the ranks split between them is a DistributedSampler's with the run's seed.
+        order = DistributedSampler(_data(), num_replicas=1, rank=0, seed=0)
+        loader = DataLoader(_data(), batch_size=per_rank, sampler=order)
     model, optimizer, loader = rt.setup(model, optimizer, loader)
     for _ in range(epochs):
         for x, y in loader:

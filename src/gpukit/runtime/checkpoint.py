@@ -5,7 +5,8 @@ A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
 - ``model.safetensors`` (or ``model-N.safetensors`` for several models): the weights;
 - ``state.pt``: optimizer and gradient-scaler state, epoch, step, each loader's position
   inside its epoch (in batches, with their size, so another batch size resumes at the same
-  sample), and the RNG states of every rank.
+  sample), and the RNG states of every rank, with the state each loader's pass started from
+  (the resumed pass redoes that start's draws: its order and its workers' seeds).
 
 Rank 0 writes into a temporary folder, fsyncs every file, renames the folder into place and
 then points the file ``latest`` at it (written the same way); the oldest checkpoints beyond
@@ -53,7 +54,8 @@ def save(
             f"accumulate={accumulate}): the partial gradients are not saved, so a resumed "
             "run will not continue exactly; save right after an optimizer step"
         )
-    rng = strategy.all_gather_object(_rng_state(strategy.device.torch))  # every rank takes part
+    # Every rank takes part: its RNG states, and where its loaders' passes started.
+    rng = strategy.all_gather_object(_rng_state(strategy.device.torch, state.loaders))
     final = directory / f"step-{state.global_step:08d}"
     models = _user_models(state, strategy, precision)
     if strategy.rank == 0:
@@ -106,8 +108,6 @@ def load(
     for optimizer, kept in zip(state.optimizers, saved["optimizers"], strict=True):
         optimizer.load_state_dict(kept)
     precision.load_state_dict(saved["precision"])
-    for loader, kept in zip(state.loaders, saved["loaders"], strict=False):
-        loader.epoch, loader.position = kept["epoch"], _position(loader, kept, path)
     state.global_step, state.micro_step = saved["step"], saved["micro_step"]
     state.stepped_at = state.micro_step
     state.oom_split = int(saved.get("oom_split", 1))
@@ -117,7 +117,15 @@ def load(
             f"checkpoint {path} was written by {len(ranks)} rank(s), this run has "
             f"{strategy.world_size}: random streams and data shards will not continue exactly"
         )
-    _set_rng_state(ranks[strategy.rank % len(ranks)], strategy.device.torch)
+    mine = ranks[strategy.rank % len(ranks)]
+    starts = mine.get("loaders", [])
+    for i, (loader, kept) in enumerate(zip(state.loaders, saved["loaders"], strict=False)):
+        position = _position(loader, kept, path)
+        # The pass's starting random state redoes its draws only for the same batches.
+        same = position == int(kept["position"]) and len(ranks) == strategy.world_size
+        start = starts[i] if same and i < len(starts) else None
+        loader.resume(int(kept["epoch"]), position, start)
+    _set_rng_state(mine, strategy.device.torch)
     return {"epoch": saved["epoch"], "step": saved["step"]}
 
 
@@ -129,7 +137,7 @@ def _user_models(state: TrainState, strategy: Strategy, precision: Precision) ->
 def _position(loader: DeviceLoader, saved: dict[str, Any], path: Path) -> int:
     """The saved position in this run's batches: a run resumed with another batch size goes on
     from the same sample, not from the same batch number."""
-    before, now = saved.get("batch_size"), loader.loader.batch_size
+    before, now = saved.get("batch_size"), loader.batch_size
     if not before or not now or before == now or loader.sampler is None:
         return int(saved["position"])  # only a sampler of ours skips by samples
     samples = int(saved["position"]) * int(before)
@@ -172,10 +180,7 @@ def latest(directory: Path) -> Path:
 def _progress(
     state: TrainState, strategy: Strategy, precision: Precision, rng: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    loaders = [
-        {"epoch": lo.epoch, "position": lo.position, "batch_size": lo.loader.batch_size}
-        for lo in state.loaders
-    ]
+    loaders = [lo.state_dict() for lo in state.loaders]
     return {
         "format": FORMAT,
         "epoch": loaders[0]["epoch"] if loaders else 0,
@@ -190,7 +195,7 @@ def _progress(
     }
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
+def _rng_state(device: torch.device, loaders: list[DeviceLoader]) -> dict[str, Any]:
     # Plain lists and tensors only: they load under weights_only=True.
     numpy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     kind, keys, pos, has_gauss, cached = numpy_state
@@ -201,6 +206,7 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":  # this rank's own GPU only: touching others would make contexts
         state["cuda"] = torch.cuda.get_rng_state(device)
+    state["loaders"] = [lo.pass_rng() for lo in loaders]
     return state
 
 

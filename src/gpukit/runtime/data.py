@@ -1,10 +1,16 @@
-"""A device-aware wrapper around a DataLoader.
+"""A device-aware wrapper around a DataLoader that iterates exactly like it.
 
-It shards the data across ranks (a ``DistributedSampler`` that keeps the user's shuffle,
-drop_last and the run's seed), starts each pass with ``set_epoch`` so the order changes every
-epoch, remembers where it is inside an epoch so a resumed run continues with the next batch,
-and hands out batches already on the device. On CUDA it pins host memory and copies the next
-batch on a side stream while the current one is being used.
+What stays as with plain PyTorch: every ``iter()`` is its own pass, which draws from the
+global random generator when it starts as a ``DataLoader`` does (the workers' base seed, and a
+``RandomSampler``'s seed), so a program keeps its random stream; a peek
+(``next(iter(loader))``) or a ``break`` never changes what the next ``for`` loop sees;
+``len``, ``dataset``, ``batch_size``, ``sampler`` and the loader's other attributes are there.
+
+What it adds: it shards the data across ranks (see ``gpukit.runtime.sampling``), calls the
+sampler's ``set_epoch`` at each pass (unless the program calls it itself), hands out batches
+already on the device (on CUDA from pinned memory, the next batch copied on a side stream while
+the current one is used), and remembers where the training pass is, so a resumed run continues
+with the next batch and the same random numbers.
 
 >>> import torch, gpukit as gk
 >>> from torch.utils.data import DataLoader, TensorDataset
@@ -12,160 +18,240 @@ batch on a side stream while the current one is being used.
 >>> loader = rt.setup_loader(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4))
 >>> [batch[0].tolist() for batch in loader]
 [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+>>> len(loader), len(loader.dataset), loader.batch_size
+(2, 8, 4)
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import (
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    Sampler,
-    SequentialSampler,
-)
+from torch.utils.data import DataLoader, IterableDataset
 
 from gpukit._util.tree import tensors
 from gpukit.devices.move import move_to
-from gpukit.errors import ConfigError
+from gpukit.runtime import sampling
+from gpukit.runtime.sampling import PassSampler
 
 # The DataLoader arguments carried over when the loader is rebuilt around a new sampler.
 _CARRIED = (
     "num_workers",
     "collate_fn",
-    "drop_last",
     "timeout",
     "worker_init_fn",
     "multiprocessing_context",
     "generator",
     "persistent_workers",
+    "pin_memory_device",
+    "in_order",
 )
 
 
-class _ResumableSampler(Sampler[int]):
-    """A DistributedSampler whose first ``skip`` indices can be dropped for one pass."""
+@dataclass(eq=False)  # passes are told apart by identity
+class _Pass:
+    """One ``iter()`` of the loader: how far it got, and the random state it started from."""
 
-    def __init__(self, inner: DistributedSampler[Any]) -> None:
-        self.inner = inner
-        self.skip = 0
+    steps_at_start: int
+    rng: dict[str, Any]
+    position: int = 0
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.inner), self.skip, None)
 
-    def __len__(self) -> int:
-        return len(self.inner) - self.skip
+@dataclass
+class _Resume:
+    """Where a checkpoint left the training pass, for the next pass to continue from."""
+
+    position: int
+    rng: dict[str, Any] | None = None
 
 
 class DeviceLoader:
     """Iterate like the wrapped DataLoader; see the module docstring for what it adds.
 
-    ``epoch`` counts finished passes and ``position`` the batches handed out in the current
-    one; both are saved in checkpoints.
+    ``epoch`` counts finished passes and ``position`` the batches the training pass has handed
+    out; both are saved in checkpoints. A pass run to its end is finished. A pass left early
+    (``break``) after training steps in it is the training pass until the next ``iter()``
+    starts a new one (so a checkpoint saved after the ``break`` continues it, as a run stopped
+    at a step limit expects); then it counts as finished. A pass left without a training step
+    (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken.
     """
 
     def __init__(
-        self, loader: DataLoader[Any], device: torch.device, num_shards: int, shard: int, seed: int
+        self,
+        loader: DataLoader[Any],
+        device: torch.device,
+        num_shards: int,
+        shard: int,
+        seed: int,
+        steps: Callable[[], int] | None = None,
     ) -> None:
         self.device = device
-        self._generator: torch.Generator | None = None
+        self.original = loader
         self.epoch = 0
-        self.position = 0
-        self._sampler: _ResumableSampler | None = None
-        self.loader = self._with_sharded_sampler(loader, num_shards, shard, seed)
+        self._steps = steps or (lambda: 0)
+        self._live: list[_Pass] = []  # passes started and not yet finished, oldest first
+        self._left: _Pass | None = None  # a training pass left early, until the next one starts
+        self._resume: _Resume | None = None
+        self._sampler: PassSampler | None = None
+        self._unit = 1  # sampler items per batch: batch_size for an index sampler
+        self._epoch_owned = True  # False once the program calls set_epoch itself
+        self.loader = self._rebuilt(loader, num_shards, shard, seed)
+        self._epoch_set = getattr(self.sampler, "epoch", None)
 
-    def _with_sharded_sampler(
+    # -- the loader actually iterated ------------------------------------------------------------
+    def _rebuilt(
         self, loader: DataLoader[Any], num_shards: int, shard: int, seed: int
     ) -> DataLoader[Any]:
         if isinstance(loader.dataset, IterableDataset):
             return loader  # an iterable dataset shards itself, if at all
-        sampler = loader.sampler
-        custom = loader.batch_sampler if loader.batch_size is None else sampler
-        # A RandomSampler drawing with replacement or a set number of samples is not a
-        # permutation, which is what a DistributedSampler shards: treat it as custom.
-        plain_random = (
-            isinstance(custom, RandomSampler)
-            and not custom.replacement
-            and (custom._num_samples is None)
-        )
-        if not (plain_random or isinstance(custom, SequentialSampler)):
-            if num_shards > 1:
-                raise ConfigError(
-                    f"cannot shard a DataLoader with a custom sampler ({type(custom).__name__}) "
-                    f"over {num_shards} ranks: use shuffle=True/False and batch_size, or make "
-                    "the sampler shard by rank itself"
-                )
-            return loader
-        dataset_size = len(loader.dataset)  # type: ignore[arg-type]
-        if dataset_size < num_shards:
-            raise ConfigError(
-                f"the dataset has {dataset_size} samples, fewer than the {num_shards} ranks: "
-                "every rank needs at least one; use fewer devices or more data"
-            )
-        # Even one process gets a DistributedSampler: its order depends only on (seed, epoch),
-        # which is what makes a resumed run see exactly the batches the first run would have.
-        inner: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset,
-            num_replicas=num_shards,
-            rank=shard,
-            shuffle=isinstance(sampler, RandomSampler),
-            seed=seed,
-            drop_last=loader.drop_last,
-        )
-        self._sampler = _ResumableSampler(inner)
-        options = {name: getattr(loader, name) for name in _CARRIED}
-        # Each new iterator draws a base seed for its workers; from the global RNG that draw
-        # would shift the random stream at every epoch start, so a resumed run (which starts an
-        # iterator mid-epoch) would drift. Our own generator, reseeded per epoch, does not.
-        self._seed = seed
-        if options["generator"] is None:
-            options["generator"] = self._generator = torch.Generator()
+        by_batch = loader.batch_sampler is not None and loader.batch_size is None
+        chosen = loader.batch_sampler if by_batch else loader.sampler
+        if num_shards > 1:
+            if sampling.shards_by_rank(chosen):
+                sampling.check_rank_sampler(chosen, num_shards, shard)
+            elif not by_batch and sampling.is_plain_shuffle(chosen):
+                chosen = sampling.distributed(loader, num_shards, shard, seed)
+            else:
+                chosen = sampling.Strided(chosen, num_shards, shard, loader.drop_last)
+        self._sampler = PassSampler(chosen)
+        self._unit = 1 if by_batch else int(loader.batch_size or 1)
+        options = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
         if options["num_workers"] == 0:
             options.pop("persistent_workers")
         if loader.prefetch_factor is not None and options["num_workers"] > 0:
             options["prefetch_factor"] = loader.prefetch_factor
         pin = loader.pin_memory or self.device.type == "cuda"
+        if by_batch:
+            return DataLoader(
+                loader.dataset, batch_sampler=self._sampler, pin_memory=pin, **options
+            )
         return DataLoader(
             loader.dataset,
             batch_size=loader.batch_size,
             sampler=self._sampler,
+            drop_last=loader.drop_last,
             pin_memory=pin,
             **options,
         )
 
     @property
-    def sampler(self) -> DistributedSampler[Any] | None:
-        """The sharding sampler, or None when the user's loader was kept as is."""
+    def sampler(self) -> Any:
+        """The sampler passes draw from: the user's own, or the one sharding it across ranks
+        (a ``DistributedSampler`` for a plain shuffle). None for an iterable dataset."""
         return self._sampler.inner if self._sampler is not None else None
+
+    @property
+    def dataset(self) -> Any:
+        return self.original.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.original.batch_size
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else a DataLoader has (drop_last, num_workers, collate_fn, ...) is the
+        # user's loader's own. Private names are not forwarded: they are this object's.
+        if name.startswith("_") or name in {"original", "loader"}:
+            raise AttributeError(name)
+        return getattr(self.original, name)
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    # -- progress ------------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Batches handed out by the newest unfinished pass (or waiting to be skipped by the
+        next one, after a checkpoint was loaded)."""
+        if self._live:
+            return self._live[-1].position
+        if self._left is not None:
+            return self._left.position
+        return self._resume.position if self._resume is not None else 0
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._left, self._resume = None, (_Resume(value) if value else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress for a checkpoint: ``epoch``, ``position``, ``batch_size``."""
+        return {"epoch": self.epoch, "position": self.position, "batch_size": self.batch_size}
+
+    def pass_rng(self) -> dict[str, Any] | None:
+        """The random state the training pass started from (this process's own), which a
+        resumed run needs to redo that start's draws; None between passes."""
+        if self._live:
+            return self._live[-1].rng
+        if self._left is not None:
+            return self._left.rng
+        return self._resume.rng if self._resume is not None else None
+
+    def resume(self, epoch: int, position: int, rng: dict[str, Any] | None) -> None:
+        """Continue from a checkpoint: the next pass skips ``position`` batches and starts
+        from the random state ``rng`` (what :meth:`pass_rng` returned when it was saved)."""
+        self.epoch, self._left = epoch, None
+        self._resume = _Resume(position, rng) if position else None
+
+    # -- passes --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        if self._sampler is not None:
-            self._sampler.inner.set_epoch(self.epoch)
-            self._sampler.skip = self.position * int(self.loader.batch_size or 1)
-            if self._generator is not None:
-                self._generator.manual_seed(self._seed * 1_000_003 + self.epoch)
-            batches: Iterator[Any] = iter(self.loader)
-        else:  # no sampler of ours: skip a resumed epoch's first batches by reading them
-            batches = itertools.islice(iter(self.loader), self.position, None)
-        moved = (
-            self._prefetched(batches)
-            if self.device.type == "cuda"
-            else (move_to(b, self.device) for b in batches)
-        )
-        for batch in moved:
-            self.position += 1
-            yield batch
-        self.epoch += 1
-        self.position = 0
-        if self._sampler is not None:
-            self._sampler.skip = 0
+        resume, self._resume = self._resume, None
+        if self._left is not None:  # a new pass: the one left early is over
+            self._left, self.epoch = None, self.epoch + 1
+        self._set_epoch()
+        generators = sampling.generators(self.loader)
+        started = _Pass(self._steps(), _capture(generators))
+        if resume is not None and resume.rng is not None:
+            # Redo the draws the interrupted pass made when it started (its order, its
+            # workers' seeds) from the state it started with; then go on from the state the
+            # checkpoint restored, as the interrupted run went on after them.
+            started.rng = resume.rng
+            now = torch.get_rng_state()
+            _restore(resume.rng, generators)
+            batches = self._start(resume.position)
+            torch.set_rng_state(now)
+        else:
+            batches = self._start(resume.position if resume else 0)
+        started.position = resume.position if resume else 0
+        self._live.append(started)
+        return _PassIterator(self, started, self._on_device(batches), resume)
+
+    def _start(self, skip: int) -> Iterator[Any]:
+        if self._sampler is None:  # an iterable dataset: skip a resumed pass's batches by reading
+            return itertools.islice(iter(self.loader), skip, None)
+        self._sampler.begin(skip * self._unit)
+        batches = iter(self.loader)  # the DataLoader's own draw: its workers' base seed
+        self._sampler.draw_now()  # then the sampler's, as the first batch would make it
+        return batches
+
+    def _set_epoch(self) -> None:
+        """``set_epoch(epoch)`` before each pass, unless the program manages it itself."""
+        sampler = self.sampler
+        if not self._epoch_owned or not hasattr(sampler, "set_epoch"):
+            return
+        if getattr(sampler, "epoch", None) != self._epoch_set:
+            self._epoch_owned = False  # the program called set_epoch: its numbering wins
+            return
+        sampler.set_epoch(self.epoch)
+        self._epoch_set = self.epoch
+
+    def _finished(self, done: _Pass, exhausted: bool, resume: _Resume | None) -> None:
+        if done not in self._live:
+            return
+        self._live.remove(done)
+        if exhausted:
+            self.epoch += 1
+        elif self._steps() > done.steps_at_start:
+            self._left = done
+        elif resume is not None and self._resume is None:
+            self._resume = resume  # a peek at a resumed pass: the loop still starts there
+
+    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+        if self.device.type == "cuda":
+            return self._prefetched(batches)
+        return (move_to(b, self.device) for b in batches)
 
     def _prefetched(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Copy batch i+1 on a side stream while batch i is used on the current stream."""
@@ -183,6 +269,47 @@ class DeviceLoader:
             pending = following
         if pending is not None:
             yield _ready(pending, stream)
+
+
+class _PassIterator:
+    """The iterator of one pass: counts the batches it hands out, and tells the loader when
+    the pass ends, run to its end or dropped (a peek, a ``break``)."""
+
+    def __init__(
+        self, owner: DeviceLoader, state: _Pass, batches: Iterator[Any], resume: _Resume | None
+    ) -> None:
+        self._owner, self._state, self._batches, self._resume = owner, state, batches, resume
+        self._open = True
+
+    def __iter__(self) -> _PassIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._end(exhausted=True)
+            raise
+        self._state.position += 1
+        return batch
+
+    def _end(self, exhausted: bool) -> None:
+        if self._open:
+            self._open = False
+            self._owner._finished(self._state, exhausted, self._resume)
+
+    def __del__(self) -> None:
+        self._end(exhausted=False)
+
+
+def _capture(generators: list[torch.Generator]) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
+
+
+def _restore(rng: dict[str, Any], generators: list[torch.Generator]) -> None:
+    torch.set_rng_state(rng["torch"])
+    for g, state in zip(generators, rng.get("generators", []), strict=False):
+        g.set_state(state)
 
 
 def _ready(batch: Any, copy_stream: torch.cuda.Stream) -> Any:

@@ -106,6 +106,11 @@ class Runtime:
         self._ready = False
         if seed is not None:
             seed_everything(seed)
+        if launched and not self.strategy.needs_launch:
+            # One rank of a launched job joins its process group now, as Accelerate's
+            # constructor does: what the program builds before rt.setup (a
+            # DistributedSampler, a barrier around a download) needs it.
+            self._ensure_ready()
 
     # -- settings and progress ---------------------------------------------------------------
     @property
@@ -243,7 +248,14 @@ class Runtime:
         ``gpukit.runtime.data``)."""
         self._ensure_ready()
         shards, shard = self.strategy.sampler_placement()
-        wrapped = DeviceLoader(loader, self.device, shards, shard, self.config.seed or 0)
+        wrapped = DeviceLoader(
+            loader,
+            self.device,
+            shards,
+            shard,
+            self.config.seed or 0,
+            steps=lambda: self.state.micro_step,
+        )
         self.state.loaders.append(wrapped)
         return wrapped
 
