@@ -7,6 +7,8 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_FAULT_OOM_ABOVE``: fault injection for testing out-of-memory recovery:
   ``rt.train_step`` raises a real ``torch.OutOfMemoryError`` for every micro-batch of more
   than this many samples.
+- ``GPUKIT_COLLECTIVE_CHECK_TIMEOUT``: seconds ``rt.save`` waits for every rank to arrive
+  before it fails naming the missing ones (default 30).
 
 ``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``. The CUDA variables that
 gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the
@@ -39,6 +41,25 @@ def fault_oom_above() -> int | None:
             "(micro-batches larger than it fail as if out of memory), or unset it"
         )
     return int(value)
+
+
+def collective_check_timeout() -> float:
+    """``GPUKIT_COLLECTIVE_CHECK_TIMEOUT`` in seconds (default 30)."""
+    value = os.environ.get("GPUKIT_COLLECTIVE_CHECK_TIMEOUT", "").strip()
+    if not value:
+        return 30.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        from gpukit.errors import ConfigError
+
+        raise ConfigError(
+            f"GPUKIT_COLLECTIVE_CHECK_TIMEOUT={value!r}: give a positive number of seconds "
+            "(how long a collective call waits for every rank), or unset it"
+        )
+    return seconds
 
 
 def set_cuda_launch_blocking() -> None:

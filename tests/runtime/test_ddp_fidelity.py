@@ -53,7 +53,7 @@ WORLD = 2
 DEVICES = ["cpu"] * WORLD
 SAMPLES = 95  # not a multiple of the ranks: the sampler pads a shard, alike on both sides
 EPOCHS = 3
-LOG_EVERY = 4  # 18 steps: four flushes of 4 and a last one of 2
+LOG_EVERY = 4  # 6 steps per epoch: a window of 4, and one of 2 at the epoch's end
 
 
 def _data() -> TensorDataset:
@@ -179,8 +179,8 @@ def _plain_train(v: Variant) -> dict[str, Any]:
                 steps += 1
                 if len(window) == LOG_EVERY:
                     log_window()
-    if window:
-        log_window()
+        if window:  # gpukit's loader reads a window back at the end of each pass
+            log_window()
     return _snapshot(model.module, history)
 
 
@@ -215,7 +215,6 @@ def _gpukit_train(rt: gk.Runtime, v: Variant) -> dict[str, Any]:
                 rt.backward(loss)
                 rt.step(optimizer)
             rt.log(loss=loss)
-    rt.flush_logs()
     return _snapshot(rt.unwrap(model), rt.history)
 
 
@@ -285,7 +284,7 @@ def test_train_step_with_oom_auto_and_logging(results: Results) -> None:
     for rank in range(WORLD):  # rt.log's means are every rank's, on every rank
         plain = results["plain-train_step"][rank]["history"]
         ported = results["gpukit-train_step"][rank]["history"]
-        assert [r["step"] for r in ported] == [r["step"] for r in plain] == [4, 8, 12, 16, 18]
+        assert [r["step"] for r in ported] == [r["step"] for r in plain] == [4, 6, 10, 12, 16, 18]
         # rt.log averages float32 values over calls, then sums the ranks' means in float64:
         # its order of additions is its own, so the values agree to rounding, not bit for bit.
         for p, g in zip(plain, ported, strict=True):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -59,21 +62,117 @@ def test_two_processes_match_one_on_the_same_global_batch(accumulate: int, shuff
         assert diff <= 1e-6, f"{name}: max abs diff {diff}"
 
 
-def _fail_on_rank_one(rt: gk.Runtime) -> None:
+def _fail_on_rank_one(rt: gk.Runtime, folder: str) -> None:
+    # Before setup, which every rank enters together: rank 1 cannot fail before this is written.
+    Path(folder, f"pid{rt.rank}").write_text(str(os.getpid()))
     rt.setup(nn.Linear(1, 1))
     if rt.rank == 1:
         raise ValueError("boom on rank 1")
-    rt.barrier()  # rank 0 would wait here forever if nobody stopped it
+    # Rank 0 waits without a collective (one would fail by itself once rank 1 is gone), so only
+    # being stopped ends it early; the bound keeps a regression from hanging the suite.
+    for _ in range(1200):
+        time.sleep(0.1)
+    Path(folder, "rank0-went-on").write_text("")
 
 
-def test_a_failing_rank_stops_the_job_and_shows_its_traceback() -> None:
-    start = time.monotonic()
+def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
-        gk.Runtime(devices=2).launch(_fail_on_rank_one)
-    assert time.monotonic() - start < 30
+        gk.Runtime(devices=2).launch(_fail_on_rank_one, str(tmp_path))
     text = str(err.value)
     assert text.startswith("rank 1 failed") and "ValueError: boom on rank 1" in text
     assert "Traceback" in text and "_fail_on_rank_one" in text
+    # Rank 0 was stopped rather than waited for: it never went on, and its process is gone.
+    assert not (tmp_path / "rank0-went-on").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid0").read_text()), 0)
+
+
+def _train_steps(rt: gk.Runtime) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data().tensors
+    for i in range(3):
+        batch = (x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)])
+        rt.train_step(optimizer, batch, lambda b: F.mse_loss(model(b[0]), b[1]))
+    return {
+        "wrapped": type(model).__name__,
+        "group": dist.get_world_size() if dist.is_initialized() else None,
+        "weights": [p.detach().clone() for p in rt.unwrap(model).parameters()],
+    }
+
+
+def test_ddp_on_one_device_is_a_process_group_of_one() -> None:
+    # No launcher, one device: DDP runs here, in a process group of one, with the same result
+    # as one plain process.
+    rt = gk.Runtime(strategy="ddp", devices=1, seed=0)
+    assert rt.world_size == 1 and not rt.strategy.needs_launch
+    try:
+        ddp = rt.launch(_train_steps)
+    finally:
+        rt.teardown()
+    assert not dist.is_initialized()  # the group of one is gone with the Runtime
+    single = gk.Runtime(strategy="single", devices="cpu", seed=0).launch(_train_steps)
+    assert ddp["wrapped"] == "DistributedDataParallel" and ddp["group"] == 1
+    for a, b in zip(ddp["weights"], single["weights"], strict=True):  # type: ignore[call-overload]
+        assert torch.equal(a, b)
+
+
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class _OomInBackward(torch.autograd.Function):
+    """Runs out of memory in the backward of micro-batches over 4 samples."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.samples = x.shape[0]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.samples > 4:
+            raise _OOM(
+                "CUDA out of memory. Tried to allocate 64.00 MiB (GPU 0; 10.76 GiB total "
+                "capacity; 9.12 GiB already allocated; 51.69 MiB free; 9.45 GiB reserved in "
+                "total by PyTorch)"
+            )
+        return grad
+
+
+class _OomNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(_OomInBackward.apply(self.first(x)).tanh())
+
+
+def _recover_in_backward(rt: gk.Runtime) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = _OomNet()
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = _data().tensors
+    for i in range(3):
+        batch = (x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)])
+        rt.train_step(optimizer, batch, lambda b: F.mse_loss(model(b[0]), b[1]))
+    return [p.detach().clone() for p in rt.unwrap(model).parameters()]
+
+
+def test_one_ddp_process_recovers_from_running_out_of_memory_in_the_backward() -> None:
+    # DDP's reducer is left waiting by a backward that failed halfway, even with one rank: the
+    # redone step must not go through it (it would fail with "Expected to have finished
+    # reduction in the prior iteration").
+    rt = gk.Runtime(strategy="ddp", devices=1, seed=0, oom="recover")
+    try:
+        ddp = rt.launch(_recover_in_backward)
+    finally:
+        rt.teardown()
+    single = gk.Runtime(devices="cpu", seed=0, oom="recover").launch(_recover_in_backward)
+    assert rt.oom_events and rt.oom_split == 2
+    for a, b in zip(ddp, single, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 class _HalfUsed(nn.Module):

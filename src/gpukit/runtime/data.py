@@ -76,7 +76,8 @@ class DeviceLoader:
     (``break``) after training steps in it is the training pass until the next ``iter()``
     starts a new one (so a checkpoint saved after the ``break`` continues it, as a run stopped
     at a step limit expects); then it counts as finished. A pass left without a training step
-    (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken.
+    (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken;
+    ``on_pass_end`` is called when a pass runs to its end.
     """
 
     def __init__(
@@ -87,8 +88,10 @@ class DeviceLoader:
         shard: int,
         seed: int,
         steps: Callable[[], int] | None = None,
+        on_pass_end: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
+        self._on_pass_end = on_pass_end
         self.original = loader
         self.epoch = 0
         self._steps = steps or (lambda: 0)
@@ -243,6 +246,11 @@ class DeviceLoader:
         self._live.remove(done)
         if exhausted:
             self.epoch += 1
+            # Every rank's pass ends at the same batch when the sampler shards evenly, which
+            # makes this a point where all of them meet (an iterable dataset gives no such
+            # promise).
+            if self._on_pass_end is not None and self._sampler is not None:
+                self._on_pass_end()
         elif self._steps() > done.steps_at_start:
             self._left = done
         elif resume is not None and self._resume is None:

@@ -46,7 +46,7 @@ class Metrics:
         self.history: list[dict[str, float]] = []
         self._sums: dict[str, torch.Tensor] = {}  # name -> sum since the flush, on the device
         self._counts: dict[str, int] = {}
-        self._calls = 0
+        self._calls = 0  # since the last flush: a window holds log_every calls at most
         self._checks: dict[tuple[str, ...], torch.Tensor] = {}  # names -> their check, on device
 
     def log(self, step: int, metrics: dict[str, torch.Tensor | float]) -> None:
@@ -72,13 +72,19 @@ class Metrics:
                 total.add_(t if t.device == total.device else t.to(total.device))
                 counts[name] += 1
         self._calls += 1
-        if self._calls % self.log_every == 0:
+        if self._calls >= self.log_every:
             self.flush(step)
+
+    @property
+    def pending(self) -> bool:
+        """Whether values were logged since the last flush."""
+        return bool(self._sums)
 
     def flush(self, step: int) -> dict[str, float]:
         """Read back the means of what was logged since the last flush (one read; under several
         processes every rank must call it together), and append them to ``history``."""
         names = tuple(sorted(self._sums))
+        self._calls = 0
         if not self.strategy.distributed:
             if not names:
                 return {}
@@ -86,7 +92,14 @@ class Metrics:
             values = means.tolist()
         else:
             # Every rank joins, even one that logged nothing: that is how the others learn it.
-            values = self._across_ranks(names)
+            try:
+                values = self._across_ranks(names)
+            except ConfigError:
+                # Refused alike on every rank: the window is dropped everywhere, so a later
+                # flush starts clean instead of failing on the same values again.
+                self._sums.clear()
+                self._counts.clear()
+                raise
             if not names:
                 return {}
         record = {"step": float(step), **dict(zip(names, values, strict=True))}

@@ -21,11 +21,12 @@ loop runs on one CPU, one GPU, or one process per device under DDP.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import functools
 import gc
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader
 from gpukit import _env
 from gpukit.devices import Device
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.runtime import checkpoint
+from gpukit.runtime import checkpoint, collectives
 from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.faults import OomFault
@@ -171,7 +172,12 @@ class Runtime:
 
     @property
     def history(self) -> list[dict[str, float]]:
-        """What ``rt.log`` read back, one record per flush."""
+        """What ``rt.log`` read back, one record per window. A window closes every
+        ``log_every`` calls, when a loader's pass runs to its end, at ``rt.save``, and when the
+        function ``rt.launch`` runs returns (points every rank reaches together, so the last
+        partial window is there at the end and any rank may read this alone); reading it never
+        reads anything back itself, so a progress display may read it every step.
+        ``rt.flush_logs()`` closes the window now."""
         return self.metrics.history
 
     # -- where this process sits ------------------------------------------------------------
@@ -208,14 +214,17 @@ class Runtime:
         """Run ``fn(runtime, *args)`` on every rank and return rank 0's result.
 
         Starts one process per device when the strategy needs them and none are running yet
-        (``fn`` must then be a module-level function); otherwise calls ``fn`` here.
+        (see ``gpukit.runtime.launch`` for how: spawned, or forked for a function defined in
+        ``python -c`` or a notebook); otherwise calls ``fn`` here. When ``fn`` returns, the
+        last logging window is read back (every rank is there).
         """
+        run = functools.partial(_then_close_window, fn)
         if not self.strategy.needs_launch:
-            return fn(self, *args)
+            return run(self, *args)
         # Each process builds its own Runtime from the same settings (its rank comes from
         # the environment the launcher sets).
         settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        return spawn(functools.partial(Runtime, **settings), self.world_size, fn, args)
+        return spawn(functools.partial(Runtime, **settings), self.world_size, run, args)
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
         """Place the model for the strategy and precision, and wrap DataLoaders.
@@ -255,6 +264,7 @@ class Runtime:
             shard,
             self.config.seed or 0,
             steps=lambda: self.state.micro_step,
+            on_pass_end=self._end_of_pass,
         )
         self.state.loaders.append(wrapped)
         return wrapped
@@ -331,16 +341,62 @@ class Runtime:
         self._ensure_ready()
         return self.metrics.flush(self.state.global_step)
 
+    def _close_window(self) -> None:
+        """Read back what ``log`` has pending: only where every rank is (the end of a pass,
+        a save, the end of the launched function), since it is collective."""
+        if self.metrics.pending:
+            self.metrics.flush(self.state.global_step)
+
+    def _end_of_pass(self) -> None:
+        # Every rank ends the pass together: a logging window never spans two epochs, and a
+        # loop's last window is read back before anyone reads rt.history alone.
+        self._close_window()
+
     # -- processes ------------------------------------------------------------------------------
     def barrier(self) -> None:
         """Wait for every rank."""
         self._ensure_ready()
         self.strategy.barrier()
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        """``tensor`` combined over the ranks by "mean", "sum", "max" or "min"."""
+    def all_reduce(self, value: torch.Tensor | float, op: ReduceOp = "mean") -> Any:
+        """``value`` combined over the ranks by "mean", "sum", "max" or "min": a tensor on any
+        device (the result comes back on that device) or a Python number (a number back)."""
         self._ensure_ready()
-        return self.strategy.all_reduce(tensor, op)
+        return collectives.all_reduce(self.strategy, value, op)
+
+    def all_gather(self, value: torch.Tensor | float) -> Any:
+        """Every rank's ``value`` in rank order: tensors (the same shape on every rank) stacked
+        on a new first dimension, on the tensor's device; numbers as a list."""
+        self._ensure_ready()
+        return collectives.all_gather(self.strategy, value)
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` on every rank: a tensor (same shape and dtype on every
+        rank; the result on the tensor's device) or any picklable object."""
+        self._ensure_ready()
+        return collectives.broadcast(self.strategy, value, src)
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = False) -> Iterator[None]:
+        """Run the block on rank 0 first (``local=True``: on each machine's local rank 0),
+        then on the others: one download or cache build, which the others then read.
+
+        >>> import gpukit as gk
+        >>> rt = gk.Runtime(devices="cpu")
+        >>> with rt.main_process_first():
+        ...     pass  # download the dataset here
+        """
+        self._ensure_ready()
+        first = (self.local_rank if local else self.rank) == 0
+        if not first:
+            self.strategy.barrier()  # wait until the first has done it
+        try:
+            yield
+        finally:
+            if first:
+                # Even when the block failed: the others go on (and meet the same problem)
+                # rather than wait in the barrier for the whole timeout.
+                self.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -349,8 +405,14 @@ class Runtime:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, directory: str | Path, keep: int = 3) -> Path:
-        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.runtime.checkpoint``)."""
+        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.runtime.checkpoint``).
+
+        Collective: every rank calls it (rank 0 writes the files, every rank gives its random
+        state). Called on some ranks only, it fails within 30 s naming the ranks that did not
+        call it."""
         self._ensure_ready()
+        self.strategy.check_every_rank_calls("rt.save")
+        self._close_window()
         return checkpoint.save(
             Path(directory),
             self.state,
@@ -387,6 +449,14 @@ class Runtime:
             )
         self.strategy.setup_environment()
         self._ready = True
+
+
+def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
+    """``fn(rt, *args)``, then the last logging window read back: every rank that returns
+    normally reaches this point (module level, so ``spawn`` can pickle it)."""
+    result = fn(rt, *args)
+    rt._close_window()
+    return result
 
 
 def seed_everything(seed: int) -> None:

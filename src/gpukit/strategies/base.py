@@ -122,12 +122,29 @@ class Strategy:
         """``tensor`` combined over all ranks (a new tensor; the input is left alone)."""
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (the same shape on each), stacked in rank order."""
+        return tensor.detach().unsqueeze(0).clone()
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         return [obj]
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` on every rank (a new tensor)."""
+        return tensor.detach().clone()
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        return obj
+
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+
+    def check_every_rank_calls(self, what: str) -> None:
+        """Before a collective that only some ranks might call (``rt.save`` under
+        ``if rank == 0``): fail within a short timeout naming the ranks that did not come,
+        instead of waiting in the collective for the whole process-group timeout."""
 
     def sampler_placement(self) -> tuple[int, int]:
         """(number of data shards, this rank's shard) for the data loader."""

@@ -7,6 +7,7 @@ gradients bucket by bucket while the backward pass is still running.
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpukit import _env
 from gpukit.devices.device import Device
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, DistributedError
 from gpukit.strategies.base import ReduceOp, Strategy
 
 _OPS = {
@@ -81,6 +82,7 @@ class DDP(Strategy):
         self.timeout = timeout
         self.launch_env: _env.LaunchEnv | None = None
         self._owns_group = False
+        self._guard: Any = None
 
     def configure(self, devices: list[Device]) -> None:
         super().configure(devices)
@@ -98,6 +100,14 @@ class DDP(Strategy):
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
 
     @property
+    def distributed(self) -> bool:
+        # Even one rank trains through DDP's reducer, which a backward that fails halfway (out
+        # of memory) leaves waiting for gradients: recovery must then hold gradients back and
+        # average them itself, as under several ranks. A one-rank run thus takes the same
+        # paths as a run of N, which is what a one-device DDP run is for.
+        return True
+
+    @property
     def needs_launch(self) -> bool:
         return self.launch_env is None and self.world_size > 1 and not dist.is_initialized()
 
@@ -108,10 +118,27 @@ class DDP(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if not dist.is_initialized():
-            dist.init_process_group(
-                self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
-            )
+            if self.launch_env is None:
+                # One process that no launcher started (several would have needed rt.launch):
+                # a process group of one, whose store lives in this process, so no port or
+                # MASTER_ADDR is needed. The run is still DDP: DDP's wrapper, reducer and
+                # collectives, over one rank.
+                dist.init_process_group(
+                    self.backend,
+                    store=dist.HashStore(),
+                    rank=0,
+                    world_size=1,
+                    timeout=self.timeout,
+                )
+            else:
+                dist.init_process_group(
+                    self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+                )
             self._owns_group = True
+        # A gloo group beside the training one (gloo even when training uses NCCL): its
+        # monitored barrier names the ranks that never arrive, within a timeout of our choice.
+        # Made here, where every rank passes, because making a group is itself collective.
+        self._guard = dist.new_group(backend="gloo")
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
@@ -209,10 +236,59 @@ class DDP(Strategy):
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.detach().contiguous())
+        return torch.stack(parts)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._check_src(src)
+        out = tensor.detach().clone()
+        dist.broadcast(out, src=src)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        self._check_src(src)
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def _check_src(self, src: int) -> None:
+        if not 0 <= src < self.world_size:
+            raise ConfigError(
+                f"src={src} is not a rank of this job: ranks are 0..{self.world_size - 1}"
+            )
+
     def barrier(self) -> None:
         dist.barrier()
 
+    def check_every_rank_calls(self, what: str) -> None:
+        if self._guard is None:
+            return
+        seconds = _env.collective_check_timeout()
+        try:
+            dist.monitored_barrier(
+                group=self._guard,
+                timeout=datetime.timedelta(seconds=seconds),
+                wait_all_ranks=True,
+            )
+        except RuntimeError as err:
+            missing = re.search(r"Ranks? ([\d, ]+) failed to pass", str(err))
+            who = (
+                f"rank(s) {missing.group(1).strip()} did not call it"
+                if missing
+                else "rank 0 did not answer (it did not call it, or failed)"
+            )
+            raise DistributedError(
+                f"{what} is collective: every rank must call it, and on rank {self.rank} {who} "
+                f"within {seconds:g} s. Call it on every rank, not under `if rank == 0:` "
+                "(gpukit writes files on rank 0 only); see README, 'Collective calls'"
+            ) from None
+
     def teardown(self) -> None:
+        if self._guard is not None and not self._owns_group and dist.is_initialized():
+            dist.destroy_process_group(self._guard)  # the user's own group stays
+        self._guard = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
