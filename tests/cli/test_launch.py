@@ -6,7 +6,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -69,11 +68,15 @@ def test_two_nodes_on_one_machine_form_one_four_process_job(script: Path, tmp_pa
 
 
 def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_path: Path) -> None:
-    start = time.monotonic()
     done = gpukit("--nproc", "2", str(script), str(tmp_path), env={"FAIL_RANK": "1"})
-    output, _ = done.communicate(timeout=120)
+    try:
+        output, _ = done.communicate(timeout=300)  # a hang guard only
+    except subprocess.TimeoutExpired:
+        done.kill()
+        pytest.fail(f"gpukit launch did not end after a rank failed:\n{done.communicate()[0]}")
     assert done.returncode == 1
-    assert time.monotonic() - start < 30
+    # Rank 0 was waiting in the barrier for rank 1: it never got past it to write its result.
+    assert not list(tmp_path.glob("rank*"))
     assert "RuntimeError: rank 1 gives up" in output
     # The rank that raised exits with 1, or aborts (SIGABRT) when gloo's threads are torn down
     # at interpreter exit; either way it is the one named.

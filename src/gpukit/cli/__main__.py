@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # run as the program: the `gpukit` script or `python -m gpukit`
+        current_folder_first()
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
@@ -62,6 +64,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"gpukit {args.command}: {readable}", file=sys.stderr)
         return 1
+
+
+def current_folder_first() -> None:
+    """Start sys.path with the current folder, as `python -m gpukit` does, so that
+    `--workload mymod:make` finds mymod.py there under both spellings of the command.
+
+    The `gpukit` console script starts it with its own folder instead (the environment's
+    bin/), which holds no modules; `python -m` has the current folder there already.
+    """
+    here = os.getcwd()
+    if sys.path and sys.path[0] in ("", here):
+        return
+    script = sys.argv[0] if sys.argv else ""
+    own_folder = os.path.dirname(os.path.abspath(script)) if script else None
+    if sys.path and own_folder and os.path.abspath(sys.path[0]) == own_folder:
+        sys.path[0] = here
+    else:
+        sys.path.insert(0, here)
 
 
 if __name__ == "__main__":

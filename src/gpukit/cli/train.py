@@ -3,15 +3,26 @@
 Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
 or package.module:function returning a Workload or (model, dataset, loss). With more than one
 device, one DDP process per device is started (or, with --strategy dp or dp-balanced, one
-process drives them all). Rank 0 shows a progress bar (loss, samples/s, ETA) and at the end a
-summary: throughput, MFU on GPUs, and memory per device with the imbalance between devices
-(max/min peak). When a device runs out of memory in a single-process run, the step is redone
-with the batch cut into more micro-batches (--oom auto, the default: recovery costs nothing per
-step there); under several processes the run stops with an explanation, since recovering there
-costs DDP its overlap of communication with the backward (--oom recover: recover anyway;
---oom raise: always stop and explain). With --out DIR:
-DIR/metrics.json, DIR/metrics.csv, DIR/loss.png and DIR/checkpoints/ (one per epoch; --resume
-continues from the newest exactly where it stopped).
+process drives them all). Rank 0 shows a progress bar (loss, samples/s, ETA); when stdout is
+not a terminal (CI, a pipe, a file) it prints a plain line instead (steps, epoch, loss,
+samples/s, ETA) every --progress-every SECONDS (default 30; 0: after every step) and at the
+start and end of each epoch. The loss shown is the last one read back (--log-every): showing
+progress never makes the host wait for the device. At the end: a summary with throughput, MFU
+on GPUs, and memory per device with the imbalance between devices (max/min peak).
+
+When a device runs out of memory in a single-process run, the step is redone with the batch cut
+into more micro-batches (--oom auto, the default: recovery costs nothing per step there); under
+DDP the run stops with an explanation, since recovering there costs DDP its overlap of
+communication with the backward (--oom recover: recover anyway; --oom raise: always stop and
+explain).
+
+With --out DIR: DIR/metrics.json, DIR/metrics.csv (a row per read-back, written as they come),
+DIR/loss.png and DIR/checkpoints/ (one per epoch). --resume continues from the newest
+checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
+checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+
+--strategy ddp on one device runs one DDP process (a process group of one, no launcher).
+--workload module:function finds module.py in the current folder, as `python -m` would.
 
 --batch-size is the global batch of one optimizer step: it is split over the devices and the
 --accumulate micro-steps, so it must be a multiple of devices x accumulate.
@@ -21,6 +32,8 @@ Example:
     gpukit train --workload cnn --devices 2 --epochs 1 --out runs/cnn
     gpukit train --workload mlp --max-steps 50 --out runs/mlp --resume
     gpukit train --workload cnn --strategy dp-balanced --devices all
+    gpukit train --workload mymod:make            # mymod.py in the current folder
+    gpukit train --workload mlp --progress-every 60 | tee train.log
 """
 
 from __future__ import annotations
@@ -33,7 +46,13 @@ from gpukit.cli._common import add_command, console
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
-from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, check, fit
+from gpukit.workloads.loop import (
+    DEFAULT_PROGRESS_EVERY,
+    RUNTIME_DEFAULTS,
+    TrainConfig,
+    check,
+    fit,
+)
 
 NAME = "train"
 
@@ -71,6 +90,14 @@ def register(sub: Any) -> None:
         help="out of memory: auto (recover in one process, stop and explain under several), "
         "recover (re-split the batch and redo the step), raise (stop and explain)",
     )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=DEFAULT_PROGRESS_EVERY,
+        metavar="SECONDS",
+        help="when stdout is not a terminal: seconds between progress lines "
+        f"(default {DEFAULT_PROGRESS_EVERY:g}; 0: after every step)",
+    )
     parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     parser.set_defaults(run=run)
@@ -100,9 +127,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out,
         resume=args.resume,
+        progress_every=args.progress_every,
     )
     check(config, rt.world_size, rt.accumulate)
-    metrics = rt.launch(fit, config)
+    try:
+        metrics = rt.launch(fit, config)
+    finally:
+        # A run in this process (single, dp, or ddp over one device) leaves its models and
+        # process group here; the command is done with them.
+        rt.teardown()
     _summary(metrics)
     return 0
 

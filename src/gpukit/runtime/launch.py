@@ -4,18 +4,31 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port of
 127.0.0.1). When a rank fails, the others are stopped and its error and traceback are raised
 here as a :class:`LaunchError`: no rank is left waiting in a collective.
+
+The processes are started with "spawn" (a fresh interpreter that imports ``fn`` by name) when
+that can work. A function the new interpreter could not import (one defined in ``python -c``,
+a notebook or the interactive prompt, whose ``__main__`` has no file; a lambda or a nested
+function) is run in forked processes instead, where the platform can fork and CUDA has not been
+initialised in this process (a forked child cannot use CUDA then), each rank then computing on
+one CPU thread (OpenMP's threads do not survive a fork); otherwise a :class:`LaunchError` says
+why and what to do.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from gpukit import errors
@@ -52,6 +65,7 @@ def spawn(
 
     ``make_runtime`` (picklable: ``functools.partial(Runtime, ...)``, say) is called inside
     each process, once the launch environment is in place, so it sees its rank."""
+    method = start_method(fn, (make_runtime, fn, args))
     port = free_port()
     # Results and errors travel as files: a pipe would block a rank writing more than its
     # buffer holds while this process waits for the ranks to exit.
@@ -60,9 +74,9 @@ def spawn(
         try:
             mp.start_processes(
                 _worker,
-                args=(make_runtime, world_size, port, fn, args, str(outbox)),
+                args=(make_runtime, world_size, port, fn, args, str(outbox), method == "fork"),
                 nprocs=world_size,
-                start_method="spawn",
+                start_method=method,
                 join=True,
             )
         except mp.ProcessRaisedException as err:
@@ -73,12 +87,101 @@ def spawn(
                 raise cls(f"rank {err.error_index}: {message}") from None
             raise LaunchError(f"rank {err.error_index} failed:\n{err}".rstrip()) from None
         except mp.ProcessExitedException as err:
-            raise LaunchError(
-                f"rank {err.error_index} exited with code {err.exit_code} before finishing "
-                "(killed, out of memory, or os._exit)"
-            ) from None
+            raise LaunchError(_exit_message(err.error_index, err.exit_code)) from None
         result = outbox / "result.pkl"
         return pickle.loads(result.read_bytes()) if result.exists() else None
+
+
+def _exit_message(rank: int, code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (often the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name} before finishing{why}"
+    return (
+        f"rank {rank} exited with code {code} before finishing, without a Python error from "
+        "fn: its output above says why (sys.exit or os._exit in fn, or a failure before fn "
+        "started)"
+    )
+
+
+def start_method(fn: Callable[..., Any], payload: Any) -> str:
+    """How to start the processes that run ``fn``: "spawn" when a fresh interpreter can
+    rebuild ``payload`` (what every process is sent: ``fn``, its arguments), else "fork" where
+    that is safe; a LaunchError saying why and what to do when neither works.
+
+    >>> import json
+    >>> start_method(json.dumps, (json.dumps, ("x",)))
+    'spawn'
+    """
+    why = _why_spawn_fails(payload)
+    if why is None:
+        return "spawn"
+    name = _name(fn)
+    short = name.rsplit(".", 1)[-1] if name.rsplit(".", 1)[-1].isidentifier() else "fn"
+    problem = f"rt.launch({name}): {why}, so processes started with 'spawn' cannot rebuild it"
+    fix = (
+        f"define {short} at the top level of a .py file and import it from there (from "
+        f"mymodule import {short}), or run a script with `gpukit launch --nproc N script.py`"
+    )
+    if "fork" not in mp.get_all_start_methods():
+        raise LaunchError(f"{problem}, and this platform cannot fork: {fix}")
+    if torch.cuda.is_initialized():
+        raise LaunchError(
+            f"{problem}, and CUDA is already initialised in this process, so forked processes "
+            f"could not use it: call rt.launch before anything touches CUDA, or {fix}"
+        )
+    return "fork"
+
+
+def _name(fn: Any) -> str:
+    """The user's function inside the partials that carry it (gpukit wraps it in one)."""
+    while isinstance(fn, functools.partial):
+        inside = [f for f in (fn.func, *fn.args) if callable(f)]
+        fn = next((f for f in inside if not _module(f).startswith("gpukit.")), fn.func)
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
+
+
+def _module(obj: Any) -> str:
+    return str(getattr(obj, "__module__", None) or "")
+
+
+def _why_spawn_fails(payload: Any) -> str | None:
+    """Why a fresh interpreter could not rebuild ``payload``, or None when it can."""
+    main = sys.modules.get("__main__")
+    fileless_main = getattr(main, "__file__", None) is None
+    found: list[str] = []
+
+    class _Finder(pickle.Pickler):
+        # Functions and classes are pickled by name: note those that live in __main__.
+        def reducer_override(self, obj: Any) -> Any:
+            if getattr(obj, "__module__", None) == "__main__" and (
+                isinstance(obj, type) or callable(obj)
+            ):
+                found.append(getattr(obj, "__qualname__", repr(obj)))
+            return NotImplemented
+
+    try:
+        _Finder(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    except Exception as err:  # PicklingError, or AttributeError/TypeError for local objects
+        what = str(err).splitlines()[0] if str(err) else ""
+        return f"fn or its arguments cannot be pickled ({type(err).__name__}: {what})"
+    if found and fileless_main:
+        where = "python -c, a notebook or the interactive prompt"
+        return f"{found[0]} is defined in __main__ of a program without a file ({where})"
+    return None
+
+
+class _Discard(io.RawIOBase):
+    """A file that keeps nothing: the pickling above is a dry run."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return len(data)
 
 
 def _worker(
@@ -89,7 +192,13 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     outbox: str,
+    forked: bool,
 ) -> None:
+    if forked:
+        # OpenMP's worker threads (torch's intra-op pool on the CPU) do not survive a fork: a
+        # child that enters a parallel region after the parent has used one waits for them
+        # forever. One thread per rank never enters one.
+        torch.set_num_threads(1)
     os.environ.update(
         {
             "RANK": str(local_rank),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import reprlib
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -128,14 +130,7 @@ def _user_function(spec: str) -> Callable[..., Any]:
         raise ConfigError(
             f"workload {spec!r} is not 'module:function' (one colon, both parts given): {_ALLOWED}"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(
-            f"workload {spec!r}: cannot import module {module_name!r} ({err}); check the "
-            "spelling, install its dependencies, or run from the directory that contains it "
-            "(or add that directory to PYTHONPATH)"
-        ) from err
+    module = _import_user_module(spec, module_name)
     function = getattr(module, function_name, None)
     if function is None:
         found = sorted(
@@ -144,8 +139,9 @@ def _user_function(spec: str) -> Callable[..., Any]:
             if callable(value) and not name.startswith("_") and not inspect.isclass(value)
         )
         raise ConfigError(
-            f"workload {spec!r}: module {module_name!r} has no {function_name!r}; its public "
-            f"functions are {', '.join(found) or 'none'}"
+            f"workload {spec!r}: module {module_name!r} ({_where(module)}) has no "
+            f"{function_name!r}; its public functions are {', '.join(found) or 'none'}: name "
+            f"one of them, or define {function_name}() there"
         )
     if not callable(function):
         raise ConfigError(
@@ -165,6 +161,59 @@ def _user_function(spec: str) -> Callable[..., Any]:
             "called with no arguments (or seed= only); give them defaults or wrap it"
         )
     return function
+
+
+def _import_user_module(spec: str, module_name: str) -> Any:
+    """Import the user's module; anything that goes wrong is a one-line ConfigError naming the
+    file and line, since a traceback through importlib says less than that."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        missing = err.name or ""
+        if isinstance(err, ModuleNotFoundError) and (
+            missing == module_name or module_name.startswith(missing + ".")
+        ):
+            raise ConfigError(
+                f"workload {spec!r}: cannot import module {module_name!r} ({err}): there is no "
+                f"{module_name.replace('.', '/')}.py in the current folder ({os.getcwd()}) nor "
+                "elsewhere on sys.path; check the spelling, run from the folder that contains "
+                "it, or add that folder to PYTHONPATH"
+            ) from None
+        raise ConfigError(
+            f"workload {spec!r}: importing module {module_name!r} failed"
+            f"{_failed_at(err, module_name)} with {type(err).__name__}: {_first_line(err)}: "
+            "install the package it imports, or fix the import"
+        ) from None
+    except SyntaxError as err:
+        where = f"{err.filename}, line {err.lineno}" if err.filename else module_name
+        raise ConfigError(
+            f"workload {spec!r}: a syntax error in {where}: {err.msg}: fix it and run again"
+        ) from None
+    except Exception as err:  # the module's own code failed while it was being imported
+        raise ConfigError(
+            f"workload {spec!r}: importing module {module_name!r} failed"
+            f"{_failed_at(err, module_name)} with {type(err).__name__}: {_first_line(err)}: "
+            "fix the module (or move that code into the function)"
+        ) from None
+
+
+def _failed_at(err: BaseException, module_name: str) -> str:
+    """' (at FILE, line N)': the last line of the user's module the error went through, else
+    the line that raised it."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename[:1] != "<"]
+    tail = module_name.replace(".", os.sep)
+    ends = (tail + ".py", os.path.join(tail, "__init__.py"))
+    mine = [f for f in frames if f.filename.endswith(ends)] or frames[-1:]
+    return f" (at {mine[-1].filename}, line {mine[-1].lineno})" if mine else ""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _where(module: Any) -> str:
+    return str(getattr(module, "__file__", None) or "built in")
 
 
 def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:

@@ -1,10 +1,13 @@
 """The ready-made training loop behind ``gpukit train``.
 
-``fit(rt, config)`` trains a workload with a Runtime on every rank: a progress bar on rank 0,
-logging that reads the loss back only every ``log_every`` steps, a checkpoint at the end of each
-epoch (and when ``max_steps`` stops the run), and at the end a summary with throughput, MFU on
-GPUs and peak memory per device, written under ``out`` as ``metrics.json``, ``metrics.csv`` and
-``loss.png`` (see :mod:`gpukit.workloads.report`).
+``fit(rt, config)`` trains a workload with a Runtime on every rank: progress on rank 0 (a bar
+on a terminal; elsewhere, in CI logs, pipes and files, a plain line every ``progress_every``
+seconds and at the start and end of each epoch), logging that reads the loss back only every
+``log_every`` steps, a checkpoint at the end of each epoch (and when ``max_steps`` stops the
+run), and at the end a summary with throughput, MFU on GPUs and peak memory per device, written
+under ``out`` as ``metrics.json``, ``metrics.csv`` and ``loss.png`` (see
+:mod:`gpukit.workloads.report`). A resumed run appends to ``metrics.csv`` and draws ``loss.png``
+from the whole run.
 
 >>> import gpukit as gk
 >>> config = TrainConfig(workload="mlp", max_steps=3, progress=False)
@@ -15,18 +18,23 @@ GPUs and peak memory per device, written under ``out`` as ``metrics.json``, ``me
 
 from __future__ import annotations
 
+import datetime
+import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
-from gpukit.workloads.report import metrics, run_memory, write_outputs
+from gpukit.workloads.report import MetricsCsv, metrics, read_history, run_memory, write_outputs
 
 # The Runtime settings `gpukit train` uses when given no option: its command line's defaults,
 # and what the benchmarks time as "gpukit train's default settings". oom "auto": recovery
@@ -41,6 +49,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "oom": "auto",
 }
 DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
+# Seconds between progress lines when stdout is not a terminal: often enough to see a run is
+# alive in a CI log, rarely enough not to flood it.
+DEFAULT_PROGRESS_EVERY = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,8 @@ class TrainConfig:
     seed: int = 0
     out: str | None = None
     resume: bool = False
-    progress: bool = True  # the progress bar on rank 0 (off when stdout carries JSON)
+    progress: bool = True  # progress on rank 0 (off when stdout carries JSON)
+    progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between lines off a terminal
     sample: bool = True  # generate text at the end, for workloads that can
 
 
@@ -79,8 +91,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         return criterion(model(x), y)
 
     checkpoints = Path(config.out) / "checkpoints" if config.out else None
-    if config.resume:
-        rt.load(_resume_folder(config))
+    resumed = rt.load(_resume_folder(config))["step"] if config.resume else None
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -91,24 +102,39 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     if config.max_steps is not None:
         total = min(total, config.max_steps)
     global_batch = per_rank * rt.world_size * rt.accumulate
+    csv_log = (
+        MetricsCsv(Path(config.out) / "metrics.csv", resumed)
+        if config.out and rt.is_global_zero
+        else None
+    )
     first_step, start = rt.global_step, time.perf_counter()
-    with _progress(rt, total, config.progress) as bar:
+    bar = _progress(rt, config, total, steps_per_epoch, global_batch)
+    with bar:
         while rt.global_step < total:
+            bar.epoch_start(rt.global_step // steps_per_epoch + 1, rt.global_step, rt.history)
             for batch in loader:
                 loss = rt.train_step(optimizer, batch, compute_loss)
-                bar.advance(rt, global_batch, start, first_step)
                 rt.log(loss=loss)
+                bar.advance(rt.global_step, rt.history)
+                if csv_log is not None:
+                    csv_log.update(rt.history)
                 if rt.global_step >= total:
                     break
+            if rt.global_step < total:  # the last epoch's end is the line after the last flush
+                bar.epoch_end(rt.global_step, rt.history)
             if checkpoints is not None:
                 rt.save(checkpoints)
         rt.flush_logs()
-        bar.advance(rt, global_batch, start, first_step)  # the final bar shows the last loss
+        bar.finish(rt.global_step, rt.history)  # the last line shows the last loss
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
     memory = run_memory(rt)  # every rank takes part: it gathers under DDP
     if not rt.is_global_zero:
         return {}
+    history = rt.history
+    if csv_log is not None:
+        csv_log.update(history)
+        history = csv_log.whole(history)
     summary = metrics(
         rt,
         workload,
@@ -117,11 +143,13 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         global_batch=global_batch,
         memory=memory,
         config=asdict(config),
+        history=history,
+        resumed_from_step=resumed,
     )
     if workload.sample is not None and config.sample:
         summary["sample"] = workload.sample(rt.unwrap(model), rt.device)
     if config.out:
-        write_outputs(Path(config.out), summary, rt.history)
+        write_outputs(Path(config.out), summary, history, resumed)
     return summary
 
 
@@ -134,6 +162,12 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
         from gpukit.runtime.checkpoint import latest
 
         latest(_resume_folder(config))
+        read_history(Path(str(config.out)) / "metrics.csv")  # one it cannot extend stops here
+    if not config.progress_every >= 0:  # also refuses NaN
+        raise ConfigError(
+            f"progress_every={config.progress_every!r}: give the seconds between progress "
+            "lines, 0 or more (0: a line after every step)"
+        )
 
 
 def _resume_folder(config: TrainConfig) -> Path:
@@ -158,45 +192,157 @@ def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
     return global_batch // parts
 
 
-class _Bar:
-    """The progress bar on rank 0; a no-op elsewhere."""
+class _Quiet:
+    """No progress shown: ranks other than 0, or ``progress=False``. The loop tells every
+    kind of progress the same things: an epoch starts, a step ends, an epoch ends, the run
+    ends; each with the step and what ``rt.log`` has read back so far."""
 
-    def __init__(self, progress: Progress | None, total: int) -> None:
-        self.progress = progress
-        self.task = (
-            progress.add_task("train", total=total, loss="-", rate=0.0) if (progress) else None
-        )
-
-    def advance(self, rt: Runtime, global_batch: int, start: float, first_step: int) -> None:
-        if self.progress is None or self.task is None:
-            return
-        # The loss shown is the last one read back by rt.log: no per-step synchronisation.
-        loss = f"{rt.history[-1]['loss']:.4f}" if rt.history else "-"  # none read back yet
-        elapsed = time.perf_counter() - start
-        rate = (rt.global_step - first_step) * global_batch / elapsed if elapsed else 0.0
-        self.progress.update(self.task, completed=rt.global_step, loss=loss, rate=rate)
-
-    def __enter__(self) -> _Bar:
-        if self.progress is not None:
-            self.progress.start()
-            if self.task is not None:
-                self.progress.update(self.task, completed=0)
+    def __enter__(self) -> _Quiet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+        pass
+
+    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
+        pass
+
+    def advance(self, step: int, history: list[dict[str, float]]) -> None:
+        pass
+
+    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
+        pass
+
+    def finish(self, step: int, history: list[dict[str, float]]) -> None:
+        pass
 
 
-def _progress(rt: Runtime, total: int, shown: bool) -> _Bar:
-    if not rt.is_global_zero or not shown:
-        return _Bar(None, total)
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} steps"),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[rate]:.0f} samples/s"),
-        TimeRemainingColumn(),
-    )
-    return _Bar(progress, total)
+def _last_loss(history: list[dict[str, float]]) -> float | None:
+    return next((r["loss"] for r in reversed(history) if "loss" in r), None)
+
+
+class _Bar(_Quiet):
+    """rich's progress bar, redrawn in place: on a terminal, or in a notebook."""
+
+    def __init__(self, total: int, global_batch: int, first_step: int) -> None:
+        self.global_batch, self.first_step = global_batch, first_step
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} steps"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]:.0f} samples/s"),
+            TimeRemainingColumn(),
+        )
+        self.task = self.progress.add_task("train", total=total, loss="-", rate=0.0)
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> _Bar:
+        self.progress.start()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
+        self.advance(step, history)
+
+    def advance(self, step: int, history: list[dict[str, float]]) -> None:
+        loss = _last_loss(history)
+        elapsed = time.perf_counter() - self.start
+        rate = (step - self.first_step) * self.global_batch / elapsed if elapsed else 0.0
+        shown = f"{loss:.4f}" if loss is not None else "-"  # "-": nothing read back yet
+        self.progress.update(self.task, completed=step, loss=shown, rate=rate)
+
+    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
+        self.advance(step, history)
+
+    def finish(self, step: int, history: list[dict[str, float]]) -> None:
+        self.advance(step, history)
+
+
+class ProgressLines(_Quiet):
+    """Progress as plain lines, for output that is not a terminal (CI logs, pipes, files),
+    where a redrawn bar would be lost or come out as control characters: a line at the start
+    and end of each epoch, at the end, and after a step when ``every`` seconds have passed
+    since the last line (0: after every step). Each line: steps, epoch, the last loss read
+    back, samples/s and the time left, from ``clock`` (seconds).
+
+    >>> clock = iter([0.0, 0.0, 10.0, 31.0, 40.0]).__next__
+    >>> lines = ProgressLines(total=4, epochs=1, global_batch=8, first_step=0, every=30,
+    ...                       clock=clock, out=sys.stdout)
+    >>> with lines:
+    ...     lines.epoch_start(1, 0, [])
+    ...     lines.advance(1, [])                              # 10 s: too soon for a line
+    ...     lines.advance(2, [{"step": 2.0, "loss": 0.5}])    # 31 s
+    ...     lines.finish(4, [{"step": 4.0, "loss": 0.25}])    # 40 s
+    train 0/4 steps (0%), epoch 1/1, loss -, - samples/s, ETA -
+    train 2/4 steps (50%), epoch 1/1, loss 0.5000, 1 samples/s, ETA 0:00:31
+    train 4/4 steps (100%), epoch 1/1, loss 0.2500, 1 samples/s, ETA 0:00:00
+    """
+
+    def __init__(
+        self,
+        total: int,
+        epochs: int,
+        global_batch: int,
+        first_step: int,
+        every: float,
+        clock: Callable[[], float] = time.monotonic,
+        out: IO[str] | None = None,
+    ) -> None:
+        self.total, self.epochs, self.every = total, epochs, every
+        self.global_batch, self.first_step = global_batch, first_step
+        self.clock, self.out = clock, out
+        self.epoch = 1
+        self.start = self.last_time = 0.0
+        self.last_shown: tuple[int, float | None] | None = None  # (step, loss) of the last line
+
+    def __enter__(self) -> ProgressLines:
+        self.start = self.last_time = self.clock()
+        return self
+
+    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
+        self.epoch = epoch
+        self._line(step, history, self.clock())
+
+    def advance(self, step: int, history: list[dict[str, float]]) -> None:
+        now = self.clock()
+        if now - self.last_time >= self.every:
+            self._line(step, history, now)
+
+    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
+        if (step, _last_loss(history)) != self.last_shown:  # not the line just printed again
+            self._line(step, history, self.clock())
+
+    def finish(self, step: int, history: list[dict[str, float]]) -> None:
+        self.epoch_end(step, history)
+
+    def _line(self, step: int, history: list[dict[str, float]], now: float) -> None:
+        loss = _last_loss(history)
+        done, elapsed = step - self.first_step, now - self.start
+        rate = eta = "-"
+        if done > 0 and elapsed > 0:
+            rate = f"{done * self.global_batch / elapsed:.0f}"
+            left = (self.total - step) * elapsed / done
+            eta = str(datetime.timedelta(seconds=round(left)))
+        print(
+            f"train {step}/{self.total} steps ({step / self.total:.0%}), epoch "
+            f"{self.epoch}/{self.epochs}, loss {f'{loss:.4f}' if loss is not None else '-'}, "
+            f"{rate} samples/s, ETA {eta}",
+            file=self.out or sys.stdout,
+            flush=True,
+        )
+        self.last_time, self.last_shown = now, (step, loss)
+
+
+def _progress(
+    rt: Runtime, config: TrainConfig, total: int, steps_per_epoch: int, global_batch: int
+) -> _Quiet:
+    if not rt.is_global_zero or not config.progress:
+        return _Quiet()
+    console = Console()
+    if console.is_terminal or console.is_jupyter:
+        return _Bar(total, global_batch, rt.global_step)
+    epochs = math.ceil(total / steps_per_epoch)  # the epochs this run reaches
+    return ProgressLines(total, epochs, global_batch, rt.global_step, config.progress_every)

@@ -1,6 +1,10 @@
 """What a ``gpukit train`` run reports: its metrics, the memory of the devices it trained on,
 and the files ``metrics.json``, ``metrics.csv`` and ``loss.png``.
 
+``metrics.csv`` grows as the run goes (:class:`MetricsCsv`), so a run that dies leaves the
+losses it read back; a resumed run keeps the rows up to its checkpoint's step and appends its
+own, and ``loss.png`` is drawn from all of them.
+
 >>> import json, tempfile
 >>> from pathlib import Path
 >>> out = Path(tempfile.mkdtemp())
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
 from gpukit.diagnostics.memory import report as memory_report
+from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload
 from gpukit.workloads.flops import mfu
@@ -35,11 +41,18 @@ def metrics(
     global_batch: int,
     memory: MemoryReport,
     config: dict[str, Any],
+    history: list[dict[str, float]] | None = None,
+    resumed_from_step: int | None = None,
 ) -> dict[str, Any]:
     """The summary of a finished run with ``rt``, as ``metrics.json`` holds it.
 
     ``memory`` is :func:`run_memory` of the run, ``config`` what it was asked to do (as a dict).
     MFU is given on GPUs of known peak (see :func:`gpukit.workloads.flops.mfu`), else None.
+    ``history`` is the whole run's (default: what ``rt.log`` read back in this process), for
+    ``final_loss``; ``resumed_from_step`` the checkpoint's step when the run was resumed.
+    ``steps`` counts the whole run; ``seconds``, ``samples_per_s`` and ``mfu`` measure this
+    session only (a resumed run may train on other devices, and a session that died left no
+    time to add).
 
     >>> import gpukit as gk
     >>> from gpukit.workloads import load_workload
@@ -54,11 +67,12 @@ def metrics(
     utilisation = (
         mfu(flops_per_s, rt.device_info.name, gpu_count(rt)) if rt.device.type == "cuda" else None
     )
-    losses = [r["loss"] for r in rt.history if "loss" in r]
+    losses = [r["loss"] for r in (rt.history if history is None else history) if "loss" in r]
     return {
         "workload": workload.name,
         "final_loss": losses[-1] if losses else None,
         "steps": rt.global_step,
+        "resumed_from_step": resumed_from_step,
         "samples_per_s": samples_per_s,
         "seconds": seconds,
         "global_batch": global_batch,
@@ -102,20 +116,121 @@ def _row_name(row: DeviceMemory) -> str:
     return row.device if row.rank is None else f"{row.device} (rank {row.rank})"
 
 
-def write_outputs(out: Path, metrics: dict[str, Any], history: list[dict[str, float]]) -> None:
-    """metrics.json, metrics.csv (the logged history) and loss.png under ``out``."""
+def write_outputs(
+    out: Path,
+    metrics: dict[str, Any],
+    history: list[dict[str, float]],
+    resumed_from_step: int | None = None,
+) -> None:
+    """metrics.json, metrics.csv (the logged ``history``) and loss.png under ``out``; the plot
+    marks ``resumed_from_step`` when given."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    names = sorted({k for row in history for k in row} - {"step"})
-    with open(out / "metrics.csv", "w", newline="") as f:
+    write_history(out / "metrics.csv", history)
+    _plot_loss(out / "loss.png", history, metrics, resumed_from_step)
+
+
+class MetricsCsv:
+    """``metrics.csv`` kept as the run goes: the rows a flush reads back are appended at once.
+
+    ``resumed_from_step`` None starts the file afresh. A step (the checkpoint's, on resume)
+    keeps the file's rows up to that step and drops later ones: a run that died after its
+    last checkpoint logged them, and this run trains those steps again, so each step is in
+    the file once.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
+    >>> write_history(path, [{"step": 10.0, "loss": 0.9}, {"step": 20.0, "loss": 0.8}])
+    >>> log = MetricsCsv(path, resumed_from_step=10)
+    >>> log.update([{"step": 15.0, "loss": 0.85}])
+    >>> path.read_text().splitlines()
+    ['step,loss', '10,0.9', '15,0.85']
+    """
+
+    def __init__(self, path: Path, resumed_from_step: int | None) -> None:
+        self.path = path
+        past = read_history(path) if resumed_from_step is not None else []
+        self.past = [r for r in past if r["step"] <= (resumed_from_step or 0)]
+        self._names = _names(self.past)
+        self._seen = 0  # records of this run's history already in the file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_history(path, self.past)
+
+    def update(self, history: list[dict[str, float]]) -> None:
+        """Add the records of ``history`` (this run's, as it grows) not yet in the file."""
+        new = history[self._seen :]
+        if not new:
+            return
+        self._seen = len(history)
+        names = _names(new)
+        if not set(names) <= set(self._names):  # a new column: the header changes
+            self._names = _names(self.past + history)
+            write_history(self.path, self.past + history)
+            return
+        with open(self.path, "a", newline="") as f:
+            _write_rows(csv.writer(f), new, self._names)
+
+    def whole(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
+        """The whole run's records: the kept rows of earlier runs, then ``history``."""
+        return self.past + history
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    """The records of a metrics.csv (none when there is no file).
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
+    >>> write_history(path, [{"step": 1.0, "loss": 0.5}, {"step": 2.0, "acc": 0.25}])
+    >>> read_history(path)
+    [{'step': 1.0, 'loss': 0.5}, {'step': 2.0, 'acc': 0.25}]
+    """
+    if not path.exists():
+        return []
+    records: list[dict[str, float]] = []
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                records.append({k: float(v) for k, v in row.items() if k and v not in ("", None)})
+            except ValueError as err:
+                raise ConfigError(
+                    f"{path}, line {line}: {err}: metrics.csv holds numbers only (as gpukit "
+                    "train writes it); repair the line, or move the file away to start it afresh"
+                ) from None
+            if "step" not in records[-1]:
+                raise ConfigError(
+                    f"{path}, line {line}: no step: this is not a metrics.csv that gpukit train "
+                    "wrote; move it away to start it afresh"
+                )
+    return records
+
+
+def write_history(path: Path, history: list[dict[str, float]]) -> None:
+    """Write ``history`` as a CSV (step, then the metrics by name), replacing the file whole:
+    written aside and renamed, so a reader never sees half a file."""
+    names = _names(history)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", *names])
-        for row in history:
-            writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])
-    _plot_loss(out / "loss.png", history, metrics)
+        _write_rows(writer, history, names)
+    os.replace(partial, path)
 
 
-def _plot_loss(path: Path, history: list[dict[str, float]], metrics: dict[str, Any]) -> None:
+def _names(history: list[dict[str, float]]) -> list[str]:
+    return sorted({k for row in history for k in row} - {"step"})
+
+
+def _write_rows(writer: Any, history: list[dict[str, float]], names: list[str]) -> None:
+    for row in history:
+        writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])
+
+
+def _plot_loss(
+    path: Path,
+    history: list[dict[str, float]],
+    metrics: dict[str, Any],
+    resumed_from_step: int | None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display is needed or wanted
@@ -124,6 +239,9 @@ def _plot_loss(path: Path, history: list[dict[str, float]], metrics: dict[str, A
     rows = [r for r in history if "loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    if resumed_from_step is not None:
+        ax.axvline(resumed_from_step, color="grey", linestyle=":", label="resumed")
+        ax.legend(loc="upper right")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title(
