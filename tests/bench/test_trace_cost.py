@@ -1,15 +1,23 @@
-"""gpukit bench trace: the cost of gk.trace() on a training loop, measured and shown."""
+"""gpukit bench trace: the cost of gk.trace() on a training loop, measured and shown; the
+nanoGPT-style loop it times, and what a trace finds in it."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import linecache
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from gpukit.bench.trace_cost import run_trace_cost, table
+from gpukit.bench.nanogpt_loop import NanoGPTConfig, nanogpt_loop
+from gpukit.bench.trace_cost import check_workload, run_trace_cost, table
 from gpukit.cli.__main__ import main
+from gpukit.diagnostics.trace import trace
 from gpukit.errors import ConfigError
+
+nanogpt_loop_module = importlib.import_module("gpukit.bench.nanogpt_loop")
 
 
 def test_a_short_run_has_both_variants_and_a_ratio() -> None:
@@ -39,3 +47,46 @@ def test_bad_counts_are_refused(bad: dict[str, int]) -> None:
 def test_an_unknown_workload_fails_before_timing(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "trace", "--workload", "nosuch"]) == 2
     assert "nosuch" in capsys.readouterr().err
+
+
+TINY = NanoGPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_iters=1)
+
+
+def test_the_nanogpt_loop_in_a_quick_run() -> None:
+    result = run_trace_cost(workload="nanogpt", steps=2, rounds=1, nanogpt=TINY)
+    assert [v["name"] for v in result["variants"]] == ["untraced", "traced"]
+    assert result["workload"] == "nanogpt" and result["loop"] == "nanoGPT-style script"
+    assert all(v["seconds_per_step"] > 0 for v in result["variants"])
+    assert table(result).row_count == 2
+
+
+def test_a_trace_of_the_nanogpt_loop_finds_its_reads_at_its_own_lines() -> None:
+    with nanogpt_loop(TINY, device="cpu") as loop:
+        loop(1)
+        with trace() as t:
+            loop(12)  # logs at 0, 5, 10; evaluates at 0 and 10 (one batch of each split)
+        assert len(loop.logged) == 2 + 2 + 3  # loop(1) logged twice, then 2 evals and 3 logs
+    found: Counter[tuple[str, str]] = Counter()
+    for s in t.syncs:
+        assert s.file == nanogpt_loop_module.__file__ and not s.synchronised
+        found[s.op, linecache.getline(s.file, s.line).strip()] += s.count
+    # The memmap cut at torch.randint's offsets is host work, not a sync; the optimizer's
+    # step counters are torch's own: what is left are the loop's own reads.
+    items = {line: n for (op, line), n in found.items() if op == "item"}
+    assert items == {
+        "lossf = loss.item() * c.gradient_accumulation_steps": 3,
+        "losses[k] = self.loss(*self.get_batch(split)).item()": 2 * 2,
+    }
+    prints = {line: n for (op, line), n in found.items() if op == "print"}
+    assert sum(prints.values()) == 2 * 2  # the two estimates formatted, at each evaluation
+    assert all("losses[" in line for line in prints)  # the lines of that f-string
+    assert set(found) == {("item", line) for line in items} | {("print", p) for p in prints}
+    report = t.report()
+    assert "memmap.py" not in report and "Python index" not in report
+    assert "rt.log" in report and "log less often" in report
+
+
+def test_nanogpt_is_a_workload_of_the_bench_only(capsys) -> None:  # type: ignore[no-untyped-def]
+    check_workload("nanogpt")  # the bench's own loop: no workload of gpukit train
+    assert main(["trace", "--workload", "nanogpt"]) == 2
+    assert "nanogpt" in capsys.readouterr().err

@@ -32,8 +32,9 @@ def _script(tmp_path: Path, text: str = SCRIPT) -> Path:
 
 def test_json_of_a_script_matches_the_schema_with_lines_and_counts(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["trace", "--json", str(_script(tmp_path))]) == 0
-    out = capsys.readouterr().out
-    data = json.loads(out[out.index("{") :])  # the script's own print comes first
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # stdout is the JSON alone
+    assert "tensor([1., 1., 1., 1.])" in captured.err  # the script's own print
     assert set(data) == {"transfers", "syncs", "ops_per_device"}
     assert data["transfers"] == [] and data["ops_per_device"]["cpu"] > 0
     found = {(s["op"], s["line"]): s["count"] for s in data["syncs"]}
@@ -47,6 +48,41 @@ def test_json_of_a_script_matches_the_schema_with_lines_and_counts(tmp_path: Pat
     for sync in data["syncs"]:
         assert sync["file"].endswith("train.py") and sync["function"] == "<module>"
         assert isinstance(sync["count"], int) and isinstance(sync["line"], int)
+
+
+PRINTING = """\
+import os
+import sys
+
+import torch
+
+print("epoch 1 {")
+sys.stdout.write("[progress 50%]\\n")
+os.system("echo from a child process")
+print(torch.ones(2).sum().item())
+"""
+
+
+def test_json_stdout_is_only_the_json_when_the_script_prints(tmp_path: Path, capfd) -> None:  # type: ignore[no-untyped-def]
+    assert main(["trace", "--json", str(_script(tmp_path, PRINTING))]) == 0
+    captured = capfd.readouterr()
+    data = json.loads(captured.out)  # the whole of stdout
+    assert [(s["op"], s["line"]) for s in data["syncs"]] == [("item", 9)]
+    for printed in ("epoch 1 {", "[progress 50%]", "from a child process", "2.0"):
+        assert printed in captured.err
+    print("after the trace")  # stdout is stdout again
+    assert capfd.readouterr().out == "after the trace\n"
+
+
+def test_out_writes_the_json_and_keeps_the_report(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "trace.json"
+    assert main(["trace", "--out", str(out), str(_script(tmp_path, PRINTING))]) == 0
+    printed = capsys.readouterr().out
+    assert "epoch 1 {" in printed and ".item() once at " in printed  # as without --out
+    written = json.loads(out.read_text())
+    assert [(s["op"], s["line"]) for s in written["syncs"]] == [("item", 9)]
+    assert main(["trace", "--json", "--out", str(out), str(_script(tmp_path, PRINTING))]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(out.read_text())
 
 
 def test_the_report_names_the_line_and_the_fix(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -122,6 +158,7 @@ def linecache_line(sync: object) -> str:
         (["missing.py"], "script 'missing.py' not found"),
         (["--steps", "0", "--workload", "mlp"], "--steps 0"),
         (["--workload", "nosuch"], "nosuch"),
+        (["--out", "no/such/folder/t.json", "--workload", "mlp"], "does not exist"),
     ],
 )
 def test_bad_requests_are_one_line_errors(args: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]

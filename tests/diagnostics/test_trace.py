@@ -207,6 +207,7 @@ def test_to_dict_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 TENSOR_ENTRIES = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__repr__")
+TENSOR_ENTRIES += ("__index__",)
 PATCHED: list[tuple[Any, str]] = [(torch.Tensor, name) for name in TENSOR_ENTRIES]
 PATCHED += [(torch.Tensor, "__str__"), (torch.Tensor, "__format__")]
 PATCHED += [
@@ -385,7 +386,12 @@ def test_file_rules_for_attribution() -> None:
     assert classify(threading.__file__) == where._LIBRARY
     assert classify(contextlib.__file__) == where._LIBRARY
     assert classify(logging.__file__) == where._LIBRARY
-    assert classify(pytest.__file__) == where._USER  # site-packages, not stdlib
+    assert classify("<frozen runpy>") == where._LIBRARY  # a frozen standard module
+    assert classify(pytest.__file__) == where._LIBRARY  # an installed package
+    assert classify("/opt/conda/lib/python3.12/site-packages/trainer/log.py") == where._LIBRARY
+    assert classify("/usr/lib/python3/dist-packages/numpy/_core/memmap.py") == where._LIBRARY
+    assert classify(str(gpukit_dir / "bench" / "nanogpt_loop.py")) == where._USER
+    assert classify(str(gpukit_dir / "bench" / "timing.py")) == where._GPUKIT
     assert classify("/home/me/train.py") == where._USER
     assert classify("<stdin>") == where._USER
 
@@ -514,6 +520,23 @@ def test_torchscript_compiles_torch_tensor_inside_a_trace() -> None:
         scripted = torch.jit.script(_scripted_sum)
     assert scripted([1.0, 2.0]).tolist() == [2.0, 4.0]
     assert _builtins._get_builtin_table() == before  # the wrappers' entries are gone with them
+
+
+def _compiled_step(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sin() + 1
+
+
+def test_a_compiled_function_runs_and_is_counted_inside_a_trace() -> None:
+    # The mode keeps torch.compile out of its own frames without torch's per-op wrapper.
+    compiled = torch.compile(_compiled_step, backend="eager")
+    x = torch.ones(3)
+    expected = compiled(x)
+    with trace() as t:
+        outputs = [compiled(x) for _ in range(2)]
+        outputs[0].sum().item()
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert t.ops_per_device["cpu"] >= 2 * 3
+    assert [(s.op, s.count) for s in t.syncs] == [("item", 1)]
 
 
 def test_the_trace_package_is_small_modules_of_one_concept_each() -> None:

@@ -1,12 +1,18 @@
 """``trace``: what ``gk.trace()`` costs on a real training loop.
 
-The loop is ``gpukit train``'s: a built-in workload (default ``gpt``, the character-level
-transformer: hundreds of small ops per step, where a per-op hook costs the most), AdamW,
-``rt.train_step`` and ``rt.log`` on one device, with the Runtime settings ``gpukit train`` uses
-by default (read from its parser: see :mod:`gpukit.bench.train_defaults`). The same model and
-optimizer run both variants, alternately:
+Two kinds of loop, as people trace them:
 
-- ``untraced``: the loop as ``gpukit train`` runs it;
+- a built-in workload (default ``gpt``, the character-level transformer: hundreds of small ops
+  per step, where a per-op hook costs the most) in ``gpukit train``'s loop: AdamW,
+  ``rt.train_step`` and ``rt.log`` on one device, with the Runtime settings ``gpukit train``
+  uses by default (read from its parser: see :mod:`gpukit.bench.train_defaults`);
+- ``nanogpt``: a script's loop in nanoGPT's habits (:mod:`gpukit.bench.nanogpt_loop`): batches
+  cut from a ``np.memmap`` at ``torch.randint`` offsets, a hand-set learning rate, gradient
+  clipping, ``loss.item()`` every few iterations and a periodic evaluation.
+
+The same model and optimizer run both variants, alternately:
+
+- ``untraced``: the loop as it is;
 - ``traced``: the same steps inside ``with gk.trace():`` (copies, syncs, ops per device).
 
 Method (see :mod:`gpukit.bench.timing`): ``steps`` warm-up steps of each variant untimed; then
@@ -17,12 +23,13 @@ and the ratio as the median of the per-round ratios (each compares timings taken
 so slow drifts of the machine cancel out).
 
 >>> result = run_trace_cost(workload="mlp", steps=2, rounds=1)
->>> [v["name"] for v in result["variants"]]
-['untraced', 'traced']
+>>> [v["name"] for v in result["variants"]], result["loop"]
+(['untraced', 'traced'], 'gpukit train')
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,39 +38,62 @@ from rich.table import Table
 
 from gpukit._util.text import make_table
 from gpukit.bench.environment import environment
+from gpukit.bench.nanogpt_loop import NanoGPTConfig, nanogpt_loop
 from gpukit.bench.timing import check_count, synchronizer, time_rounds
 from gpukit.bench.train_defaults import runtime_settings
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
+NANOGPT = "nanogpt"  # the workload name of the nanoGPT-style script's loop
 
-def run_trace_cost(workload: str = "gpt", steps: int = 20, rounds: int = 5) -> dict[str, Any]:
-    """Time ``steps`` training steps of ``workload`` with and without the trace, ``rounds``
-    times; a JSON-ready dict with the environment, both variants and the ratio."""
+
+def check_workload(workload: str) -> None:
+    """Fail now, not after a warm-up, on a name that is neither ``nanogpt`` nor a workload
+    ``gpukit train`` runs (a built-in one, or ``module:function``)."""
+    if workload != NANOGPT:
+        load_workload(workload)
+
+
+def run_trace_cost(
+    workload: str = "gpt",
+    steps: int = 20,
+    rounds: int = 5,
+    *,
+    nanogpt: NanoGPTConfig | None = None,
+) -> dict[str, Any]:
+    """Time ``steps`` training steps of ``workload`` (``nanogpt``: the nanoGPT-style loop,
+    with the settings ``nanogpt``, by default its CPU sizes) with and without the trace,
+    ``rounds`` times; a JSON-ready dict with the environment, both variants and the ratio."""
     check_count("steps", steps)
     check_count("rounds", rounds)
+    check_workload(workload)
     from gpukit.diagnostics.trace import trace
 
-    step = _training_step(workload)
+    with contextlib.ExitStack() as stack:
+        if workload == NANOGPT:
+            step: Any = stack.enter_context(nanogpt_loop(nanogpt))
+        else:
+            step = _training_step(workload)
 
-    def traced() -> None:
-        with trace():
-            step(steps)
+        def traced() -> None:
+            with trace():
+                step(steps)
 
-    # Warm-up (one run of each) covers lazy initialisation, optimizer state, allocator caches
-    # and the trace's own first-use costs.
-    timings = time_rounds(
-        {"untraced": lambda: step(steps), "traced": traced},
-        rounds,
-        per=steps,
-        synchronize=synchronizer(step.device),
-    )
+        # Warm-up (one run of each) covers lazy initialisation, optimizer state, allocator
+        # caches and the trace's own first-use costs.
+        timings = time_rounds(
+            {"untraced": lambda: step(steps), "traced": traced},
+            rounds,
+            per=steps,
+            synchronize=synchronizer(step.device),
+        )
     ratios = timings.ratios("traced", "untraced")
     device = str(step.device)
     return {
         "experiment": "trace",
         "environment": environment(device=device),
         "workload": workload,
+        "loop": "nanoGPT-style script" if workload == NANOGPT else "gpukit train",
         "steps": steps,
         "rounds": rounds,
         "variants": [

@@ -12,7 +12,9 @@ Experiments:
                the per-round ratios to plain, with each wrapper's settings, the machine, the
                versions, the date and the command.
     trace      what gk.trace() costs: N optimizer steps of a built-in workload's training loop
-               (gpukit train's; default gpt) on the best device, untraced and traced, in R
+               (gpukit train's; default gpt), or with --workload nanogpt of a script's loop in
+               nanoGPT's habits (memmap batches at torch.randint offsets, loss.item() every few
+               steps, periodic evaluation), on the best device, untraced and traced, in R
                alternating rounds; the median time per step of each and the median ratio.
 
 A result meant to be kept goes under benchmarks/results/ with --out, which writes the same JSON
@@ -23,6 +25,7 @@ Example:
     gpukit bench overhead --steps 500 --rounds 25 --out benchmarks/results/overhead-cpu.json
     gpukit bench overhead --json | python -c "import json,sys; print(json.load(sys.stdin))"
     gpukit bench trace --workload gpt --steps 20 --rounds 5
+    gpukit bench trace --workload nanogpt --steps 20 --rounds 7
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def register(sub: Any) -> None:
         experiments, "trace", "cost of gk.trace() on a training loop (traced / untraced)", __doc__
     )
     add_json_flag(traced)
-    traced.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    traced.add_argument(
+        "--workload", default="gpt", help="mlp, cnn, gpt, module:function, or nanogpt"
+    )
     traced.add_argument("--steps", type=int, default=20, metavar="N", help="steps per round (20)")
     traced.add_argument("--rounds", type=int, default=5, metavar="R", help="rounds (default 5)")
     traced.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON to FILE")
@@ -100,11 +105,10 @@ def _show(data: dict[str, Any], table: Any, args: argparse.Namespace, out: Path 
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from gpukit.bench.trace_cost import run_trace_cost, table
-    from gpukit.workloads import load_workload
+    from gpukit.bench.trace_cost import check_workload, run_trace_cost, table
 
     out = _check(args)
-    load_workload(args.workload)  # an unknown name fails now, not after the warm-up
+    check_workload(args.workload)  # an unknown name fails now, not after the warm-up
     with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
         result = run_trace_cost(args.workload, steps=args.steps, rounds=args.rounds)
     _show(result, table(result), args, out)

@@ -6,8 +6,10 @@ nonzero, boolean-mask indexing, synchronize), each with the source line that cau
 often, and counts the ops that ran on each device. Prints the findings ranked by estimated cost,
 each with its fix, then the placement summary (ops per device and per module, ops that ran on
 the CPU while the model is on a GPU, ops whose inputs mixed devices); --json prints the trace as
-data. On a machine without a GPU the host reads that
-would synchronise on a GPU are reported too, marked as such.
+data instead, and nothing else: while the traced program runs, what it prints goes to stderr,
+so that `gpukit trace --json train.py | jq` works. --out FILE also writes that JSON to FILE.
+On a machine without a GPU the host reads that would synchronise on a GPU are reported too,
+marked as such.
 
 A script runs in this process as `python script.py args...` would run it (its own arguments
 follow its name). --workload NAME instead traces --steps optimizer steps of gpukit train's loop
@@ -18,15 +20,20 @@ Example:
     gpukit trace train.py --epochs 1
     gpukit trace --workload gpt --steps 20
     gpukit trace --json --workload mlp
+    gpukit trace --out trace.json train.py --epochs 1
     gpukit trace --blocking train.py
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import runpy
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,9 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--steps", type=int, default=20, metavar="N", help="optimizer steps of --workload (20)"
     )
+    parser.add_argument(
+        "--out", type=Path, metavar="FILE", help="also write the JSON to FILE (before the script)"
+    )
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     parser.set_defaults(run=run)
@@ -65,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
     exit_code = 0
     # The placement log only aggregates per module (no record per op): its summary says which
     # ops ran on the CPU while the model is on a GPU, and which ops mixed devices.
-    with trace() as t, log_placement(level="module") as placement:
+    with (
+        _stdout_to_stderr() if args.json else contextlib.nullcontext(),
+        trace() as t,
+        log_placement(level="module") as placement,
+    ):
         try:
             if isinstance(target, Path):
                 exit_code = _run_script(target, args.args)
@@ -73,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
                 _run_workload(target, args.steps)
         except Exception as err:  # shown after the trace, which is the point of running this
             failure = err
+    if args.out is not None:
+        args.out.write_text(json.dumps(t.to_dict(), indent=2) + "\n", encoding="utf-8")
     if args.json:
         print_json(t.to_dict())
     else:
@@ -89,6 +105,9 @@ def _check(args: argparse.Namespace) -> Path | str:
     """The script's path or the workload's name; one of them, never both."""
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: give a whole number of at least 1")
+    out: Path | None = args.out
+    if out is not None and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it first")
     if args.workload and args.script:
         raise ConfigError(
             f"both --workload {args.workload} and the script {args.script} were given: "
@@ -108,6 +127,22 @@ def _check(args: argparse.Namespace) -> Path | str:
     if not path.is_file():
         raise ConfigError(f"script {args.script!r} not found (from {Path.cwd()})")
     return path
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """What the block writes to stdout goes to stderr: Python's prints, and where stdout is a
+    file descriptor, what C code and child processes write to it too."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptors to move
+            sys.__stdout__.flush()  # type: ignore[union-attr]
+            saved = os.dup(1)
+            stack.callback(os.close, saved)
+            os.dup2(2, 1)
+            stack.callback(os.dup2, saved, 1)
+            stack.callback(sys.__stdout__.flush)  # type: ignore[union-attr]
+        yield
 
 
 def _run_script(path: Path, script_args: list[str]) -> int:

@@ -19,20 +19,22 @@ True
 How: a ``TorchDispatchMode`` counts every aten op per device and looks closer only at the few
 that copy across devices or read data back (one dict lookup per op). Entry points that never
 reach the dispatcher, or reach it as many inner ops, are wrapped while a trace is active:
-``Tensor.item/tolist/numpy/__bool__/__float__/__int__/__repr__/__str__/__format__``,
+``Tensor.item/tolist/numpy/__bool__/__float__/__int__/__index__/__repr__/__str__/__format__``,
 ``torch.tensor/as_tensor/asarray`` and ``Tensor.new_tensor`` (a list copied to a device),
 ``torch.cuda.synchronize``, ``torch.accelerator.synchronize`` and
 ``torch.cuda.Stream/Event.synchronize``. A thread-local
 guard makes one ``print(loss)`` one "print", not also the ``item()`` it does inside.
 
-Attribution goes to the innermost Python frame that is not under torch's package directory,
-not under gpukit's (except ``gpukit/workloads/``: the loop that
-``gpukit trace --workload`` runs is user code), and not in the standard library (``contextlib``,
-``threading``, ``logging``...).
+Attribution goes to the innermost Python frame of the user's own code: not a library's (torch,
+numpy, anything installed in a ``site-packages`` or ``dist-packages`` folder, the standard
+library with its frozen modules), and not gpukit's, except ``gpukit/workloads/`` (the loop that
+``gpukit trace --workload`` runs is user code) and the bench's nanoGPT-style loop.
 Not reported: copies to or from the ``meta`` device (no data moves; tests treat it as a device
-through ``records._IGNORED_DEVICE_TYPES``), and reads of CPU tensors by ``torch.optim`` (step
+through ``records._IGNORED_DEVICE_TYPES``); reads of CPU tensors by ``torch.optim`` (step
 counters) and ``torch.utils.data`` (samplers' random numbers), which stay on the CPU on GPU runs
-too.
+too; a CPU tensor used as a Python index (``data[i : i + n]`` of a numpy array at
+``torch.randint`` offsets), host work on any run; and, once an op ran on an accelerator, every
+read of a CPU tensor, which is host work there.
 A trace entered inside another (in the same thread) sees what the outer one sees while it is
 active; a process forked during a trace (a DataLoader worker) records nothing.
 

@@ -2,16 +2,19 @@
 copy across devices or read data back to the host to the :class:`~.records.Recorder`.
 
 It runs for every op, so the common path is one device lookup and two dict lookups: no frame
-walk, no strings. Only the watched ops (:data:`WATCHED`) cost more.
+walk, no strings, no Python-level wrapper around the op or the mode. Only the watched ops
+(:data:`WATCHED`) cost more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit.diagnostics.trace.records import Recorder, pinned, state
@@ -24,9 +27,31 @@ os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 Handler = Callable[[Recorder, tuple[Any, ...], dict[str, Any], Any], None]
 
 
+def _dynamo_skipper() -> Callable[[Any], None] | None:
+    """What tells torch.compile never to compile a function's frame nor any frame it calls,
+    at no cost per call; None on a torch without it."""
+    with contextlib.suppress(Exception):  # torch-private (2.6 and later); absent: see below
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        strategy = eval_frame._FrameExecStrategy(skip, skip)
+        return lambda code: eval_frame.set_code_exec_strategy(code, strategy)
+    return None
+
+
+_skip_dynamo = _dynamo_skipper()
+
+
 class TraceMode(TorchDispatchMode):
     """Counts every op per device in ``recorder`` (and in the recorders of traces entered
     inside it); hands the watched copy and read-back ops to their handlers."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Torch keeps torch.compile out of __torch_dispatch__ by wrapping it in two Python
+        # layers, about 1 us of the mode's 6 us per op; marking its code skipped (below) does
+        # the same for free. Where that is not possible, torch's wrapping stays.
+        return _skip_dynamo is None
 
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
@@ -34,24 +59,40 @@ class TraceMode(TorchDispatchMode):
         self.ops = recorder.ops
         self.inner = recorder.inner  # the list itself: nested traces join and leave it
         self.pid = _pid[0]
+        # id(op) -> (op, what to call, its handler or None): one dict lookup per op instead of
+        # OpOverload's Python-level __hash__ and __call__. Holding the op keeps its id unique.
+        self.seen: dict[int, tuple[Any, Callable[..., Any], Handler | None]] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        seen = self.seen.get(id(func))
+        if seen is None:
+            seen = self.seen[id(func)] = (func, _direct(func), WATCHED.get(func))
+        out = seen[1](*args, **kwargs) if kwargs else seen[1](*args)
         if self.pid != _pid[0]:
             return out  # a forked child (see _pid)
         first = args[0] if args else out
         if not isinstance(first, torch.Tensor):
             first = _first_tensor(args, out)
         if first is not None:
-            self.ops[first.device] += 1
+            device = first.device
+            self.ops[device] += 1
             for inner in self.inner:
-                inner.ops[first.device] += 1
-        handler = WATCHED.get(func)
-        if handler is not None and not state.busy:
-            handler(self.recorder, args, kwargs or {}, out)
+                inner.ops[device] += 1
+        if seen[2] is not None and not state.busy:
+            seen[2](self.recorder, args, kwargs or {}, out)
         return out
+
+
+if _skip_dynamo is not None:
+    _skip_dynamo(TraceMode.__torch_dispatch__.__code__)
+
+
+def _direct(func: Any) -> Callable[..., Any]:
+    """The C++ callable a plain ``OpOverload`` calls; subclasses (TorchBind ops) keep their
+    own ``__call__``."""
+    return func._op if type(func) is OpOverload else func
 
 
 def _first_tensor(args: tuple[Any, ...], out: Any) -> torch.Tensor | None:

@@ -1,12 +1,13 @@
 """The Python entry points ``gk.trace()`` wraps while a trace is active, in any thread.
 
 Some never reach the dispatcher, or reach it as many inner ops: ``Tensor.item/tolist/numpy/
-__bool__/__float__/__int__/__repr__/__str__/__format__`` (one read each, however many ops it
-runs inside), ``torch.tensor/as_tensor/asarray`` and ``Tensor.new_tensor`` (a list copied to a
-device), ``torch.cuda.synchronize``, ``torch.accelerator.synchronize`` and
-``torch.cuda.Stream/Event.synchronize``. :func:`patched` wraps them, and puts back exactly what
-was there once the last trace ends; a wrapper records into the recorder of its own thread
-(:data:`~.records.state`), so a thread without a trace only pays one attribute read.
+__bool__/__float__/__int__/__index__/__repr__/__str__/__format__`` (one read each, however many
+ops it runs inside; ``__index__`` only of a device tensor), ``torch.tensor/as_tensor/asarray``
+and ``Tensor.new_tensor`` (a list copied to a device), ``torch.cuda.synchronize``,
+``torch.accelerator.synchronize`` and ``torch.cuda.Stream/Event.synchronize``. :func:`patched`
+wraps them, and puts back exactly what was there once the last trace ends; a wrapper records
+into the recorder of its own thread (:data:`~.records.state`), so a thread without a trace only
+pays one attribute read.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import torch
 from gpukit.diagnostics.trace.records import HOST, pinned, state
 
 
-def _entry(original: Callable[..., Any], op: str, device_of: Callable[..., Any]) -> Any:
-    """``original``, recorded as one ``op`` sync; what it does inside is not recorded."""
+def _entry(
+    original: Callable[..., Any], op: str, device_of: Callable[..., Any], host_work: bool = False
+) -> Any:
+    """``original``, recorded as one ``op`` sync; what it does inside is not recorded.
+    ``host_work``: see :meth:`~.records.Recorder.record_sync`."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         here = state
@@ -35,7 +39,7 @@ def _entry(original: Callable[..., Any], op: str, device_of: Callable[..., Any])
             here.busy = False
         recorder = here.recorder  # again: the call may have ended the trace
         if recorder is not None:
-            recorder.record_sync(op, device_of(*args, **kwargs))
+            recorder.record_sync(op, device_of(*args, **kwargs), host_work=host_work)
         return out
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
@@ -79,6 +83,10 @@ def _sync_device(target: Any = None, *args: Any, **kwargs: Any) -> torch.device:
     return torch.device("cuda")
 
 
+def _device(t: torch.Tensor, *_: Any, **__: Any) -> torch.device:
+    return t.device
+
+
 _TENSOR_ENTRIES = {"item": "item", "tolist": "tolist", "numpy": "numpy", "__bool__": "bool"}
 _TENSOR_ENTRIES.update({"__float__": "float", "__int__": "int"})
 _TENSOR_ENTRIES.update(dict.fromkeys(("__repr__", "__str__", "__format__"), "print"))
@@ -87,9 +95,14 @@ _TENSOR_ENTRIES.update(dict.fromkeys(("__repr__", "__str__", "__format__"), "pri
 def _patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, wrapper) for every entry point wrapped during a trace."""
     found: list[tuple[Any, str, Any]] = [
-        (torch.Tensor, name, _entry(getattr(torch.Tensor, name), op, lambda t, *_, **__: t.device))
+        (torch.Tensor, name, _entry(getattr(torch.Tensor, name), op, _device))
         for name, op in _TENSOR_ENTRIES.items()
     ]
+    # A tensor used as a Python index (numpy or list indexing, slice bounds, range()): numpy
+    # reads it in its own code, nanoGPT's batches index a memmap with torch.randint's offsets.
+    # Reading a CPU tensor there is host work on any run, so only a device tensor counts.
+    index = _entry(torch.Tensor.__index__, "index", _device, host_work=True)
+    found.append((torch.Tensor, "__index__", index))
     creators = ("tensor", "as_tensor", "asarray")
     found += [(torch, name, _creation(getattr(torch, name))) for name in creators]
     found.append((torch.Tensor, "new_tensor", _creation(torch.Tensor.new_tensor, data_at=1)))

@@ -22,6 +22,9 @@ TransferKind = Literal["h2d", "d2h", "d2d"]
 HOST = "cpu"
 # Copies to or from these move no data; tests stand the meta device in for a GPU by emptying it.
 _IGNORED_DEVICE_TYPES: frozenset[str] = frozenset({"meta"})
+# Devices the host reads without waiting, and whose ops leave reads of CPU tensors potential
+# syncs (see Recorder.syncs); tests stand the meta device in for an accelerator by leaving it out.
+_HOST_DEVICE_TYPES: frozenset[str] = frozenset({HOST, "meta"})
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,15 @@ class Recorder:
         kept as potential synchronisations only while no op ran on an accelerator: on a GPU
         run they are what they are, host work."""
         found = [Sync(k[0], c, *k[1:]) for k, c in self._syncs.items()]
-        if any(d.type not in (HOST, "meta") for d in self.ops):
+        if self.used_accelerator:
             found = [s for s in found if s.synchronised]
         return found
+
+    @property
+    def used_accelerator(self) -> bool:
+        """Whether an op ran on an accelerator: then the host's reads of CPU tensors are host
+        work (the data never was on the device), not potential synchronisations."""
+        return any(d.type not in _HOST_DEVICE_TYPES for d in self.ops)
 
     @property
     def ops_per_device(self) -> dict[str, int]:
@@ -120,10 +129,16 @@ class Recorder:
         if kind == "d2h" and blocking:  # the host waits until the device's queue drains
             self.record_sync("d2h-copy", src, where)
 
-    def record_sync(self, op: str, device: torch.device, where: Where | None = None) -> None:
+    def record_sync(
+        self, op: str, device: torch.device, where: Where | None = None, *, host_work: bool = False
+    ) -> None:
         """Count one read of ``device``'s data by the host, named ``op``, at ``where`` (by
-        default the user's current line)."""
-        on_host = device.type in (HOST, "meta")
+        default the user's current line). ``host_work``: a read of host memory by this op is
+        host work on any run, not even a potential sync (a CPU tensor used as a Python index:
+        on a GPU run it is on the CPU too), and is not counted."""
+        on_host = device.type in _HOST_DEVICE_TYPES
+        if on_host and host_work:
+            return
         if where is None:
             where, host_side = user_frame()
             if on_host and host_side:

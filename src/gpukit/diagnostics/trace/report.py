@@ -46,26 +46,55 @@ def render(
 
 
 _READ_BACK = "keep it on the device and read it back every N steps: rt.log(loss=loss)"
-_SHAPE = (
-    "the output size depends on the data, so the host waits for it: torch.where(mask, x, 0) or "
-    "masked ops keep shapes static (torch.nonzero_static, repeat_interleave(output_size=))"
-)
 _DECIDE = "decide on the device (torch.where, masks, (a == b).all()) or check every N steps"
 _SYNC_TEXT = {  # op -> (what the user wrote, the fix)
     "item": (".item()", _READ_BACK),
     "float": ("float(tensor)", _READ_BACK),
-    "int": ("int(tensor)", _READ_BACK),
-    "tolist": (".tolist()", _READ_BACK),
-    "numpy": (".numpy()", _READ_BACK),
+    "int": (
+        "int(tensor)",
+        "a count or a size: compute it with Python ints; a result: " + _READ_BACK,
+    ),
+    "index": (
+        "tensor used as a Python index (list/numpy indexing, slice bounds, range)",
+        "index with a Python int (draw indices with random.randrange, or .tolist() them in one "
+        "read), or keep the indexing on the device: x[idx] with a tensor idx",
+    ),
+    "tolist": (
+        ".tolist()",
+        "keep results on the device and read them back every N steps, in one batch (rt.log)",
+    ),
+    "numpy": (
+        ".numpy()",
+        "keep the data in tensors on the device; convert once at the end, not every step",
+    ),
     "bool": ("bool(tensor) / `if tensor:`", _DECIDE),
     "equal": ("torch.equal", _DECIDE),
     "allclose": ("torch.allclose", _DECIDE),
-    "print": ("print/str/f-string of a tensor", "print every N steps, or log: rt.log(loss=loss)"),
+    "print": (
+        "print/str/f-string of a tensor",
+        "log less often: print every N steps, or rt.log(loss=loss), which reads back in batches",
+    ),
     "synchronize": ("synchronize()", "remove it outside timing code; time with CUDA Events"),
-    "nonzero": (".nonzero() / torch.where(cond)", _SHAPE),
-    "mask-index": ("boolean-mask indexing x[mask]", _SHAPE),
-    "unique": ("torch.unique", _SHAPE),
-    "repeat_interleave": ("repeat_interleave without output_size", _SHAPE),
+    "nonzero": (
+        ".nonzero() / torch.where(cond)",
+        "its size depends on the data, so the host waits for it: torch.nonzero_static(x, "
+        "size=k), or compute it once outside the loop",
+    ),
+    "mask-index": (
+        "boolean-mask indexing x[mask]",
+        "its size depends on the mask, so the host waits for it: for a mask that is the same "
+        "every step, index with a precomputed index (idx = mask.nonzero(as_tuple=True) once, "
+        "then x[idx]); otherwise keep shapes static: torch.where(mask, x, 0), (x * mask).sum()",
+    ),
+    "unique": (
+        "torch.unique",
+        "its size depends on the data, so the host waits for it: compute it once outside the "
+        "loop, or count known values with fixed shapes ((x == values[:, None]).sum(1))",
+    ),
+    "repeat_interleave": (
+        "repeat_interleave without output_size",
+        "pass output_size= (the total, known on the host) so the host does not wait for it",
+    ),
 }
 
 
