@@ -107,6 +107,10 @@ class Stepper:
             reraise_readable(err)
         self.state.micro_step += 1
         self.check_gradients_once()
+        # The next forward must know whether its backward ends the window: a loop may call
+        # rt.backward for every micro-batch and rt.step once (nanoGPT's habit), so the flag
+        # follows each backward, not only each step.
+        self.sync_next_backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step once every ``accumulate`` calls; True when the optimizer stepped."""
