@@ -145,12 +145,21 @@ class Stepper:
         return stepped
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The optimizer's parameters, listed once (again only if its groups change)."""
+        """The optimizer's parameters in the order of the models' ``parameters()`` (those no
+        model holds last), listed once (again only if its groups change). The order is the
+        plain program's ``clip_grad_norm_(model.parameters())``: the total norm is a float sum,
+        and another order (an optimizer with decay and no-decay groups) changes its last bit."""
         groups = optimizer.param_groups
         shape = tuple((id(g["params"]), len(g["params"])) for g in groups)
         cached = self._clip_params.get(optimizer)
         if cached is None or cached[0] != shape:
-            cached = (shape, [p for g in groups for p in g["params"]])
+            position: dict[int, int] = {}
+            for model in self.state.modules:
+                for p in model.parameters():
+                    position.setdefault(id(p), len(position))
+            listed = [p for g in groups for p in g["params"]]
+            ordered = sorted(listed, key=lambda p: position.get(id(p), len(position)))
+            cached = (shape, ordered)
             self._clip_params[optimizer] = cached
         return cached[1]
 
