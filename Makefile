@@ -8,7 +8,12 @@ HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= $(if $(HAS_NVIDIA_GPU),torch,torch==2.13.0)
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint clean
+# `make gpu-check` verifies everything that needs an NVIDIA GPU and writes the evidence under
+# benchmarks/results/<date>-<gpu>/. It needs no .venv: it runs from the source tree with the
+# first of .venv's python or $(PYTHON) (torch, numpy, rich, matplotlib, nvidia-ml-py, pytest).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+.PHONY: install test demo lint clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +29,9 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gpukit doctor
 	$(BIN)/gpukit train
+
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) -m gpukit.bench.gpu_check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

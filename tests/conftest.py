@@ -24,10 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests start with none of the variables that steer device choice (restored after)."""
+def clean_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Tests start with none of the variables that steer device choice (restored after), and
+    keep what gpukit remembers about the machine out of the user's own cache folder."""
     for name in ("GPUKIT_DEVICE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gpukit-cache"))
 
 
 @dataclass

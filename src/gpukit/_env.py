@@ -9,6 +9,9 @@ Other modules ask here, so the full list of variables lives in one file:
   than this many samples.
 - ``GPUKIT_COLLECTIVE_CHECK_TIMEOUT``: seconds ``rt.save`` waits for every rank to arrive
   before it fails naming the missing ones (default 30).
+- ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
+  copy speeds and latencies of ``gpukit bench transfer``, which ``gk.trace`` ranks its
+  findings with); default ``$XDG_CACHE_HOME/gpukit``, else ``~/.cache/gpukit``.
 
 ``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``. The CUDA variables that
 gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def default_device_spec() -> str | None:
@@ -60,6 +64,19 @@ def collective_check_timeout() -> float:
             "(how long a collective call waits for every rank), or unset it"
         )
     return seconds
+
+
+def cache_dir() -> Path:
+    """``GPUKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpukit``, else ``~/.cache/gpukit`` (the
+    folder may not exist yet). A relative ``XDG_CACHE_HOME`` is ignored, as the XDG base
+    directory specification asks."""
+    value = os.environ.get("GPUKIT_CACHE_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "gpukit"
+    return Path.home() / ".cache" / "gpukit"
 
 
 def set_cuda_launch_blocking() -> None:

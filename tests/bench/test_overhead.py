@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from gpukit._util.text import render_plain
 from gpukit.bench import overhead_loops as loops
-from gpukit.bench.overhead import run_overhead
+from gpukit.bench.overhead import as_result, run_overhead
 from gpukit.bench.overhead_loops import make_batches, make_model_and_optimizer
 from gpukit.bench.timing import torch_threads
 from gpukit.cli import bench
@@ -206,14 +206,33 @@ def test_cli_json_goes_to_stdout_and_to_the_file(
     args = parse("overhead", "--json", "--steps", "3", "--rounds", "2", "--out", str(out))
     assert args.run(args) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == json.loads(out.read_text()) and printed["steps"] == 3
+    assert printed == json.loads(out.read_text()) and printed["parameters"]["steps"] == 3
+    assert printed["experiment"] == "overhead"
+    raw = {v["name"]: v for v in printed["raw"]["variants"]}
+    assert len(raw["gpukit"]["seconds_per_step_by_round"]) == 2  # every round kept
+
+
+def test_cli_out_folder_gets_the_json_and_the_plot(
+    no_frameworks: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parse("overhead", "--steps", "2", "--rounds", "1", "--out", str(tmp_path / "new"))
+    assert args.run(args) == 0
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["overhead.json", "overhead.png"]
+
+
+def test_the_suite_result_has_a_row_per_variant(no_frameworks: None) -> None:
+    result = as_result(run_overhead(steps=3, rounds=2))
+    assert [r["variant"] for r in result.rows] == ALL_VARIANTS
+    rows = {r["variant"]: r for r in result.rows}
+    assert rows["plain"]["ratio"] == 1.0 and rows["accelerate"]["note"] == "not installed"
+    assert rows["gpukit-train-default"]["ratio_to_baseline"] is not None
 
 
 def test_cli_table(no_frameworks: None, capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("overhead", "--steps", "3", "--rounds", "1")
     assert args.run(args) == 0
     out = capsys.readouterr().out
-    assert "gpukit bench overhead: 3 steps × 1 rounds" in out and "not installed" in out
+    assert "overhead: 3 steps x 1 rounds" in out and "not installed" in out
     assert all(f"│ {name} " in out for name in ALL_VARIANTS)
 
 
@@ -223,6 +242,7 @@ def test_cli_table(no_frameworks: None, capsys: pytest.CaptureFixture[str]) -> N
         (("--steps", "0"), "--steps 0: give a whole number of at least 1"),
         (("--rounds", "-1"), "--rounds -1: give a whole number of at least 1"),
         (("--out", "/no/such/folder/x.json"), "--out /no/such/folder/x.json: the folder"),
+        (("--out", "/proc/no-folder-here"), "--out /proc/no-folder-here: cannot write there"),
     ],
 )
 def test_cli_bad_input_is_a_config_error(argv: tuple[str, ...], message: str) -> None:

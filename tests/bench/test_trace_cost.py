@@ -36,6 +36,11 @@ def test_cli_writes_the_json_it_prints(tmp_path: Path, capsys) -> None:  # type:
     assert main([*args, "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text()) and printed["experiment"] == "trace"
+    assert [(r["workload"], r["variant"]) for r in printed["rows"]] == [
+        ("mlp", "untraced"),
+        ("mlp", "traced"),
+    ]
+    assert printed["raw"]["results"][0]["rounds"] == 1
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"rounds": -1}, {"steps": True}])

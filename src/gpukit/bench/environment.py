@@ -67,3 +67,15 @@ def _device_name(dev: torch.device) -> str:
     if dev.type == "cpu":
         return _hw.cpu_name()
     return dev.type
+
+
+def environment_of(devices: list[torch.device], command: str | None = None) -> dict[str, Any]:
+    """:func:`environment` for an experiment that ran on several devices: the first one's
+    facts, plus every device with its name under ``devices``.
+
+    >>> environment_of([torch.device("cpu")])["devices"][0]["device"]
+    'cpu'
+    """
+    env = environment(str(devices[0]) if devices else "cpu", command=command)
+    env["devices"] = [{"device": str(d), "name": _device_name(d)} for d in devices]
+    return env

@@ -40,8 +40,9 @@ from __future__ import annotations
 import importlib
 import itertools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,8 +53,13 @@ from torch.optim import Optimizer
 from gpukit import __version__
 from gpukit.bench import overhead_loops as loops
 from gpukit.bench.environment import environment
+from gpukit.bench.result import BenchResult, Column
 from gpukit.bench.timing import check_count, time_rounds, torch_threads
 from gpukit.errors import ConfigError
+
+TITLE = "what a training wrapper adds to every step (gpukit, Accelerate, Fabric vs plain PyTorch)"
+# Steps per round and rounds: the full run's (gpukit bench overhead's defaults) and --quick's.
+FULL, QUICK = (200, 15), (20, 5)
 
 WORKLOAD = {
     "model": "mlp 32-64-64-4, ReLU",
@@ -289,3 +295,101 @@ def _prepare(
     except Exception as err:
         notes[variant.name] = f"failed: {type(err).__name__}: {err}"
     return str(version) if version is not None else None
+
+
+def run(
+    quick: bool = False,
+    devices: Sequence[torch.device] | None = None,
+    steps: int | None = None,
+    rounds: int | None = None,
+) -> BenchResult:
+    """The suite's entry point: :func:`run_overhead` as a :class:`BenchResult`. CPU only, on
+    purpose (see the module docstring), whatever ``devices`` says.
+
+    >>> run(quick=True, steps=2, rounds=1).rows[0]["variant"]
+    'plain'
+    """
+    default_steps, default_rounds = QUICK if quick else FULL
+    return as_result(run_overhead(steps or default_steps, rounds or default_rounds), quick)
+
+
+def as_result(result: OverheadResult, quick: bool = False) -> BenchResult:
+    """The overhead result in the suite's form: one row per variant."""
+    rows = []
+    for v in result.variants:
+        rows.append(
+            {
+                "variant": v.name,
+                "version": v.version,
+                "us_per_step": v.seconds_per_step * 1e6 if v.seconds_per_step else None,
+                "ratio": v.ratio,
+                "low": min(v.ratios) if v.ratios else None,
+                "high": max(v.ratios) if v.ratios else None,
+                "baseline": v.baseline,
+                "ratio_to_baseline": v.baseline_ratio if v.baseline != "plain" else None,
+                "settings": ", ".join(f"{k}={val}" for k, val in v.settings.items()),
+                "note": v.note,
+            }
+        )
+    default = result.variant("gpukit-train-default")
+    return BenchResult(
+        experiment="overhead",
+        title=f"overhead: {result.steps} steps x {result.rounds} rounds, CPU, "
+        f"{result.environment['threads']} thread(s)",
+        keys=("variant",),
+        columns=(
+            Column("variant"),
+            Column("version", compare=False),
+            Column("us_per_step", "time per step", "µs", 1),
+            Column("ratio", "× plain", "", 3),
+            Column("low", "lowest", "", 3, compare=False),
+            Column("high", "highest", "", 3, compare=False),
+            Column("ratio_to_baseline", "× baseline", "", 3),
+            Column("note"),
+        ),
+        rows=rows,
+        summary={
+            "gpukit train defaults x plain-logged": default.baseline_ratio,
+            "gpukit x plain": result.variant("gpukit").ratio,
+        },
+        notes=[
+            "× plain: median of the per-round ratios to plain; lowest/highest: their range",
+            "× baseline: the same, to the plain loop doing the same work "
+            "(gpukit-train-default: plain-logged)",
+            "the limit: 1.000, the plain loop itself; a busy machine widens the range first",
+        ],
+        parameters={
+            "steps": result.steps,
+            "rounds": result.rounds,
+            "quick": quick,
+            "workload": dict(WORKLOAD),
+        },
+        environment=result.environment,
+        raw={"variants": [v.to_dict() for v in result.variants]},
+    )
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Each wrapper's time per step over plain's, with the range over the rounds."""
+    from gpukit.bench.plotting import figure
+
+    rows = [r for r in result.rows if r["ratio"] is not None]
+    with figure(
+        path,
+        "Per-step cost of a training wrapper (tiny MLP, CPU, 1 thread)",
+        "time per step / plain PyTorch's (median of the rounds; whiskers: their range)",
+        "variant",
+        size=(7.5, 0.45 * len(rows) + 1.6),
+    ) as ax:
+        names = [r["variant"] for r in rows]
+        ratios = [r["ratio"] for r in rows]
+        errors = [
+            [r["ratio"] - r["low"] for r in rows],
+            [r["high"] - r["ratio"] for r in rows],
+        ]
+        bars = ax.barh(names, ratios, xerr=errors, color="tab:blue", alpha=0.8, capsize=3)
+        ax.axvline(1.0, color="grey", linestyle=":")
+        ax.invert_yaxis()
+        for bar, ratio in zip(bars, ratios, strict=True):  # the value inside its bar
+            ax.annotate(f"{ratio:.3f}", (0.02, bar.get_y() + bar.get_height() / 2),
+                        va="center", fontsize=8, color="white")  # fmt: skip

@@ -30,7 +30,8 @@ so slow drifts of the machine cancel out).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,12 +40,17 @@ from rich.table import Table
 from gpukit._util.text import make_table
 from gpukit.bench.environment import environment
 from gpukit.bench.nanogpt_loop import NanoGPTConfig, nanogpt_loop
+from gpukit.bench.result import BenchResult, Column
 from gpukit.bench.timing import check_count, synchronizer, time_rounds
 from gpukit.bench.train_defaults import runtime_settings
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
 NANOGPT = "nanogpt"  # the workload name of the nanoGPT-style script's loop
+TITLE = "what gk.trace() costs on a training loop (traced / untraced)"
+# The suite's loops: gpukit train's on the gpt workload, and a script's in nanoGPT's habits.
+SUITE_WORKLOADS = ("gpt", NANOGPT)
+FULL, QUICK = (20, 7), (4, 3)  # (steps per round, rounds)
 
 
 def check_workload(workload: str) -> None:
@@ -155,3 +161,108 @@ def _training_step(workload: str) -> Any:
 def _forever(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
+
+
+def run(
+    quick: bool = False,
+    devices: Sequence[torch.device] | None = None,
+    workloads: Sequence[str] = SUITE_WORKLOADS,
+    steps: int | None = None,
+    rounds: int | None = None,
+) -> BenchResult:
+    """The suite's entry point: :func:`run_trace_cost` for each of ``workloads`` on the device
+    ``gpukit train`` would pick (``devices`` is not used: the loop picks its own), as one
+    :class:`BenchResult`.
+
+    >>> r = run(workloads=("mlp",), steps=2, rounds=1)
+    >>> [row["variant"] for row in r.rows]
+    ['untraced', 'traced']
+    """
+    default_steps, default_rounds = QUICK if quick else FULL
+    for name in workloads:
+        check_workload(name)
+    results = [
+        run_trace_cost(name, steps=steps or default_steps, rounds=rounds or default_rounds)
+        for name in workloads
+    ]
+    return as_result(results, quick)
+
+
+def as_result(results: Sequence[dict[str, Any]], quick: bool = False) -> BenchResult:
+    """One or more :func:`run_trace_cost` results in the suite's form: a row per workload and
+    variant."""
+    rows = []
+    for result in results:
+        low, high = result["ratio_range"]
+        for variant in result["variants"]:
+            traced = variant["name"] == "traced"
+            rows.append(
+                {
+                    "workload": result["workload"],
+                    "loop": result["loop"],
+                    "device": result["environment"]["device"],
+                    "variant": variant["name"],
+                    "ms_per_step": variant["seconds_per_step"] * 1e3,
+                    "ratio": result["ratio"] if traced else 1.0,
+                    "low": low if traced else None,
+                    "high": high if traced else None,
+                }
+            )
+    first = results[0]
+    return BenchResult(
+        experiment="trace",
+        title=f"trace: cost of gk.trace(), {first['steps']} steps x {first['rounds']} rounds",
+        keys=("workload", "variant"),
+        columns=(
+            Column("workload"),
+            Column("loop"),
+            Column("device"),
+            Column("variant"),
+            Column("ms_per_step", "time per step", "ms", 2),
+            Column("ratio", "× untraced", "", 3),
+            Column("low", "lowest", "", 3, compare=False),
+            Column("high", "highest", "", 3, compare=False),
+        ),
+        rows=rows,
+        summary={f"{r['workload']}: traced x untraced": r["ratio"] for r in results},
+        notes=[
+            "× untraced: median of the per-round ratios; lowest/highest: their range",
+            "the limit: 1.000; every op goes through the trace's dispatch mode, so the cost "
+            "grows with the ops per step, not with their size",
+        ],
+        parameters={
+            "steps": first["steps"],
+            "rounds": first["rounds"],
+            "workloads": [r["workload"] for r in results],
+            "quick": quick,
+        },
+        environment=first["environment"],
+        raw={"results": list(results)},
+    )
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Time per step untraced and traced, per workload, with the ratio on the traced bar."""
+    from gpukit.bench.plotting import bar_labels, figure
+
+    workloads = list(dict.fromkeys(r["workload"] for r in result.rows))
+    by = {(r["workload"], r["variant"]): r for r in result.rows}
+    with figure(
+        path,
+        "Cost of gk.trace() per training step",
+        "training loop",
+        "time per step (ms, median of the rounds)",
+    ) as ax:
+        width = 0.38
+        for i, variant in enumerate(("untraced", "traced")):
+            xs = [w + (i - 0.5) * width for w in range(len(workloads))]
+            ys = [by[(w, variant)]["ms_per_step"] for w in workloads]
+            bars = ax.bar(xs, ys, width, label=variant)
+            if variant == "traced":
+                ratios = [by[(w, variant)]["ratio"] for w in workloads]
+                for bar, ratio in zip(bars, ratios, strict=True):
+                    ax.annotate(f"x{ratio:.2f}", (bar.get_x() + width / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=8)  # fmt: skip
+            else:
+                bar_labels(ax, bars, "{:.1f}")
+        ax.set_xticks(range(len(workloads)), workloads)

@@ -1,30 +1,35 @@
-"""gpukit bench: the classic experiments, each with a table, or JSON for scripts and records.
+"""gpukit bench: the classic GPU experiments, measured correctly, on the CPU and every GPU here.
 
-Experiments:
-    overhead   the per-step cost of a training wrapper: one tiny-MLP training loop in plain
-               PyTorch; through gpukit's Runtime as rt.backward + rt.step (gpukit), as
-               rt.train_step with Runtime's defaults (gpukit-train-step), and as rt.train_step
-               + rt.log with gpukit train's default settings (gpukit-train-default); and through
-               Hugging Face Accelerate and Lightning Fabric where those are installed (they are
-               never required). Same weights, same batches, same arithmetic in every variant.
-               CPU only, one thread; every variant warms up, then R rounds (order rotated each
-               round) time N steps of each. Reports the median time per step and the median of
-               the per-round ratios to plain, with each wrapper's settings, the machine, the
-               versions, the date and the command.
-    trace      what gk.trace() costs: N optimizer steps of a built-in workload's training loop
-               (gpukit train's; default gpt), or with --workload nanogpt of a script's loop in
-               nanoGPT's habits (memmap batches at torch.randint offsets, loss.item() every few
-               steps, periodic evaluation), on the best device, untraced and traced, in R
-               alternating rounds; the median time per step of each and the median ratio.
+Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit bench all`):
+    matmul       square products 16..8192 in fp32 (tf32, bf16, fp16 on GPUs): time, TFLOP/s,
+                 share of the device's peak; the size from which each GPU beats the CPU, with
+                 and without the host<->device copies
+    transfer     host->device, device->host, device->device bandwidth against size, pageable vs
+                 pinned, blocking vs non_blocking overlapped with compute, tiny-copy latency,
+                 share of the PCIe link's peak (on a CPU: host memory copies)
+    sync         1000 products of 100x100 matrices reading the norm back every step (.item(),
+                 print) vs logging on the device and reading once: the cost of one wait
+    multidevice  A^10 + B^10 with A and B on two devices vs one; two streams; CPU + GPU at once
+    strategies   samples/s, GPU utilisation and peak memory per device of every strategy on
+                 the cnn and gpt workloads, scaling with the number of devices
+    precision    fp32 vs bf16-mixed vs 16-mixed, channels_last, torch.compile: samples/s and
+                 the final loss after a fixed number of steps
+    overhead     the per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain
+                 PyTorch, on a tiny MLP, CPU, one thread
+    trace        the cost of gk.trace() on gpukit train's loop and on a nanoGPT-style loop
 
-A result meant to be kept goes under benchmarks/results/ with --out, which writes the same JSON
-that --json prints.
+Every experiment warms up, synchronises before reading clocks (CUDA events on a GPU), repeats
+and reports the median with its spread, and rotates its inputs. --quick runs sizes a 2-core CI
+machine finishes in minutes. --out DIR writes NAME.json (machine, versions, date, command,
+parameters, raw timings) and NAME.png; `all --out DIR` adds report.md. `compare A.json
+B.json` (or two such folders) shows two runs side by side with the ratio of every figure.
 
 Example:
-    gpukit bench overhead
-    gpukit bench overhead --steps 500 --rounds 25 --out benchmarks/results/overhead-cpu.json
-    gpukit bench overhead --json | python -c "import json,sys; print(json.load(sys.stdin))"
-    gpukit bench trace --workload gpt --steps 20 --rounds 5
+    gpukit bench matmul
+    gpukit bench transfer --quick --json
+    gpukit bench all --quick --out bench-results
+    gpukit bench compare old/matmul.json new/matmul.json
+    gpukit bench overhead --steps 200 --rounds 40
     gpukit bench trace --workload nanogpt --steps 20 --rounds 7
 """
 
@@ -32,96 +37,232 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from gpukit.bench.overhead import run_overhead
+from gpukit.bench.result import BenchResult, load_result
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
 
 NAME = "bench"
+_ONE_LINERS = {
+    "matmul": "matrix-product speed and share of peak, CPU vs each GPU, per dtype",
+    "transfer": "host<->device and device<->device copy bandwidth, pageable vs pinned",
+    "sync": "what reading a value back every step costs",
+    "multidevice": "two devices (or streams, or CPU + GPU) at once vs one",
+    "strategies": "samples/s, utilisation and memory per device of every strategy",
+    "precision": "fp32 vs mixed precision, channels_last, torch.compile",
+    "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
+    "trace": "cost of gk.trace() on a training loop (traced / untraced)",
+}
 
 
 def register(sub: Any) -> None:
+    from gpukit.bench.suite import names
+
     parser = add_command(
-        sub, NAME, "run a benchmark: wrapper overhead per step, the cost of tracing", __doc__
+        sub, NAME, "run the classic GPU experiments, tabulated and plotted", __doc__
     )
     experiments = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    overhead = add_command(
-        experiments,
-        "overhead",
-        "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
-        __doc__,
+    for name in names():
+        one = add_command(experiments, name, _ONE_LINERS[name], __doc__)
+        _add_run_flags(one)
+        if name in ("overhead", "trace"):
+            one.add_argument("--steps", type=int, metavar="N", help="steps timed per round")
+            one.add_argument("--rounds", type=int, metavar="R", help="rounds")
+        if name == "trace":
+            one.add_argument(
+                "--workload",
+                help="mlp, cnn, gpt, module:function, or nanogpt (default: gpt and nanogpt)",
+            )
+    everything = add_command(experiments, "all", "every experiment, then report.md", __doc__)
+    _add_run_flags(everything)
+    everything.add_argument(
+        "--only", metavar="NAMES", help="comma-separated experiments to run (default: all)"
     )
-    add_json_flag(overhead)
-    overhead.add_argument(
-        "--steps", type=int, default=200, metavar="N", help="steps timed per round (default 200)"
-    )
-    overhead.add_argument(
-        "--rounds", type=int, default=15, metavar="R", help="rotated rounds (default 15)"
-    )
-    overhead.add_argument(
-        "--out", type=Path, metavar="FILE", help="also write the JSON result to FILE"
-    )
-    traced = add_command(
-        experiments, "trace", "cost of gk.trace() on a training loop (traced / untraced)", __doc__
-    )
-    add_json_flag(traced)
-    traced.add_argument(
-        "--workload", default="gpt", help="mlp, cnn, gpt, module:function, or nanogpt"
-    )
-    traced.add_argument("--steps", type=int, default=20, metavar="N", help="steps per round (20)")
-    traced.add_argument("--rounds", type=int, default=5, metavar="R", help="rounds (default 5)")
-    traced.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON to FILE")
+    compare = add_command(experiments, "compare", "two runs side by side, with ratios", __doc__)
+    add_json_flag(compare)
+    compare.add_argument("a", type=Path, metavar="A", help="NAME.json, or a folder of them")
+    compare.add_argument("b", type=Path, metavar="B", help="NAME.json, or a folder of them")
     parser.set_defaults(run=run)
 
 
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    add_json_flag(parser)
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (minutes on 2 cores)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="write NAME.json and NAME.png there (created if missing); a path ending in .json "
+        "writes only that JSON file",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    return _EXPERIMENTS[args.experiment](args)
+    if args.experiment == "compare":
+        return _compare(args)
+    if args.experiment == "all":
+        return _all(args)
+    return _one(args)
 
 
-def _check(args: argparse.Namespace) -> Path | None:
-    """Checked before the run, so that a mistake costs no minute of measuring."""
-    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: give a whole number of at least 1")
-    out: Path | None = args.out
-    if out is not None and not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it first")
-    return out
+def _one(args: argparse.Namespace) -> int:
+    from gpukit.bench.suite import experiment
+
+    folder, json_file = _check_out(args.out)
+    module = experiment(args.experiment)
+    options = _options(args)
+    with Console(stderr=True).status(f"gpukit bench {args.experiment} ..."):
+        result: BenchResult = module.run(quick=args.quick, **options)
+    files = []
+    if json_file is not None:
+        json_file.write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+        files.append(json_file)
+    elif folder is not None:
+        files.append(result.write_json(folder))
+        png = folder / f"{args.experiment}.png"
+        module.plot(result, png)
+        files.append(png)
+    _show(result, args.json, files)
+    return 0
 
 
-def _show(data: dict[str, Any], table: Any, args: argparse.Namespace, out: Path | None) -> None:
-    if out is not None:
-        out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The experiment-specific flags, checked before any minute is spent measuring."""
+    options: dict[str, Any] = {}
+    for flag in ("steps", "rounds"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"--{flag} {value}: give a whole number of at least 1")
+            options[flag] = value
+    workload = getattr(args, "workload", None)
+    if workload is not None:
+        from gpukit.bench.trace_cost import check_workload
+
+        check_workload(workload)  # an unknown name fails now, not after the warm-up
+        options["workloads"] = (workload,)
+    return options
+
+
+def _all(args: argparse.Namespace) -> int:
+    from gpukit.bench.report import write_report
+    from gpukit.bench.suite import names, run_all
+
+    folder, json_file = _check_out(args.out)
+    if json_file is not None:
+        raise ConfigError(
+            f"--out {args.out}: `bench all` writes a folder (one JSON and one plot per "
+            "experiment, and report.md); give a folder name, not a .json file"
+        )
+    only = _only(args.only, names())
+    start = time.perf_counter()
+    with Console(stderr=True).status("gpukit bench all ..."):
+        outcomes = run_all(args.quick, folder, only)
+    minutes = (time.perf_counter() - start) / 60
+    files = [f for o in outcomes for f in o.files]
+    if folder is not None:
+        command = shlex.join(sys.orig_argv)
+        files.append(write_report(folder, outcomes, command, args.quick, minutes))
+    failed = [o for o in outcomes if o.result is None]
     if args.json:
-        print_json(data)
+        print_json(
+            {
+                o.name: o.result.to_dict() if o.result is not None else {"error": o.error}
+                for o in outcomes
+            }
+        )
     else:
-        console().print(table)
-        if out is not None:
-            console().print(f"wrote {out}")
+        out = console()
+        for o in outcomes:
+            if o.result is not None:
+                out.print(o.result.table())
+            else:
+                out.print(f"[red]{o.name} failed:[/red] {o.error}", markup=True)
+            if o.plot_error:
+                out.print(f"{o.name}: no plot ({o.plot_error})")
+            out.print()
+        out.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran in "
+                  f"{minutes:.1f} min")  # fmt: skip
+        for f in files:
+            out.print(f"wrote {f}")
+    return 1 if failed else 0
 
 
-def _trace(args: argparse.Namespace) -> int:
-    from gpukit.bench.trace_cost import check_workload, run_trace_cost, table
+def _compare(args: argparse.Namespace) -> int:
+    from gpukit.bench.compare import compare
 
-    out = _check(args)
-    check_workload(args.workload)  # an unknown name fails now, not after the warm-up
-    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
-        result = run_trace_cost(args.workload, steps=args.steps, rounds=args.rounds)
-    _show(result, table(result), args, out)
+    pairs = _pairs(args.a, args.b)
+    compared = [compare(load_result(a), load_result(b), str(a), str(b)) for a, b in pairs]
+    if args.json:
+        print_json([c.to_dict() for c in compared])
+    else:
+        for c in compared:
+            console().print(c.table())
     return 0
 
 
-def _overhead(args: argparse.Namespace) -> int:
-    out = _check(args)
-    # On stderr, and only on a terminal, so that --json output stays clean for a pipe.
-    with Console(stderr=True).status(f"timing {args.steps} steps x {args.rounds} rounds ..."):
-        result = run_overhead(steps=args.steps, rounds=args.rounds)
-    _show(result.to_dict(), result.table(), args, out)
-    return 0
+def _pairs(a: Path, b: Path) -> list[tuple[Path, Path]]:
+    if a.is_dir() != b.is_dir():
+        raise ConfigError(f"compare {a} {b}: give two NAME.json files or two folders of them")
+    if not a.is_dir():
+        return [(a, b)]
+    common = sorted({p.name for p in a.glob("*.json")} & {p.name for p in b.glob("*.json")})
+    if not common:
+        raise ConfigError(
+            f"compare {a} {b}: the folders have no NAME.json in common; give folders that "
+            "`gpukit bench ... --out` wrote"
+        )
+    return [(a / name, b / name) for name in common]
 
 
-_EXPERIMENTS = {"overhead": _overhead, "trace": _trace}
+def _only(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    if text is None:
+        return ()
+    wanted = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise ConfigError(
+            f"--only {text!r}: {', '.join(unknown) or 'no names'} not an experiment; give "
+            f"comma-separated names from {', '.join(known)}"
+        )
+    return wanted
+
+
+def _check_out(out: Path | None) -> tuple[Path | None, Path | None]:
+    """(folder, JSON file) for ``--out``, made and checked writable before any measuring."""
+    if out is None:
+        return None, None
+    if out.suffix == ".json":
+        if not out.parent.is_dir():
+            raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it")
+        return None, out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file is there; give a folder for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".gpukit-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out}: cannot write there ({err.strerror or err}); give a folder you can "
+            "write to"
+        ) from None
+    return out, None
+
+
+def _show(result: BenchResult, as_json: bool, files: list[Path]) -> None:
+    if as_json:
+        print_json(result.to_dict())
+        return
+    out = console()
+    out.print(result.table())
+    for f in files:
+        out.print(f"wrote {f}")

@@ -101,6 +101,113 @@ def gpu_memory(uuids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]
             nvml.nvmlShutdown()
 
 
+# Bandwidth of one PCIe lane in each direction, GB/s (1e9 bytes/s), after line encoding
+# (8b/10b up to gen2, 128b/130b from gen3; gen6's FLIT mode counted at its raw 64 GT/s).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.877}
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    """A GPU's PCIe link to the host: generation and lane count, now and at most.
+
+    ``max_generation``/``max_width`` are what this GPU in this slot can reach (NVML's "max
+    link", which already accounts for the slot and the CPU); the current ones drop while the
+    GPU idles, to save power, so the peak is taken from the maximum.
+
+    >>> link = PcieLink(generation=1, max_generation=4, width=16, max_width=16)
+    >>> round(link.peak_bps() / 1e9, 1), link.describe()
+    (31.5, 'PCIe gen4 x16 (now gen1 x16)')
+    """
+
+    generation: int | None
+    max_generation: int | None
+    width: int | None
+    max_width: int | None
+
+    def peak_bps(self) -> float | None:
+        """Bytes per second in one direction at the link's best (its maximum generation and
+        width; the current ones where NVML gives no maximum); None when unknown."""
+        generation = self.max_generation or self.generation
+        width = self.max_width or self.width
+        if generation not in PCIE_LANE_GBPS or not width:
+            return None
+        return PCIE_LANE_GBPS[generation] * 1e9 * width
+
+    def describe(self) -> str:
+        """``PCIe gen4 x16``, and the current state where it differs from the best."""
+        best = f"PCIe gen{self.max_generation or self.generation or '?'} "
+        best += f"x{self.max_width or self.width or '?'}"
+        now, most = (self.generation, self.width), (self.max_generation, self.max_width)
+        if None in now or None in most or now == most:
+            return best
+        return f"{best} (now gen{self.generation} x{self.width})"
+
+
+def pcie_link(gpu: str) -> PcieLink | None:
+    """The PCIe link of the GPU whose UUID (``GPU-...``, as ``hw.cuda_properties`` gives it)
+    or PCI bus id (``0000:3b:00.0``, any domain width) is ``gpu``; None without NVML, for a
+    GPU NVML does not list, or when NVML knows nothing of its link. Never raises.
+
+    Matched by UUID or bus id, never by index: NVML numbers every GPU of the machine in PCI
+    order, CUDA only the visible ones, fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+    """
+    try:
+        nvml: Any = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        for index in range(int(nvml.nvmlDeviceGetCount())):
+            handle = _optional(nvml.nvmlDeviceGetHandleByIndex, index)
+            if handle is None or not _is_gpu(nvml, handle, gpu):
+                continue
+            link = PcieLink(
+                generation=_int(_optional(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)),
+                max_generation=_int(_optional(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)),
+                width=_int(_optional(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)),
+                max_width=_int(_optional(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle)),
+            )
+            return None if link == PcieLink(None, None, None, None) else link
+        return None
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def _is_gpu(nvml: Any, handle: Any, gpu: str) -> bool:
+    if gpu.startswith("GPU-") or gpu.startswith("MIG-"):
+        return _text(_optional(nvml.nvmlDeviceGetUUID, handle) or "") == gpu
+    pci = _optional(nvml.nvmlDeviceGetPciInfo, handle)
+    bus = _bus_id(_text(getattr(pci, "busId", "") or ""))
+    return bus is not None and bus == _bus_id(gpu)
+
+
+def _bus_id(text: str) -> tuple[int, int, int, int] | None:
+    """``domain:bus:device.function`` as numbers, so ``00000000:3B:00.0`` (NVML) and
+    ``0000:3b:00.0`` (sysfs, nvidia-smi) compare equal.
+
+    >>> _bus_id("00000000:3B:00.0") == _bus_id("0000:3b:00.0"), _bus_id("nonsense")
+    (True, None)
+    """
+    try:
+        domain, bus, rest = text.strip().split(":")
+        device, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    except ValueError:
+        return None
+
+
+def _int(value: Any) -> int | None:
+    """A positive count from NVML, None for none (0 or missing)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
 def _other_processes(nvml: Any, handle: Any, own_pid: int) -> int | None:
     compute = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
     if compute is None:

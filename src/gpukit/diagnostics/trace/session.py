@@ -61,7 +61,10 @@ class Trace:
         10-50 us round trip, while the GPU idles until the host queues work again); a copy
         ``COPY_LAUNCH_S`` (10 us) plus its bytes at 12 GB/s from pageable host memory, 25 GB/s
         from pinned, 50 GB/s between devices, plus ``SYNC_S`` if it is a blocking d2h copy
-        (listed once, as a transfer, though ``syncs`` also has it as ``d2h-copy``).
+        (listed once, as a transfer, though ``syncs`` also has it as ``d2h-copy``). Where
+        ``gpukit bench transfer`` measured this machine's GPU (the one the trace saw, else the
+        first one once CUDA has started), its latencies and speeds replace these rough ones;
+        the report's second line says which it used, and when they were measured.
 
         >>> print(Trace().report())
         gk.trace: 0 ops; no host<->device copies or synchronisations found

@@ -1,0 +1,460 @@
+"""``strategies``: which multi-GPU strategy trains fastest, and what it does to memory on the
+first GPU.
+
+Every strategy of the registry (:data:`gpukit.strategies.STRATEGIES`: one added there joins by
+itself; ``auto`` only picks one of them) trains the ``cnn`` and ``gpt`` workloads through the
+loop behind ``gpukit train`` (:func:`gpukit.workloads.loop.fit`, with that command's default
+Runtime settings) on 1, 2, ... N GPUs. Per configuration: samples/s, scaling efficiency, GPU
+utilisation, peak memory of the first device and of the others, and their ratio.
+
+Method:
+
+- **Weak scaling**: every device trains on the workload's batch, so k devices take k times
+  the samples per step. Scaling efficiency = samples/s(k) / (k x samples/s(1 device)), the
+  1-device rate being the same strategy's, or that of a strategy that takes one device.
+- **Steady state by difference**: ``fit``'s samples/s counts from its first step, which pays
+  for one-time costs (CUDA context, cuDNN and cuBLAS set-up, allocator growth, optimizer
+  state). Each configuration runs ``fit`` twice, for ``warmup`` and for ``warmup + steps``
+  steps; the difference of their loop times is what ``steps`` steady steps take. Runs in this
+  process follow one untimed run (some first-use costs are paid once per process); each
+  launch of DDP starts fresh processes, so both of its runs pay the same start.
+- **Memory**: the memory report of the longer run (gathered from every rank under DDP), peaks
+  reset before each run, memory freed after it.
+- **GPU utilisation**: NVML sampled from this process (it sees DDP's processes too), kept over
+  the span of the training loop.
+
+A configuration that cannot run here is a row whose status says why, never a missing row.
+
+>>> quick, full = settings(quick=True, gpus=0), settings(quick=False, gpus=8)
+>>> quick.workloads, full.workloads, full.counts[-1]
+(('gpt',), ('cnn', 'gpt'), 8)
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpukit.bench.environment import environment_of
+from gpukit.bench.measure import check_devices
+from gpukit.bench.plotting import bar_labels, figure
+from gpukit.bench.result import BenchResult, Column
+from gpukit.devices import device as resolve_device
+from gpukit.devices import hw as _hw
+from gpukit.devices.utilization import UtilizationSampler
+from gpukit.diagnostics.memory import reset_peaks
+from gpukit.errors import ConfigError
+from gpukit.runtime.runtime import Runtime
+from gpukit.strategies import STRATEGIES, make_strategy
+from gpukit.workloads import load_workload
+from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
+
+TITLE = "Which multi-GPU strategy is fastest, and what does it do to memory on the first GPU?"
+WORKLOADS = ("cnn", "gpt")
+QUICK_WORKLOADS = ("gpt",)  # the workload whose gathered outputs (logits) weigh the most
+MiB = 2**20
+CPU_ONLY_REASON = "needs 2+ CUDA GPUs"
+
+COLUMNS = (
+    Column("workload"),
+    Column("strategy"),
+    Column("devices"),
+    Column("samples_per_s", "samples/s", "", 0),
+    Column("efficiency", "scaling", "", 2),
+    Column("gpu_util", "GPU util", "%", 0),
+    Column("peak_first", "peak 1st", "MiB", 0),
+    Column("imbalance", "1st/others", "", 2),
+    Column("status"),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What each configuration runs: per-device batch (None: the workload's), untimed and
+    timed steps, and rounds (the median is reported)."""
+
+    workloads: tuple[str, ...]
+    counts: tuple[int, ...]
+    batch: int | None
+    warmup: int
+    steps: int
+    rounds: int
+
+
+def settings(quick: bool, gpus: int) -> Settings:
+    """What ``run`` measures with ``gpus`` GPUs: 1..N devices (1 and 2 in quick mode, and on
+    CPUs, where "devices" are processes sharing the same cores).
+
+    >>> settings(quick=False, gpus=4).counts, settings(quick=True, gpus=4).counts
+    ((1, 2, 3, 4), (1, 2))
+    """
+    if quick:
+        return Settings(QUICK_WORKLOADS, (1, 2), batch=16, warmup=2, steps=10, rounds=1)
+    counts = tuple(range(1, max(gpus, 2) + 1))
+    return Settings(WORKLOADS, counts, batch=None, warmup=5, steps=40, rounds=2)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One configuration: its devices, or the reason it cannot run here (devices None)."""
+
+    workload: str
+    strategy: str
+    count: int
+    devices: tuple[str, ...] | None
+    reason: str | None = None
+
+
+def plan(workloads: Sequence[str], gpus: Sequence[str], counts: Sequence[int]) -> list[Planned]:
+    """Every configuration to report, on the first k of ``gpus`` for each k of ``counts``
+    (no GPUs: k CPU processes).
+
+    A strategy that takes one device appears at 1 device only. Without GPUs, a strategy that
+    drives several devices from one process gets one row saying it needs GPUs: its replicas
+    would share the same cores and memory (a test path, not a measurement).
+
+    >>> for p in plan(["gpt"], [], (1, 2)):
+    ...     print(p.strategy, p.count, p.devices, p.reason)
+    single 1 ('cpu',) None
+    dp 2 None needs 2+ CUDA GPUs
+    dp-balanced 2 None needs 2+ CUDA GPUs
+    ddp 1 ('cpu',) None
+    ddp 2 ('cpu', 'cpu') None
+    >>> [(p.strategy, p.count, p.reason) for p in plan(["cnn"], ["cuda:0"], (1, 2))][1:3]
+    [('dp', 1, None), ('dp', 2, 'needs 2 CUDA GPUs; 1 given')]
+    """
+    found = []
+    for workload in workloads:
+        for name in STRATEGIES:
+            one_device, drives_several = _kind(name)
+            for k in counts:
+                if one_device and k > 1:
+                    continue
+                if len(gpus) >= k:
+                    found.append(Planned(workload, name, k, tuple(gpus[:k])))
+                elif gpus:
+                    why = f"needs {k} CUDA GPUs; {len(gpus)} given"
+                    found.append(Planned(workload, name, k, None, why))
+                elif not drives_several:
+                    found.append(Planned(workload, name, k, ("cpu",) * k))
+                elif k > 1:
+                    found.append(Planned(workload, name, k, None, CPU_ONLY_REASON))
+    return found
+
+
+@functools.cache
+def default_batch(workload: str) -> int:
+    """The batch ``workload`` trains on by default: what each device gets in a full run.
+
+    >>> default_batch("gpt")
+    32
+    """
+    return load_workload(workload).batch_size
+
+
+def _kind(name: str) -> tuple[bool, bool]:
+    """(takes one device only, drives several devices from one process), asked of the
+    strategy itself on two CPU devices."""
+    strategy = make_strategy(name)
+    try:
+        strategy.configure([resolve_device("cpu"), resolve_device("cpu")])
+    except ConfigError:
+        return True, False
+    return False, len(strategy.driven_devices) > 1
+
+
+def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> BenchResult:
+    """Train every configuration of :func:`plan` on the GPUs among ``devices`` (default: every
+    GPU present; without GPUs, CPU processes) and report them (see the module docstring)."""
+    gpus = [d for d in check_devices(devices, "strategies") if d.type == "cuda"]
+    s = settings(quick, len(gpus))
+    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    for p in plan(s.workloads, [str(d) for d in gpus], s.counts):
+        row, raw = _configuration(p, s)
+        rows.append(row)
+        runs.append(raw)
+    _add_efficiency(rows)
+    return BenchResult(
+        experiment="strategies",
+        title=TITLE,
+        keys=("workload", "strategy", "devices"),
+        columns=COLUMNS,
+        rows=rows,
+        summary=_summary(rows),
+        notes=_notes(bool(gpus)),
+        parameters=_parameters(quick, s, gpus),
+        environment=environment_of(gpus or [torch.device("cpu")]),
+        raw={"runs": runs},
+    )
+
+
+def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The table row and the raw figures of one configuration; failures become its status."""
+    row: dict[str, Any] = {"workload": p.workload, "strategy": p.strategy, "devices": p.count}
+    raw: dict[str, Any] = {**row, "device_list": list(p.devices or [])}
+    if p.devices is None:
+        return {**row, "status": p.reason}, {**raw, "status": p.reason}
+    try:
+        rounds, last = _measure(p, s)
+    except Exception as err:  # one broken configuration must not cost the others
+        reason = f"{type(err).__name__}: {err}"
+        short = ": ".join(reason.split(": ", 2)[:2])  # the error's type and its first clause
+        return {**row, "status": f"failed: {short}"}, {**raw, "status": reason}
+    peaks = [m["peak"] for m in last["memory"]]
+    utils = [u["mean"] for u in last["utilization"].values() if u is not None]
+    row.update(
+        samples_per_s=statistics.median(r["samples_per_s"] for r in rounds),
+        gpu_util=sum(utils) / len(utils) if utils else None,
+        peak_first=peaks[0] / MiB,
+        peak_others=sum(peaks[1:]) / len(peaks[1:]) / MiB if peaks[1:] else None,
+        imbalance=_imbalance(last["memory"]),
+        status="ran",
+    )
+    raw.update(status="ran", rounds=rounds, **last)
+    return row, raw
+
+
+def _measure(p: Planned, s: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rounds of (``warmup`` steps, ``warmup + steps`` steps) runs: their samples/s, and the
+    last longer run's memory and utilisation."""
+    settings_rt = {**RUNTIME_DEFAULTS, "strategy": p.strategy, "devices": list(p.devices or [])}
+    probe = Runtime(**settings_rt)  # a configuration the Runtime refuses fails here, at once
+    in_process, world = not probe.strategy.needs_launch, probe.world_size
+    probe.teardown()
+    batch = (s.batch or default_batch(p.workload)) * p.count  # fit's batch is global
+    short = TrainConfig(
+        workload=p.workload,
+        epochs=s.warmup + s.steps,  # at least one step per epoch: never short of steps
+        max_steps=s.warmup,
+        batch_size=batch,
+        progress=False,
+        sample=False,
+    )
+    longer = replace(short, max_steps=s.warmup + s.steps)
+    # The processes of one launch share the cores: each gets its share (torchrun gives each
+    # one thread), so k processes never run more threads than there are cores.
+    threads = None if in_process else max(1, _hw.cpu_cores()[1] // world)
+    devices = list(p.devices or [])
+    if in_process:
+        _launch(settings_rt, short, threads, devices)  # untimed: first use in this process
+    rounds, last = [], {}
+    for _ in range(s.rounds):
+        first = _launch(settings_rt, short, threads, devices)
+        last = _launch(settings_rt, longer, threads, devices)
+        taken = last["seconds"] - first["seconds"]
+        rounds.append(
+            {
+                "warmup_seconds": first["seconds"],
+                "total_seconds": last["seconds"],
+                # Noise can make a tiny difference negative: then the whole run's rate.
+                "samples_per_s": s.steps * batch / taken if taken > 0 else last["fit_rate"],
+                "method": "difference" if taken > 0 else "whole run",
+                "fit_samples_per_s": last["fit_rate"],
+            }
+        )
+    last.update(in_process=in_process, threads_per_process=threads)
+    return rounds, last
+
+
+def _launch(
+    settings_rt: dict[str, Any], config: TrainConfig, threads: int | None, devices: list[str]
+) -> dict[str, Any]:
+    """One ``fit`` with a fresh Runtime: its loop time, memory rows and GPU utilisation."""
+    rt = Runtime(**settings_rt)
+    try:
+        reset_peaks(devices)  # the report's peaks are this run's, not an earlier one's
+        with UtilizationSampler([torch.device(d) for d in devices]) as util:
+            metrics = rt.launch(_measured_fit, config, threads)
+    finally:
+        rt.teardown()  # drops the run's model and collects it: it lives in this process
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # for the next configuration, or DDP's processes
+    end, seconds = metrics["ended_at"], metrics["seconds"]
+    return {
+        "seconds": seconds,
+        "fit_rate": metrics["samples_per_s"],
+        "memory": metrics["memory"]["devices"],
+        "utilization": {
+            k: v.to_dict() if v else None for k, v in util.stats(end - seconds, end).items()
+        },
+        "utilization_error": util.error,
+    }
+
+
+def _measured_fit(rt: Runtime, config: TrainConfig, threads: int | None) -> dict[str, Any]:
+    """``fit`` on every rank, and when it ended by the machine's clock (module level, so
+    that spawned processes can import it)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    metrics = fit(rt, config)
+    return {**metrics, "ended_at": time.time()} if metrics else metrics
+
+
+def _imbalance(memory: list[dict[str, Any]]) -> float | None:
+    """The first device's peak over the mean of the others' (None for one device)."""
+    others = [m["peak"] for m in memory[1:]]
+    return memory[0]["peak"] / (sum(others) / len(others)) if others and sum(others) else None
+
+
+# -- the result ----------------------------------------------------------------------------
+
+
+def _add_efficiency(rows: list[dict[str, Any]]) -> None:
+    one_device = [n for n in STRATEGIES if _kind(n)[0]]
+    base = {
+        (r["workload"], r["strategy"]): r["samples_per_s"]
+        for r in rows
+        if r["devices"] == 1 and r.get("samples_per_s")
+    }
+    for r in rows:
+        w = r["workload"]
+        fallback = next((base[(w, n)] for n in one_device if (w, n) in base), None)
+        reference = base.get((w, r["strategy"])) or fallback
+        if r.get("samples_per_s") and reference:
+            r["efficiency"] = r["samples_per_s"] / (r["devices"] * reference)
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        ran = [r for r in rows if r["workload"] == workload and r.get("samples_per_s")]
+        if ran:
+            best = max(ran, key=lambda r: r["samples_per_s"])
+            summary[f"fastest on {workload}"] = (
+                f"{best['strategy']} x{best['devices']} ({best['samples_per_s']:.0f} samples/s)"
+            )
+        for name in dict.fromkeys(r["strategy"] for r in ran):
+            several = [r for r in ran if r["strategy"] == name and r.get("imbalance")]
+            if several:
+                widest = max(several, key=lambda r: r["devices"])
+                key = f"1st/others peak, {name} x{widest['devices']} on {workload}"
+                summary[key] = widest["imbalance"]
+    return summary
+
+
+def _notes(gpus: bool) -> list[str]:
+    notes = [
+        "samples/s: steady state, from the difference of two fit runs (warmup and warmup+steps "
+        "steps), median over rounds; weak scaling: each device trains on the workload's batch.",
+        "scaling eff. = samples/s(k) / (k x samples/s at 1 device, same strategy, else a "
+        "one-device strategy); 1.0 is the limit: data parallelism adds the gradient all-reduce "
+        "(about 2(k-1)/k x the gradient bytes per device per step), dp and dp-balanced also "
+        "copy the weights from the first device every step, and a step bound by the host "
+        "(data loading, Python, kernel launches) does not scale at all.",
+        "peak: most memory allocated per device during the run (torch's caching allocator; on "
+        "a CPU the process's peak resident memory, torch itself included); 1st/others: the "
+        "first device's peak over the mean of the others'. Under dp the first GPU also holds "
+        "the gathered outputs, the loss and their gradients; under dp-balanced only the master "
+        "weights, gradients and optimizer state set it apart; under ddp about 1.0.",
+        "GPU util: NVML's share of time a kernel was running (not the share of compute used), "
+        "sampled every 75 ms over each run's training loop, mean over the devices.",
+    ]
+    if not gpus:
+        notes.append(
+            "No GPU here: 'devices' are CPU processes sharing the same cores (each of k "
+            "processes gets cores/k threads), so scaling measures overhead, not speed-up; "
+            "strategies that drive several devices from one process need 2+ CUDA GPUs."
+        )
+    return notes
+
+
+def _parameters(quick: bool, s: Settings, gpus: list[torch.device]) -> dict[str, Any]:
+    skipped = ", ".join(w for w in WORKLOADS if w not in s.workloads)
+    return {
+        "quick": quick,
+        "workloads": list(s.workloads),
+        "device_counts": list(s.counts),
+        "per_device_batch": s.batch or {w: default_batch(w) for w in s.workloads},
+        "warmup_steps": s.warmup,
+        "timed_steps": s.steps,
+        "rounds": s.rounds,
+        "strategies": list(STRATEGIES),
+        "runtime": {k: v for k, v in RUNTIME_DEFAULTS.items() if k not in ("strategy", "devices")},
+        "gpus": [str(d) for d in gpus],
+        "quick_skipped": f"workloads {skipped}; device counts above 2; rounds beyond 1; the "
+        "workloads' own batch (16 per device instead)"
+        if quick
+        else None,
+    }
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Samples/s per configuration and workload (bars), and beside it the peak memory per
+    device where a strategy driving several devices from one process ran on several."""
+    import numpy as np
+
+    rows = result.rows
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    configs = list(dict.fromkeys((r["strategy"], r["devices"]) for r in rows))
+    rates = [r["samples_per_s"] for r in rows if r.get("samples_per_s")]
+    logy = bool(rates) and max(rates) > 20 * min(rates)  # workloads far apart: log scale
+    memory = _memory_runs(result)
+    env = result.environment
+    gpus = [d["name"] for d in env.get("devices", []) if str(d["device"]).startswith("cuda")]
+    machine = f"up to {len(gpus)} x {gpus[0]}" if gpus else f"CPU processes, {env.get('cpu')}"
+    title = f"Training throughput per strategy ({machine})"
+    ylabel = "samples/s" + (" (log scale)" if logy else "")
+    size = (max(12.0, 4 + 0.45 * len(configs) * len(workloads)), 5.0)
+    with figure(path, title, "strategy x devices", ylabel, logy=logy, size=size) as ax:
+        if memory:
+            grid = ax.figure.add_gridspec(1, 2, width_ratios=(2, 1))
+            ax.set_subplotspec(grid[0])
+        x = np.arange(len(configs))
+        width = 0.8 / max(len(workloads), 1)
+        for i, workload in enumerate(workloads):
+            mine = {(r["strategy"], r["devices"]): r for r in rows if r["workload"] == workload}
+            values = [(mine.get(c) or {}).get("samples_per_s") for c in configs]
+            offsets = x + (i - (len(workloads) - 1) / 2) * width
+            shown = [(o, v) for o, v in zip(offsets, values, strict=True) if v]
+            if shown:
+                bars = ax.bar([o for o, _ in shown], [v for _, v in shown], width, label=workload)
+                bar_labels(ax, bars, "{:.0f}")
+            for o in (o for o, v in zip(offsets, values, strict=True) if not v):
+                where = ("data", "axes fraction")  # at the foot, whatever the scale
+                ax.annotate("not run", (o, 0.02), xycoords=where, rotation=90, ha="center",
+                            va="bottom", fontsize=7, color="grey")  # fmt: skip
+        ax.set_xticks(x, [f"{n} x{k}" for n, k in configs], rotation=30, ha="right")
+        if memory:
+            _plot_memory(ax.figure.add_subplot(grid[1]), memory)
+
+
+def _memory_runs(result: BenchResult) -> list[dict[str, Any]]:
+    """What the memory panel shows: at the most devices where a strategy driving several
+    devices from one process ran, on the workload where one of them is the most imbalanced,
+    every strategy that ran on as many devices there (ddp for reference)."""
+    runs = [r for r in result.raw.get("runs", []) if r.get("status") == "ran"]
+    one_process = [r for r in runs if r.get("in_process") and len(r["memory"]) > 1]
+    if not one_process:
+        return []
+    widest = max(len(r["memory"]) for r in one_process)
+    at = [r for r in one_process if len(r["memory"]) == widest]
+    workload = max(at, key=lambda r: _imbalance(r["memory"]) or 0.0)["workload"]
+    return [r for r in runs if r["workload"] == workload and len(r["memory"]) == widest]
+
+
+def _plot_memory(ax: Any, chosen: list[dict[str, Any]]) -> None:
+    import numpy as np
+
+    widest = len(chosen[0]["memory"])
+    x = np.arange(widest)
+    width = 0.8 / len(chosen)
+    for i, run in enumerate(chosen):
+        offsets = x + (i - (len(chosen) - 1) / 2) * width
+        bars = ax.bar(
+            offsets, [m["peak"] / MiB for m in run["memory"]], width, label=run["strategy"]
+        )
+        bar_labels(ax, bars, "{:.0f}")
+    ax.set_xticks(x, [f"device {i}" for i in range(widest)])
+    ax.set_title(f"Peak memory per device: {chosen[0]['workload']}, {widest} devices", fontsize=11)
+    ax.set_xlabel("device (in the order the strategy uses them)")
+    ax.set_ylabel("peak allocated (MiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

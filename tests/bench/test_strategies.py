@@ -1,0 +1,191 @@
+"""The strategies experiment: every registry strategy gets a row (with the reason when it
+cannot run here), the rows and JSON keep their schema, and the plot is drawn. Timings are
+checked for being there, never for their size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpukit._util.text import render_plain
+from gpukit.bench import strategies as experiment
+from gpukit.bench.result import BenchResult
+from gpukit.devices import nvml
+from gpukit.errors import ConfigError
+from gpukit.strategies import STRATEGIES, SingleDevice
+
+KEYS = {c.key for c in experiment.COLUMNS}
+
+
+@pytest.fixture(scope="module")
+def quick() -> BenchResult:
+    """One quick run on this machine's CPU, shared by the tests that read it."""
+    return experiment.run(quick=True, devices=[torch.device("cpu")])
+
+
+def by_config(result: BenchResult) -> dict[tuple[str, str, int], dict[str, Any]]:
+    return {(r["workload"], r["strategy"], r["devices"]): r for r in result.rows}
+
+
+def test_quick_run_on_cpu_has_the_schema(quick: BenchResult) -> None:
+    assert quick.experiment == "strategies" and quick.title == experiment.TITLE
+    assert quick.keys == ("workload", "strategy", "devices")
+    for row in quick.rows:
+        assert set(row) >= {"workload", "strategy", "devices", "status"}
+        assert set(row) - {"peak_others"} <= KEYS
+    assert quick.environment["devices"][0]["device"] == "cpu"
+    assert quick.parameters["quick"] is True and "cnn" in quick.parameters["quick_skipped"]
+    assert quick.parameters["strategies"] == list(STRATEGIES)
+    assert len(quick.raw["runs"]) == len(quick.rows)
+    assert quick.notes and quick.summary
+    back = BenchResult.from_dict(json.loads(json.dumps(quick.to_dict())))
+    assert back.rows == quick.rows
+    assert "samples/s" in render_plain(back.table())
+
+
+def test_every_registry_strategy_has_a_row(quick: BenchResult) -> None:
+    assert {r["strategy"] for r in quick.rows} == set(STRATEGIES)
+    assert {r["workload"] for r in quick.rows} == {"gpt"}  # quick mode: one workload
+
+
+def test_what_cannot_run_here_says_why(quick: BenchResult) -> None:
+    rows = by_config(quick)
+    for name in ("dp", "dp-balanced"):
+        row = rows[("gpt", name, 2)]
+        assert row["status"] == "needs 2+ CUDA GPUs" and row.get("samples_per_s") is None
+
+
+def test_single_and_two_ddp_processes_run_on_the_cpu(quick: BenchResult) -> None:
+    rows = by_config(quick)
+    single, ddp1, ddp2 = (
+        rows[("gpt", "single", 1)],
+        rows[("gpt", "ddp", 1)],
+        rows[("gpt", "ddp", 2)],
+    )
+    for row in (single, ddp1, ddp2):
+        assert row["status"] == "ran"
+        assert row["samples_per_s"] > 0 and row["efficiency"] > 0 and row["peak_first"] > 0
+        assert row["gpu_util"] is None  # no GPU, no utilisation
+    assert ddp1["efficiency"] == pytest.approx(1.0)  # its own 1-device rate
+    assert ddp2["imbalance"] > 0 and ddp2["peak_others"] > 0  # both ranks' memory came back
+    runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}
+    assert len(runs[("ddp", 2)]["memory"]) == 2 and runs[("ddp", 2)]["in_process"] is False
+    assert runs[("ddp", 2)]["threads_per_process"] >= 1
+    assert all(r["samples_per_s"] > 0 for r in runs[("single", 1)]["rounds"])
+
+
+def test_plot_writes_a_png_from_the_result_alone(quick: BenchResult, tmp_path: Path) -> None:
+    path = tmp_path / "strategies.png"
+    experiment.plot(BenchResult.from_dict(json.loads(json.dumps(quick.to_dict()))), path)
+    assert path.stat().st_size > 1000
+
+
+def test_plot_draws_memory_per_device_where_dp_ran(tmp_path: Path) -> None:
+    gib = 2**30
+
+    def run(strategy: str, peaks: list[float], in_process: bool = True) -> dict[str, Any]:
+        memory = [{"device": f"cuda:{i}", "peak": int(p * gib)} for i, p in enumerate(peaks)]
+        return {"workload": "gpt", "strategy": strategy, "devices": len(peaks), "status": "ran",
+                "memory": memory, "in_process": in_process}  # fmt: skip
+
+    runs = [run("dp", [6, 3]), run("dp-balanced", [4, 3]), run("ddp", [3, 3], False)]
+    rows = [
+        {"workload": "gpt", "strategy": r["strategy"], "devices": 2, "samples_per_s": 1e4,
+         "status": "ran"} for r in runs
+    ] + [{"workload": "cnn", "strategy": "dp", "devices": 2, "status": "failed: boom"}]  # fmt: skip
+    result = BenchResult(
+        "strategies", "t", ("workload",), experiment.COLUMNS, rows, raw={"runs": runs},
+        environment={"device": "cuda:0", "device_name": "NVIDIA H100"},
+    )  # fmt: skip
+    assert [r["strategy"] for r in experiment._memory_runs(result)] == ["dp", "dp-balanced", "ddp"]
+    path = tmp_path / "memory.png"
+    experiment.plot(result, path)
+    assert path.stat().st_size > 1000
+
+
+def test_plan_on_gpus_runs_each_strategy_on_each_count() -> None:
+    found = experiment.plan(["cnn"], ["cuda:0", "cuda:1", "cuda:2"], (1, 2, 3))
+    counts = {}
+    for p in found:
+        counts.setdefault(p.strategy, []).append(p.count)
+        assert p.reason is None and p.devices == tuple(f"cuda:{i}" for i in range(p.count))
+    assert counts == {"single": [1], "dp": [1, 2, 3], "dp-balanced": [1, 2, 3], "ddp": [1, 2, 3]}
+
+
+def test_a_strategy_added_to_the_registry_joins_by_itself(monkeypatch) -> None:
+    class Solo(SingleDevice):
+        name = "solo"
+
+    monkeypatch.setitem(STRATEGIES, "solo", Solo)
+    assert ("solo", 1) in [(p.strategy, p.count) for p in experiment.plan(["gpt"], [], (1, 2))]
+
+
+def test_a_configuration_that_fails_is_a_row_not_a_crash(monkeypatch) -> None:
+    def broken(p: experiment.Planned, s: experiment.Settings) -> None:
+        raise RuntimeError("boom: the details")
+
+    monkeypatch.setattr(experiment, "_measure", broken)
+    result = experiment.run(quick=True, devices=[torch.device("cpu")])
+    ran = [r for r in result.rows if r["status"] != "needs 2+ CUDA GPUs"]
+    assert ran and all(r["status"] == "failed: RuntimeError: boom" for r in ran)
+    assert all(r["status"] == "RuntimeError: boom: the details" for r in result.raw["runs"]
+               if r["status"].startswith("RuntimeError"))  # fmt: skip
+
+
+def test_efficiency_falls_back_to_a_one_device_strategy() -> None:
+    rows = [
+        {"workload": "gpt", "strategy": "single", "devices": 1, "samples_per_s": 100.0},
+        {"workload": "gpt", "strategy": "ddp", "devices": 2, "samples_per_s": 150.0},
+        {"workload": "gpt", "strategy": "dp", "devices": 1, "samples_per_s": 80.0},
+        {"workload": "gpt", "strategy": "dp", "devices": 2, "samples_per_s": 120.0},
+    ]
+    experiment._add_efficiency(rows)
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 0.75, 1.0, 0.75])
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [
+        [],
+        [torch.device("meta")],
+        "cuda:0",
+        [torch.device("cuda", 0)] * 2,
+        [torch.device("cuda"), torch.device("cuda", 0)],  # the current GPU is cuda:0 here
+    ],
+)
+def test_bad_devices_are_a_config_error(devices: Any) -> None:
+    with pytest.raises(
+        ConfigError, match=r"(no device .* here|no devices given|give a list of devices)"
+    ):
+        experiment.run(quick=True, devices=devices)
+
+
+@pytest.mark.gpu
+def test_quick_run_on_one_gpu() -> None:
+    result = experiment.run(quick=True, devices=[torch.device("cuda", 0)])
+    rows = by_config(result)
+    single = rows[("gpt", "single", 1)]
+    assert single["status"] == "ran" and single["samples_per_s"] > 0 and single["peak_first"] > 0
+    if nvml.read().available:  # the sample taken as the run ends lies in its span
+        assert single["gpu_util"] is not None
+    for name in ("dp", "dp-balanced", "ddp"):
+        assert rows[("gpt", name, 1)]["status"] == "ran"
+        if torch.cuda.device_count() < 2:
+            assert rows[("gpt", name, 2)]["status"].startswith("needs 2 CUDA GPUs")
+
+
+@pytest.mark.multigpu
+def test_dp_balanced_holds_less_on_the_first_gpu_than_dp(tmp_path: Path) -> None:
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    result = experiment.run(quick=True, devices=gpus)
+    rows = by_config(result)
+    dp, balanced, ddp = (rows[("gpt", n, 2)] for n in ("dp", "dp-balanced", "ddp"))
+    assert dp["status"] == balanced["status"] == ddp["status"] == "ran"
+    assert balanced["peak_first"] < dp["peak_first"]
+    assert balanced["imbalance"] < dp["imbalance"]
+    experiment.plot(result, tmp_path / "strategies.png")
+    assert (tmp_path / "strategies.png").stat().st_size > 1000
