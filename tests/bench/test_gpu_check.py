@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_checks_run_from_the_source_tree_and_keep_their_evidence(
     folder = next(tmp_path.iterdir())
     summary = json.loads((folder / "summary.json").read_text())
     by_name = {c["name"]: c for c in summary["checks"]}
-    assert list(by_name) == ["doctor", "train-32", "oom"]
+    assert list(by_name) == ["doctor", "oom", "train-32"]  # the cheap checks first
     assert by_name["doctor"]["passed"] and (folder / "doctor.json").is_file()
     assert by_name["train-32"]["passed"] and "samples/s" in by_name["train-32"]["detail"]
     assert (folder / "train-32" / "metrics.json").is_file()
@@ -44,12 +45,49 @@ def test_checks_run_from_the_source_tree_and_keep_their_evidence(
     assert rc == 1
     for check in summary["checks"]:
         raw = (folder / check["output"]).read_text()
-        assert raw.startswith(f"$ {check['command']}\n(exit ")
+        assert raw.startswith(f"$ {check['command']}\n(exit ")  # every one ran to its end
     table = (folder / "summary.md").read_text()
     assert "| doctor | PASS |" in table and "| oom | FAIL |" in table
     assert "make gpu-check --allow-cpu" in table
     out = capsys.readouterr().out
     assert "PASS  doctor" in out and "FAIL  oom" in out and "2 of 3 checks passed" in out
+
+
+def test_a_check_that_hangs_is_killed_with_the_processes_it_started(tmp_path: Path) -> None:
+    marker = tmp_path / "child-alive"
+    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).write_text('x')"
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True); "
+        "time.sleep(60)"
+    )
+    hang = Check("hang", [sys.executable, "-c", parent], 1.0, lambda rc, out, f: (True, "ran"))
+    (outcome,) = run_checks(tmp_path, [hang], lambda line: None)
+    assert not outcome.passed and outcome.detail == "did not finish in 1 s"
+    time.sleep(4)
+    assert not marker.exists(), "the check's child outlived the timeout"
+
+
+def test_checks_past_the_budget_are_failed_not_run(tmp_path: Path) -> None:
+    quick = Check("quick", [sys.executable, "-c", "pass"], 60, lambda rc, out, f: (rc == 0, "ok"))
+    summaries: list[int] = []
+    outcomes = run_checks(
+        tmp_path, [quick, quick], lambda line: None, budget_s=0.5,
+        after_each=lambda done: summaries.append(len(done)),
+    )  # fmt: skip
+    assert [o.detail for o in outcomes] == ["not run: no time left in the budget"] * 2
+    assert summaries == [1, 2]  # the summary is rewritten after every check
+
+
+def test_a_judge_that_cannot_read_the_output_fails_the_check_only(tmp_path: Path) -> None:
+    def judge(rc: int, out: str, folder: Path) -> tuple[bool, str]:
+        raise KeyError("samples_per_s")
+
+    broken = Check("broken", [sys.executable, "-c", "print('{')"], 60, judge)
+    fine = Check("fine", [sys.executable, "-c", "pass"], 60, lambda rc, out, f: (rc == 0, "ok"))
+    first, second = run_checks(tmp_path, [broken, fine], lambda line: None)
+    assert not first.passed and "could not read its result: KeyError" in first.detail
+    assert second.passed
 
 
 def test_a_check_that_hangs_is_stopped_at_its_limit(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_what_cannot_run_on_the_cpu_says_why(quick: BenchResult) -> None:
         fp16 = rows[(workload, "16-mixed")]
         assert "needs a CUDA GPU" in fp16["status"] and fp16.get("samples_per_s") is None
         for name in ("compile", "bf16-mixed + compile"):
-            assert rows[(workload, name)]["status"].startswith("skipped: quick mode")
+            assert rows[(workload, name)]["status"].startswith("skipped: compiling for a CPU")
 
 
 def test_faster_precisions_still_train_and_show_their_loss_difference(quick: BenchResult) -> None:

@@ -1,20 +1,22 @@
 """``make gpu-check``: verify everything that needs an NVIDIA GPU, in one command, and keep the
 evidence.
 
-Runs, each in its own process with a time limit, from the source tree (``PYTHONPATH=src``
-works: only torch, numpy, rich, matplotlib and nvidia-ml-py are needed, plus pytest for the
-tests):
+Runs, in this order (the cheap checks first), each in its own process group with a time limit,
+all within a budget (``--budget``, default ten minutes), from the source tree
+(``PYTHONPATH=src`` works: only torch, numpy, rich, matplotlib and nvidia-ml-py are needed, plus
+pytest for the tests):
 
 - ``doctor``: ``gpukit doctor --json``;
-- ``tests``: every test marked ``gpu`` or ``multigpu``;
-- ``bench``: ``gpukit bench all`` at full sizes (``--quick``: CI sizes), with report.md;
+- ``oom``: a real out-of-memory error recovered (see :mod:`gpukit.bench.oom_probe`);
 - ``train-auto`` and ``train-32``: ``gpukit train --workload gpt`` in ``auto`` and ``32``
   precision, with samples/s and MFU from its metrics.json;
-- ``oom``: a real out-of-memory error recovered (see :mod:`gpukit.bench.oom_probe`).
+- ``tests``: every test marked ``gpu`` or ``multigpu``;
+- ``bench``: ``gpukit bench all`` at full sizes (``--quick``: CI sizes), with report.md.
 
 Everything goes under ``<out>/<date>-<gpu>/`` (default ``benchmarks/results``): each check's raw
 output, ``summary.md`` and ``summary.json`` with one PASS/FAIL line per check, the versions, the
-device and the command. Exit status 0 when every check passed.
+device and the command (rewritten after every check, so a run cut short still leaves one).
+Exit status 0 when every check passed.
 
 Example:
     make gpu-check
@@ -24,10 +26,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +48,7 @@ from gpukit.bench.measure import bench_devices
 from gpukit.errors import ConfigError
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]  # src/gpukit/bench/ -> the checkout
+BUDGET_S = 600.0  # the whole check, on one GPU: ten minutes
 
 
 @dataclass
@@ -72,54 +77,83 @@ def checks(folder: Path, quick: bool) -> list[Check]:
     bench = [py, "-m", "gpukit", "bench", "all", "--out", str(folder / "bench")]
     tests = [py, "-m", "pytest", "-m", "gpu or multigpu", "-q", "-rs", "-p", "no:cacheprovider"]
     train = [py, "-m", "gpukit", "train", "--workload", "gpt", "--progress-every", "10"]
-    return [
+    return [  # the cheap checks first, so that a slow one cannot starve them of time
         Check("doctor", [py, "-m", "gpukit", "doctor", "--json"], 120, _judge_doctor),
-        Check("tests", [*tests, str(SOURCE_ROOT / "tests")], 300, _judge_tests),  # a checkout's
-        Check("bench", bench + (["--quick"] if quick else []), 480, _judge_rc("report.md")),
+        Check("oom", [py, "-m", "gpukit.bench.oom_probe"], 180, _judge_oom),
         *(
             Check(
                 f"train-{p}",
                 [*train, "--precision", p, "--out", str(folder / f"train-{p}")]
                 + (["--max-steps", "30"] if quick else []),
-                300,
+                180,
                 _judge_train(f"train-{p}"),
             )
             for p in ("auto", "32")
         ),
-        Check("oom", [py, "-m", "gpukit.bench.oom_probe"], 300, _judge_oom),
+        Check("tests", [*tests, str(SOURCE_ROOT / "tests")], 300, _judge_tests),  # a checkout's
+        Check("bench", bench + (["--quick"] if quick else []), 480, _judge_rc("report.md")),
     ]
 
 
 def run_checks(
-    folder: Path, selected: Sequence[Check], echo: Callable[[str], None]
+    folder: Path,
+    selected: Sequence[Check],
+    echo: Callable[[str], None],
+    budget_s: float = BUDGET_S,
+    after_each: Callable[[list[Outcome]], None] = lambda outcomes: None,
 ) -> list[Outcome]:
-    """Run ``selected`` one after the other; a check that fails or hangs does not stop the
-    others (its time limit ends it)."""
-    outcomes = []
+    """Run ``selected`` one after the other within ``budget_s`` seconds in all: each check
+    gets its own limit or what is left, whichever is less, and one that fails or hangs does
+    not stop the others. A check stopped at its limit is killed with every process it
+    started (DDP workers, test subprocesses), so none holds the GPU for the next check."""
+    outcomes: list[Outcome] = []
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    deadline = time.monotonic() + budget_s
     for check in selected:
         log = folder / f"{check.name}.txt"
+        limit = min(check.timeout_s, deadline - time.monotonic())
         start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                check.argv,
-                capture_output=True,
-                text=True,
-                timeout=check.timeout_s,
-                env=env,
-                cwd=SOURCE_ROOT,
-            )
-            rc, output = done.returncode, done.stdout + done.stderr
-            passed, detail = check.judge(rc, done.stdout, folder)
-        except subprocess.TimeoutExpired as err:
-            rc, output = -1, _text(err.stdout) + _text(err.stderr)
-            passed, detail = False, f"did not finish in {check.timeout_s:.0f} s"
+        rc: int | None
+        if limit < 1:
+            rc, output, passed, detail = None, "", False, "not run: no time left in the budget"
+        else:
+            rc, stdout, output = _run(check.argv, env, limit)
+            if rc is None:
+                passed, detail = False, f"did not finish in {limit:.0f} s"
+            else:
+                try:
+                    passed, detail = check.judge(rc, stdout, folder)
+                except Exception as err:  # a surprising output must not lose the summary
+                    passed, detail = False, f"could not read its result: {err!r}"
         seconds = time.perf_counter() - start
-        log.write_text(f"$ {shlex.join(check.argv)}\n(exit {rc}, {seconds:.1f} s)\n\n{output}")
+        status = "not finished" if rc is None else f"exit {rc}"
+        log.write_text(f"$ {shlex.join(check.argv)}\n({status}, {seconds:.1f} s)\n\n{output}")
         outcome = Outcome(check.name, passed, seconds, detail, shlex.join(check.argv), log.name)
         echo(_line(outcome))
         outcomes.append(outcome)
+        after_each(outcomes)
     return outcomes
+
+
+def _run(argv: list[str], env: dict[str, str], limit: float) -> tuple[int | None, str, str]:
+    """(exit status or None when stopped at ``limit``, stdout, stdout + stderr)."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=SOURCE_ROOT,
+        start_new_session=True,  # its own process group: a timeout kills its children too
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=limit)
+        return proc.returncode, stdout, stdout + stderr
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return None, stdout, stdout + stderr
 
 
 def results_folder(base: Path, device_name: str, date: str | None = None) -> Path:
@@ -169,6 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI-sized bench and training")
     parser.add_argument("--only", help="comma-separated checks (default: all)")
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        metavar="SECONDS",
+        help=f"time for all the checks together (default {BUDGET_S:.0f})",
+    )
+    parser.add_argument(
         "--allow-cpu",
         action="store_true",
         help="run without a GPU (to try the checks themselves; a GPU check then proves nothing)",
@@ -193,8 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     env = environment_of(devices, command=" ".join(["make gpu-check", *map(shlex.quote, given)]))
     print(f"gpukit GPU check on {name}: {len(selected)} checks, results in {folder}")
-    outcomes = run_checks(folder, selected, print)
-    write_summary(folder, outcomes, env)
+    if not args.budget > 0:
+        raise ConfigError(f"--budget {args.budget}: give a positive number of seconds")
+    outcomes = run_checks(
+        folder, selected, print, args.budget, lambda done: write_summary(folder, done, env)
+    )
     passed = sum(o.passed for o in outcomes)
     print(f"{passed} of {len(outcomes)} checks passed; summary: {folder / 'summary.md'}")
     return 0 if passed == len(outcomes) else 1

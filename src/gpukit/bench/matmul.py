@@ -40,6 +40,7 @@ from gpukit.bench.measure import Stats, check_devices, device_name, measure
 from gpukit.bench.plotting import figure, size_axes
 from gpukit.bench.result import BenchResult, Column
 from gpukit.devices import hw as _hw
+from gpukit.diagnostics.oom import OOM_ERROR
 from gpukit.errors import ConfigError
 from gpukit.workloads.flops import peak_flops
 
@@ -159,7 +160,7 @@ def _sweep(
                 if dev.type == "cuda" and dtype == "fp32"
                 else None
             )
-        except torch.OutOfMemoryError:
+        except OOM_ERROR:  # torch.OutOfMemoryError from torch 2.5
             stopped = f"skipped: out of memory from n={n}"
             notes.append(f"{label} {dtype}: n >= {n} skipped: the device ran out of memory")
             row["note"] = stopped

@@ -259,3 +259,21 @@ def _as_device(given: object) -> torch.device | None:
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", _hw.cuda_current())
     return dev
+
+
+def tf32_matmul() -> bool | None:
+    """Whether float32 matrix products may run as TF32 on the tensor cores, read through the
+    newer setting first (torch 2.9+: ``fp32_precision``), else the older ``allow_tf32``; None
+    when torch refuses to read it (a process that mixed the two ways of setting it).
+
+    >>> tf32_matmul() in (True, False, None)
+    True
+    """
+    matmul = torch.backends.cuda.matmul
+    newer = getattr(matmul, "fp32_precision", None)
+    if newer in ("tf32", "ieee"):
+        return newer == "tf32"
+    try:
+        return bool(matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return None

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import default_collate
 
 from gpukit.bench.environment import environment_of
-from gpukit.bench.measure import check_devices, device_name
+from gpukit.bench.measure import check_devices, device_name, tf32_matmul
 from gpukit.bench.plotting import bar_labels, figure
 from gpukit.bench.result import BenchResult, Column
 from gpukit.bench.timing import synchronizer, time_rounds
@@ -125,7 +125,10 @@ def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> B
             spec = load_workload(workload, seed=SEED)
             image = spec.dataset[0][0].dim() == 3
             batch = _batch(spec.batch_size, dev, s)
-            for row, raw in compare(dev, workload, variants(image), batch, s, quick):
+            # With a GPU here, compiling for the CPU as well (minutes) would only delay the
+            # GPU's answer: the CPU's compile rows are measured on machines without one.
+            skip_cpu_compile = quick or any(d.type == "cuda" for d in chosen)
+            for row, raw in compare(dev, workload, variants(image), batch, s, skip_cpu_compile):
                 rows.append(row)
                 runs.append(raw)
     return BenchResult(
@@ -157,7 +160,7 @@ def compare(
     chosen: Sequence[Variant],
     batch: int,
     s: Settings,
-    quick: bool = False,
+    skip_cpu_compile: bool = False,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The row and raw figures of each variant of ``workload`` on ``dev``, timed together in
     rotated rounds; what stops a variant becomes its status.
@@ -172,8 +175,11 @@ def compare(
     pools: dict[bool, list[Any]] = {}  # by channels_last: one copy of the batches each
     try:
         for v in chosen:
-            if v.compile and dev.type == "cpu" and quick:
-                reason = "skipped: quick mode (compiling for a CPU takes minutes)"
+            if v.compile and dev.type == "cpu" and skip_cpu_compile:
+                reason = (
+                    "skipped: compiling for a CPU takes minutes (quick mode, or a GPU is "
+                    "here: run on a CPU-only machine to measure it)"
+                )
                 status[v.name] = (reason, reason)
                 continue
             try:
@@ -387,7 +393,7 @@ def _parameters(quick: bool, s: Settings, devices: list[torch.device]) -> dict[s
         "batch_pool": POOL,
         "seed": SEED,
         "optimizer": "AdamW at the workload's lr",
-        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "matmul_tf32": tf32_matmul(),
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "quick_skipped": "torch.compile on the CPU; steps and blocks (6 x 2); the CPU batch "
         "(16 instead of the workload's)"

@@ -42,6 +42,7 @@ from gpukit.bench.plotting import figure, size_axes
 from gpukit.bench.result import BenchResult, Column
 from gpukit.devices import hw as _hw
 from gpukit.devices import measured, nvml
+from gpukit.diagnostics.oom import OOM_ERROR
 
 TITLE = "transfer: host<->device copies (pageable, pinned), device<->device, latency, overlap"
 
@@ -149,7 +150,7 @@ def _gpu(
             try:
                 if not _bandwidths(result, dev, peer, size, timing, peak, best):
                     break
-            except torch.OutOfMemoryError:
+            except OOM_ERROR:  # torch.OutOfMemoryError from torch 2.5
                 result.notes.append(
                     f"{label}: sizes from {format_bytes(size)} skipped: out of GPU memory"
                 )

@@ -213,8 +213,8 @@ def _sync_finding(s: Sync, model: CostModel) -> tuple[float, str, str, str]:
 
 def _transfer_finding(t: Transfer, model: CostModel) -> tuple[float, str, str, str]:
     rate = model.rate(t.kind, t.pinned)
-    wait = model.sync_s if t.kind == "d2h" and t.blocking else 0.0
-    cost = t.count * (model.copy_launch_s + wait)
+    # A blocking read-back is one round trip (which includes its launch); others a launch.
+    cost = t.count * (model.sync_s if t.kind == "d2h" and t.blocking else model.copy_launch_s)
     memory = "" if t.kind == "d2d" else ", pinned" if t.pinned else ", pageable"
     what = (
         f"{t.kind} {format_bytes(t.bytes // t.count)} {_times(t.count)} "
