@@ -129,3 +129,34 @@ def test_a_missing_workload_module_names_the_current_folder(
     err = capsys.readouterr().err
     assert f"there is no not_here_xyz.py in the current folder ({tmp_path})" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("lr", ["0", "-0.1", "nan", "inf"])
+def test_a_learning_rate_that_cannot_train_is_refused_before_any_step(
+    lr: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--workload", "mlp", "--max-steps", "2", "--lr", lr, "--out", str(out)]
+    assert main(argv) == 2
+    assert f"lr={float(lr)!r}: give a learning rate above 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_learning_rate_given_is_the_one_trained_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    used: list[float] = []
+    real = torch.optim.AdamW
+
+    def recording(params, lr):  # type: ignore[no-untyped-def]
+        used.append(lr)
+        return real(params, lr=lr)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording)
+    out = tmp_path / "run"
+    argv = ["train", "--workload", "mlp", "--max-steps", "1", "--lr", "0.25", "--out", str(out)]
+    assert main(argv) == 0
+    assert used == [0.25]
+    assert json.loads((out / "metrics.json").read_text())["config"]["lr"] == 0.25

@@ -77,7 +77,8 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     epochs = config.epochs or workload.epochs
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
     model = workload.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr or workload.lr)
+    lr = config.lr if config.lr is not None else workload.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
     # accumulation micro-batches (and into more if memory runs out).
     loader = torch.utils.data.DataLoader(
@@ -163,6 +164,11 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
 
         latest(_resume_folder(config))
         read_history(Path(str(config.out)) / "metrics.csv")  # one it cannot extend stops here
+    if config.lr is not None and not 0 < config.lr < float("inf"):  # also refuses NaN
+        raise ConfigError(
+            f"lr={config.lr!r}: give a learning rate above 0 (e.g. --lr 1e-3), or leave it "
+            f"out for the workload's ({workload.lr:g})"
+        )
     if not config.progress_every >= 0:  # also refuses NaN
         raise ConfigError(
             f"progress_every={config.progress_every!r}: give the seconds between progress "
