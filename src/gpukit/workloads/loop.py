@@ -207,19 +207,19 @@ class _Quiet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        """Nothing was opened, so nothing closes."""
 
     def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
-        pass
+        """Epoch ``epoch`` starts at ``step``: shown by the displays that show anything."""
 
     def advance(self, step: int, history: list[dict[str, float]]) -> None:
-        pass
+        """Optimizer step ``step`` ended."""
 
     def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
-        pass
+        """An epoch ended at ``step``."""
 
     def finish(self, step: int, history: list[dict[str, float]]) -> None:
-        pass
+        """The run ended at ``step``; ``history`` holds its last read-back."""
 
 
 def _last_loss(history: list[dict[str, float]]) -> float | None:
