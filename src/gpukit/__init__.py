@@ -25,7 +25,9 @@ from gpukit.errors import (
     GpukitError,
     LaunchError,
     NoKernelImageError,
+    NonFiniteError,
     OutOfMemory,
+    Preempted,
 )
 from gpukit.runtime.runtime import Runtime
 
@@ -45,9 +47,11 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryReport",
     "NoKernelImageError",
+    "NonFiniteError",
     "OutOfMemory",
     "PlacementLog",
     "PlacementReport",
+    "Preempted",
     "Runtime",
     "Trace",
     "__version__",

@@ -9,14 +9,23 @@ Other modules ask here, so the full list of variables lives in one file:
   than this many samples.
 - ``GPUKIT_COLLECTIVE_CHECK_TIMEOUT``: seconds ``rt.save`` waits for every rank to arrive
   before it fails naming the missing ones (default 30).
+- ``GPUKIT_FAULT``: faults injected on purpose, ``KIND:RANK:STEP[,...]`` (see
+  ``gpukit.runtime.faults``), to rehearse crashes, hangs, preemption and NaNs.
+- ``GPUKIT_JOB_DIR`` and ``GPUKIT_ATTEMPT``: set by gpukit's launcher in each process it
+  starts: the job's folder (heartbeats, stack dumps, which injected faults have fired) and
+  which attempt of the job this is (0, then 1, 2, ... after restarts).
+- ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
+  join the process group before it fails saying who waited where (default 120).
 - ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
   copy speeds and latencies of ``gpukit bench transfer``, which ``gk.trace`` ranks its
   findings with); default ``$XDG_CACHE_HOME/gpukit``, else ``~/.cache/gpukit``.
 
-``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``. The CUDA variables that
-gpukit reads only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the
-variables a launcher such as torchrun sets for each process (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too.
+``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``, and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines with
+restarts. The CUDA variables that gpukit reads only to explain things
+(``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the variables a launcher such as
+torchrun sets for each process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too.
 """
 
 from __future__ import annotations
@@ -47,6 +56,24 @@ def fault_oom_above() -> int | None:
     return int(value)
 
 
+def fault_spec() -> str | None:
+    """``GPUKIT_FAULT``, or None when unset or blank (parsed by ``gpukit.runtime.faults``)."""
+    value = os.environ.get("GPUKIT_FAULT", "").strip()
+    return value or None
+
+
+def job_dir() -> Path | None:
+    """``GPUKIT_JOB_DIR``: the folder gpukit's launcher keeps for this job, or None."""
+    value = os.environ.get("GPUKIT_JOB_DIR", "").strip()
+    return Path(value) if value else None
+
+
+def attempt() -> int:
+    """``GPUKIT_ATTEMPT``: 0 for the first start of a job, K after K restarts."""
+    value = os.environ.get("GPUKIT_ATTEMPT", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def collective_check_timeout() -> float:
     """``GPUKIT_COLLECTIVE_CHECK_TIMEOUT`` in seconds (default 30)."""
     value = os.environ.get("GPUKIT_COLLECTIVE_CHECK_TIMEOUT", "").strip()
@@ -64,6 +91,55 @@ def collective_check_timeout() -> float:
             "(how long a collective call waits for every rank), or unset it"
         )
     return seconds
+
+
+def rendezvous_timeout() -> float:
+    """``GPUKIT_RENDEZVOUS_TIMEOUT`` in seconds (default 120): how long a launched rank waits
+    for the others to join its process group."""
+    value = os.environ.get("GPUKIT_RENDEZVOUS_TIMEOUT", "").strip()
+    if not value:
+        return 120.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        from gpukit.errors import ConfigError
+
+        raise ConfigError(
+            f"GPUKIT_RENDEZVOUS_TIMEOUT={value!r}: give a positive number of seconds (how long "
+            "a launched rank waits for the others to join), or unset it"
+        )
+    return seconds
+
+
+def master_endpoint() -> tuple[str | None, str | None]:
+    """``MASTER_ADDR`` and ``MASTER_PORT`` as a launcher set them (None where unset or blank),
+    the address where rank 0 hosts the rendezvous."""
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    port = os.environ.get("MASTER_PORT", "").strip()
+    return addr or None, port or None
+
+
+def torchelastic_agent_store() -> bool:
+    """``TORCHELASTIC_USE_AGENT_STORE``: torchrun's agent hosts the rendezvous store at
+    ``MASTER_ADDR:MASTER_PORT``, so rank 0 joins it rather than opening one."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip() == "True"
+
+
+def environment() -> dict[str, str]:
+    """A copy of this process's environment, for the processes a launcher starts."""
+    return dict(os.environ)
+
+
+def share_rendezvous_store(shared: bool) -> None:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: with ``shared=False`` torchrun's c10d rendezvous
+    gives the ranks of each attempt a store of their own, on a fresh port, instead of the one it
+    keeps across restarts (on which restarted gloo ranks can read the last attempt's keys)."""
+    if shared:
+        os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    else:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
 
 def cache_dir() -> Path:
@@ -106,13 +182,51 @@ class LaunchEnv:
 
 
 def launched() -> LaunchEnv | None:
-    """The launcher's placement of this process, or None when no launcher started it."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    """The launcher's placement of this process, or None when no launcher started it (``RANK``
+    or ``WORLD_SIZE`` unset or blank). Values that cannot be a placement (not a whole number,
+    a rank outside the job, a local group larger than the job) raise ConfigError naming the
+    variable: training on a made-up rank would wait forever for processes that do not exist.
+    ``LOCAL_WORLD_SIZE`` defaults to ``WORLD_SIZE``, ``LOCAL_RANK`` to this process's place
+    within it."""
+    rank_text, world_text = _launch_value("RANK"), _launch_value("WORLD_SIZE")
+    if rank_text is None or world_text is None:
         return None
-    world = int(os.environ["WORLD_SIZE"])
+    world = _launch_number("WORLD_SIZE", world_text, 1, None, "a number of processes")
+    rank = _launch_number("RANK", rank_text, 0, world, f"a rank of the WORLD_SIZE={world} job")
+    local_text = _launch_value("LOCAL_WORLD_SIZE")
+    local_world = (
+        world
+        if local_text is None
+        else _launch_number("LOCAL_WORLD_SIZE", local_text, 1, world + 1, "a process count")
+    )
+    local_rank_text = _launch_value("LOCAL_RANK")
+    local_rank = (
+        rank % local_world
+        if local_rank_text is None
+        else _launch_number("LOCAL_RANK", local_rank_text, 0, local_world, "a rank on this machine")
+    )
     return LaunchEnv(
-        rank=int(os.environ["RANK"]),
-        world_size=world,
-        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world
+    )
+
+
+def _launch_value(name: str) -> str | None:
+    """A launcher variable as set, or None when unset or blank."""
+    return os.environ.get(name, "").strip() or None
+
+
+def _launch_number(name: str, text: str, low: int, below: int | None, what: str) -> int:
+    """``text`` as a whole number from ``low`` to ``below - 1`` (no upper bound when None)."""
+    # ASCII digits only: str.isdigit() admits '²' and int() admits '٢', neither a launcher's.
+    value = int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+    if value is not None and value >= low and (below is None or value < below):
+        return value
+    allowed = f"{low}..{(below or 10**9) - 1}"
+    from gpukit.errors import ConfigError
+
+    raise ConfigError(
+        f"{name}={text!r} is not {what} ({allowed}), yet RANK and WORLD_SIZE say a launcher "
+        "started this process. Unset RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE to run "
+        "as one process, or start it with `gpukit launch --nproc N script.py` (or torchrun), "
+        "which sets them"
     )

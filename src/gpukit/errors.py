@@ -86,3 +86,17 @@ class DriverTooOldError(GpukitError, RuntimeError):
 
 class DistributedError(GpukitError, RuntimeError):
     """A collective failed or timed out in NCCL or gloo, usually because another rank did."""
+
+
+class Preempted(GpukitError):
+    """The run was asked to stop (SIGTERM or SIGINT: a scheduler's preemption, Ctrl-C) and
+    stopped at a step every rank reached, after saving a checkpoint there when it had a folder
+    for one. The message says where it was saved and how to resume; ``gpukit train`` and
+    ``gpukit launch`` exit with ``exit_code`` (143, as a process ended by SIGTERM reports)."""
+
+    exit_code = 143
+
+
+class NonFiniteError(GpukitError, RuntimeError):
+    """The loss or the gradients held NaN or Inf (``Runtime(nonfinite="raise")``), or too many
+    steps in a row did under ``nonfinite="skip"``; the message names the step and the rank."""

@@ -9,9 +9,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 
 from gpukit._util import tree
+from gpukit.errors import ConfigError
 
 
 class Pair(NamedTuple):
@@ -110,3 +112,68 @@ def test_no_other_module_walks_nested_data_by_hand() -> None:
             if calls_itself and checks_containers:
                 offenders.append(f"{path.relative_to(src)}:{fn.name}")
     assert not offenders, f"walk nested data with gpukit._util.tree instead: {offenders}"
+
+
+# -- data that cannot be walked ------------------------------------------------------------------
+
+
+def _loop() -> list[Any]:
+    loop: list[Any] = [torch.ones(1)]
+    loop.append(loop)
+    return loop
+
+
+def _deep(levels: int) -> Any:
+    value: Any = torch.ones(1)
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "walk",
+    [
+        pytest.param(lambda obj: list(tree.tensors(obj)), id="tensors"),
+        pytest.param(lambda obj: tree.map_tensors(obj, lambda t: t), id="map_tensors"),
+        pytest.param(lambda obj: tree.zip_map([obj, obj], torch.cat), id="zip_map"),
+    ],
+)
+def test_a_cycle_is_an_error_naming_its_path(walk: Any) -> None:
+    with pytest.raises(ConfigError, match=r"data\[1\] is data again \(a cycle\)"):
+        walk(_loop())
+    inner: dict[str, Any] = {"x": torch.ones(1)}
+    outer = {"batch": [inner]}
+    inner["up"] = outer
+    with pytest.raises(ConfigError, match=r"data\.batch\[0\]\.up is data again"):
+        walk(outer)
+
+
+def test_data_nested_too_deeply_says_how_deep() -> None:
+    with pytest.raises(ConfigError, match=r"nested too deeply to walk: 3001 levels"):
+        tree.map_tensors(_deep(3000), lambda t: t)
+    assert len(list(tree.tensors(_deep(50)))) == 1  # deep, but walkable
+
+
+def test_shared_parts_are_not_a_cycle() -> None:
+    shared = [torch.ones(1)]
+    moved = tree.map_tensors({"a": shared, "b": shared}, lambda t: t + 1)
+    assert moved["a"][0] is moved["b"][0]
+
+
+class Unreadable(list):  # type: ignore[type-arg]
+    def __iter__(self) -> Iterator[Any]:
+        raise RuntimeError("cannot iterate")
+
+
+def test_a_container_that_raises_is_a_config_error_and_fn_errors_pass_through() -> None:
+    with pytest.raises(ConfigError, match="failed with RuntimeError: cannot iterate") as caught:
+        tree.map_tensors({"a": Unreadable([torch.ones(1)])}, lambda t: t)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(ConfigError, match="cannot iterate"):
+        list(tree.tensors([Unreadable()]))
+
+    def fails(t: torch.Tensor) -> torch.Tensor:
+        raise ValueError("from fn")
+
+    with pytest.raises(ValueError, match="from fn"):
+        tree.map_tensors([torch.ones(1)], fails)

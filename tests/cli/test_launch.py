@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import socket
 import subprocess
@@ -12,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpukit.cli.launch import describe_exit, failure_summary
+from gpukit.cli.launch import RUNNER, check, describe_exit, failure_summary, torchrun_args
+from gpukit.errors import ConfigError
 from gpukit.runtime.launch import free_port
 
 SCRIPT = """
@@ -78,14 +81,18 @@ def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_pa
     # Rank 0 was waiting in the barrier for rank 1: it never got past it to write its result.
     assert not list(tmp_path.glob("rank*"))
     assert "RuntimeError: rank 1 gives up" in output
-    # The rank that raised exits with 1, or aborts (SIGABRT) when gloo's threads are torn down
-    # at interpreter exit; either way it is the one named.
-    assert re.search(r"gpukit launch: rank 1 failed with exit code (1|-6 \(SIGABRT\)) ", output)
-    # Every failed rank gets a line, the one that failed first on top with its error.
-    summary = output[output.index("gpukit launch: rank 1 failed") :].splitlines()
-    assert summary[1].startswith("  rank 1: exit code ")
-    assert summary[1].endswith(", RuntimeError: rank 1 gives up")
-    assert summary[2].startswith("  rank 0: exit code ")
+    # Rank 0 then fails on the broken connection, or is stopped: rank 1 is the one named.
+    assert re.search(
+        r"gpukit launch: rank 1 raised RuntimeError: rank 1 gives up — the first failure; "
+        r"rank 0 (failed after it|stopped)\n",
+        output,
+    ), output
+    # Every rank gets a line, the one that failed first on top with its error.
+    summary = output[output.index("gpukit launch: rank 1 raised") :].splitlines()
+    assert summary[1] == "  rank 1: raised RuntimeError: rank 1 gives up" or summary[1].startswith(
+        "  rank 1: raised RuntimeError: rank 1 gives up (exit code -6 (SIGABRT))"
+    )
+    assert summary[2].startswith("  rank 0: ")
     assert "runpy" not in output
 
 
@@ -109,6 +116,18 @@ def test_the_summary_names_the_first_recorded_error_even_within_one_second() -> 
         "  rank 0: exit code 1, RuntimeError: Connection closed by peer",
         "  rank 2: exit code -15 (SIGTERM), no Python error recorded",
     ]
+
+
+def test_an_error_that_only_says_a_peer_went_away_comes_after_the_peers_failure() -> None:
+    failures = {
+        0: failure(1, 100, 100_100_000_000, "RuntimeError: Connection reset by peer"),
+        1: failure(-9, 101),  # killed: nothing recorded, torchrun's whole seconds only
+    }
+    assert (
+        failure_summary(failures)
+        .splitlines()[0]
+        .startswith("gpukit launch: rank 1 failed with exit code -9 (SIGKILL)")
+    )
 
 
 def test_without_recorded_errors_torchruns_order_is_kept() -> None:
@@ -151,6 +170,7 @@ def test_port_in_use_is_refused_before_starting(script: Path) -> None:
         (["missing.py"], "script 'missing.py' not found"),
         (["--nproc", "0", "SCRIPT"], "--nproc 0: give at least 1"),
         (["--nnodes", "2", "--node-rank", "2", "SCRIPT"], "--node-rank 2 is outside 0..1"),
+        (["--master-port", "70000", "SCRIPT"], "--master-port 70000: give a TCP port in 1..65535"),
     ],
 )
 def test_bad_requests_are_one_line_errors(script: Path, args: list[str], message: str) -> None:
@@ -164,3 +184,68 @@ def test_bad_requests_are_one_line_errors(script: Path, args: list[str], message
     )
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def namespace(**given: Any) -> argparse.Namespace:
+    args = {
+        "nproc": 2,
+        "nnodes": 2,
+        "node_rank": 0,
+        "master_addr": "127.0.0.1",
+        "master_port": free_port(),
+        "max_restarts": 0,
+        "hang_timeout": None,
+        "script": __file__,
+        "script_args": ["--x"],
+    }
+    return argparse.Namespace(**{**args, **given})
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"master_port": 0}, "--master-port 0: give a TCP port in 1..65535"),
+        ({"master_port": -1}, "--master-port -1: give a TCP port in 1..65535"),
+        ({"master_port": 65536}, "--master-port 65536: give a TCP port in 1..65535"),
+        (
+            {"master_addr": "no-such-host.invalid"},
+            "--master-addr 'no-such-host.invalid' does not resolve",
+        ),
+        ({"hang_timeout": -5.0}, "--hang-timeout -5: give seconds, 0 or more"),
+        ({"hang_timeout": float("nan")}, "--hang-timeout nan: give seconds, 0 or more"),
+        ({"max_restarts": -1}, "--max-restarts -1: give 0 or more"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_starts(given: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check(namespace(**given))
+    assert str(refused.value).startswith(message)
+
+
+def test_0_0_0_0_for_several_machines_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    check(namespace(master_addr="0.0.0.0"))
+    assert "--master-addr 0.0.0.0 listens on every interface" in capsys.readouterr().err
+    check(namespace(master_addr="0.0.0.0", nnodes=1))  # one machine binds 127.0.0.1 anyway
+    assert capsys.readouterr().err == ""
+
+
+def test_several_machines_meet_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_RENDEZVOUS_TIMEOUT", "7.5")
+    args = namespace()
+    argv = torchrun_args(args)
+    assert argv[argv.index("--rdzv-conf") + 1] == "timeout=8"
+    assert argv[argv.index("--master-port") + 1] == str(args.master_port)
+    assert argv[-3:] == [str(RUNNER), __file__, "--x"]
+
+
+def test_restarts_on_several_machines_take_a_fresh_store_each_attempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # restored after the test
+    monkeypatch.delenv("GPUKIT_RENDEZVOUS_TIMEOUT", raising=False)
+    args = namespace(max_restarts=2, node_rank=1)
+    argv = torchrun_args(args)
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == f"127.0.0.1:{args.master_port}"
+    assert argv[argv.index("--rdzv-conf") + 1] == "join_timeout=120,is_host=false"

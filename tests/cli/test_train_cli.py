@@ -86,7 +86,7 @@ def test_the_current_folder_replaces_the_scripts_own_folder_on_sys_path(
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("def make(:\n    pass\n", "a syntax error in {file}, line 1: invalid syntax: fix it"),
+        ("def make(:\n    pass\n", "{file}:1: SyntaxError: invalid syntax"),
         (
             "import torch\nimport no_such_dependency_xyz\n",
             "importing module '{name}' failed (at {file}, line 2) with ModuleNotFoundError: "
@@ -103,7 +103,7 @@ def test_the_current_folder_replaces_the_scripts_own_folder_on_sys_path(
         ),
     ],
 )
-def test_a_workload_module_that_does_not_import_is_a_one_line_error(
+def test_a_workload_module_that_does_not_import_is_a_short_error(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -118,7 +118,8 @@ def test_a_workload_module_that_does_not_import_is_a_one_line_error(
     err = capsys.readouterr().err
     assert err.startswith(f"gpukit train: error: workload '{name}:make': ")
     assert expected.format(name=name, file=path) in err, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # One line; a syntax error adds a second, the offending line itself.
+    assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err
 
 
 def test_a_missing_workload_module_names_the_current_folder(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gpukit.cli.launch as launch_cli
@@ -13,19 +15,24 @@ RUNNER = launch_cli.RUNNER
 
 
 def run(
-    script: Path, *args: str, error_file: Path | None = None, cwd: Path | None = None
+    script: Path | str,
+    *args: str,
+    error_file: Path | None = None,
+    cwd: Path | None = None,
+    module: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin"}
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    target = ["-m", str(script)] if module else [str(script)]
     return subprocess.run(
-        [sys.executable, str(RUNNER), str(script), *args],
+        [sys.executable, str(RUNNER), *target, *args],
         text=True,
         capture_output=True,
         timeout=60,
         check=False,
         env=env,
-        cwd=str(cwd or script.parent.parent),
+        cwd=str(cwd or Path(script).parent.parent),
     )
 
 
@@ -89,3 +96,71 @@ def test_an_unwritable_error_file_does_not_hide_the_scripts_error(tmp_path: Path
     script.write_text("raise KeyError('x')\n")
     done = run(script, error_file=tmp_path / "missing-folder" / "error.json")
     assert done.returncode == 1 and "KeyError: 'x'" in done.stderr
+
+
+def test_an_error_with_an_exit_code_ends_the_process_with_it_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "class Preempted(Exception):\n"
+        "    exit_code = 143\n"
+        "raise Preempted('saved at step 4 in ckpt/; run again to resume')\n"
+    )
+    error_file = tmp_path / "error.json"
+    done = run(script, error_file=error_file)
+    assert done.returncode == 143
+    assert done.stderr == "Preempted: saved at step 4 in ckpt/; run again to resume\n"
+    recorded = json.loads(error_file.read_text())["message"]["message"]
+    assert recorded == "Preempted: saved at step 4 in ckpt/; run again to resume"
+
+
+def test_a_module_runs_as_python_m_runs_it(tmp_path: Path) -> None:
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "__init__.py").write_text("")
+    (tmp_path / "tool" / "__main__.py").write_text(
+        "import os, sys\n"
+        "print(__name__, os.path.basename(sys.argv[0]), sys.argv[1:], sys.path[0] == os.getcwd())\n"
+        "if sys.argv[1:] == ['fail']:\n"
+        "    raise KeyError('boom')\n"
+    )
+    done = run("tool", "--x", "1", module=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "__main__ __main__.py ['--x', '1'] True\n"
+    failed = run("tool", "fail", module=True, cwd=tmp_path, error_file=tmp_path / "e.json")
+    assert failed.returncode == 1 and "KeyError: 'boom'" in failed.stderr
+    assert "runpy" not in failed.stderr and "_launched_script" not in failed.stderr
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_job_folder_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, time\n"
+        "def waiting():\n"
+        "    open(os.path.join(os.environ['GPUKIT_JOB_DIR'], 'ready'), 'w').close()\n"
+        "    while not os.path.exists(os.path.join(os.environ['GPUKIT_JOB_DIR'], 'go')):\n"
+        "        time.sleep(0.02)\n"
+        "waiting()\n"
+        "print('went on')\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "GPUKIT_JOB_DIR": str(tmp_path), "RANK": "1"}
+    env["GPUKIT_ATTEMPT"] = "2"
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), str(script)], env=env, text=True, stdout=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)
+        dump = tmp_path / "stack-1-2.txt"
+        while "in waiting" not in dump.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (tmp_path / "go").touch()
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and output == "went on\n"
+    text = dump.read_text()
+    assert f'File "{script}", line 5 in waiting' in text
+    assert "(most recent call first)" in text

@@ -154,7 +154,7 @@ def test_resume_from_the_end_of_a_finished_run_keeps_its_rows(tmp_path: Path) ->
 def test_a_fresh_run_replaces_metrics_csv(tmp_path: Path) -> None:
     args = ["train", "--workload", "mlp", "--log-every", "2", "--out", str(tmp_path)]
     assert main([*args, "--max-steps", "6"]) == 0
-    assert main([*args, "--max-steps", "2"]) == 0
+    assert main([*args, "--max-steps", "2", "--overwrite"]) == 0
     assert _csv_steps(tmp_path / "metrics.csv") == [2]
 
 

@@ -13,7 +13,12 @@ here, so they all agree on what a container is and what a leaf is:
   with ``init=False`` too);
 - anything else (strings, numbers, None) is passed through.
 
-A tensor found twice is mapped once: aliases stay aliases after a move.
+A tensor found twice is mapped once: aliases stay aliases after a move. Data that holds itself
+(a list that contains itself) or is nested deeper than Python's recursion limit cannot be
+walked: it raises a :class:`~gpukit.errors.ConfigError` naming the path of the cycle, found
+only once the walk has failed, so the usual walk pays nothing for the check. A container whose
+own methods raise is a ConfigError too; what the function mapped over the tensors raises passes
+through unchanged.
 
 >>> import torch
 >>> batch = {"x": torch.zeros(2), "meta": ("a", [torch.ones(1)])}
@@ -32,6 +37,12 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequenc
 from typing import Any
 
 import torch
+
+from gpukit._util.text import safe_repr
+from gpukit.errors import ConfigError, GpukitError
+
+# How many values the search for a cycle looks at before it gives up and reports the depth.
+_SEARCH_LIMIT = 1_000_000
 
 
 def is_namedtuple(obj: object) -> bool:
@@ -69,11 +80,22 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
     >>> len(list(tensors([torch.zeros(1), {"a": torch.zeros(1)}, "text"])))
     2
     """
+    try:
+        yield from _tensors(obj)
+    except RecursionError:
+        raise unwalkable(obj) from None
+    except GpukitError:
+        raise
+    except Exception as err:  # only containers run code here: one of them failed
+        raise unreadable(obj, err) from err
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
         return
     for _, value in children(obj):
-        yield from tensors(value)
+        yield from _tensors(value)
 
 
 def map_tensors(
@@ -84,16 +106,30 @@ def map_tensors(
     """``obj`` rebuilt with ``fn`` applied to every leaf (tensors, or the types in ``leaf``);
     containers keep their types, and a leaf found twice is mapped once."""
     memo: dict[int, Any] = {}
+    failed: list[BaseException] = []  # what ``fn`` raised, which passes through as it is
 
     def walk(value: Any) -> Any:
         if isinstance(value, leaf):
             key = id(value)
             if key not in memo:
-                memo[key] = fn(value)
+                try:
+                    memo[key] = fn(value)
+                except BaseException as err:
+                    failed.append(err)
+                    raise
             return memo[key]
         return _rebuild(value, walk)
 
-    return walk(obj)
+    try:
+        return walk(obj)
+    except RecursionError:
+        raise unwalkable(obj) from None
+    except GpukitError:
+        raise
+    except Exception as err:
+        if failed and failed[-1] is err:
+            raise
+        raise unreadable(obj, err) from err
 
 
 def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
@@ -104,6 +140,13 @@ def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any
     >>> zip_map([(torch.ones(1), "a"), (torch.ones(1), "b")], torch.cat)
     (tensor([1., 1.]), 'a')
     """
+    try:
+        return _zip_map(objs, fn)
+    except RecursionError:
+        raise unwalkable(objs[0]) from None
+
+
+def _zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
     first = objs[0]
     if isinstance(first, torch.Tensor):
         return fn(list(objs))
@@ -116,7 +159,69 @@ def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any
         columns = iter([[getattr(o, f.name) for o in objs] for f in dataclasses.fields(first)])
     else:
         return first
-    return _rebuild(first, lambda _: zip_map(next(columns), fn))
+    return _rebuild(first, lambda _: _zip_map(next(columns), fn))
+
+
+def unwalkable(obj: Any) -> ConfigError:
+    """The error for data the walk could not finish: the path of a cycle in it (a container
+    that holds itself), else how deep it is nested. Called after a RecursionError, so the
+    search here is iterative.
+
+    >>> loop = [1]
+    >>> loop.append(loop)
+    >>> print(unwalkable(loop))  # doctest: +ELLIPSIS
+    the data holds itself: data[1] is data again (a cycle), so ...
+    """
+    root = "data"
+    on_path: dict[int, str] = {id(obj): root}
+    stack: list[tuple[Any, str, Iterator[tuple[str, Any]]]] = [(obj, root, children(obj))]
+    deepest, deepest_path, looked = 1, root, 0
+    while stack and looked < _SEARCH_LIMIT:
+        value, path, inside = stack[-1]
+        step = next(inside, None)
+        if step is None:
+            stack.pop()
+            on_path.pop(id(value), None)
+            continue
+        looked += 1
+        name, child = step
+        child_path = path + name
+        if id(child) in on_path:
+            return ConfigError(
+                f"the data holds itself: {_cut(child_path)} is {_cut(on_path[id(child)])} again "
+                "(a cycle), so walking it never ends: pass data without the cycle, e.g. a copy "
+                "that leaves out the reference back"
+            )
+        on_path[id(child)] = child_path
+        stack.append((child, child_path, children(child)))
+        if len(stack) > deepest:
+            deepest, deepest_path = len(stack), child_path
+    return ConfigError(
+        f"the data ({safe_repr(obj, 40)}) is nested too deeply to walk: {deepest} levels, down "
+        f"to {_cut(deepest_path)}: pass tensors in a few levels of lists, tuples and dicts"
+    )
+
+
+def unreadable(obj: Any, err: BaseException) -> ConfigError:
+    """The error for data one of whose containers failed as it was read (its ``__iter__``,
+    ``__len__``, ``items()`` or ``__getitem__`` raised).
+
+    >>> print(unreadable([1], KeyError("k")))  # doctest: +ELLIPSIS
+    reading the data ([1]) failed with KeyError: 'k': one of its containers raised ...
+    """
+    try:
+        text = str(err).strip().splitlines()[0]
+    except Exception:  # an exception whose own message fails
+        text = ""
+    return ConfigError(
+        f"reading the data ({safe_repr(obj, 40)}) failed with {type(err).__name__}"
+        f"{': ' + text if text else ''}: one of its containers raised while it was walked; "
+        "pass the tensors in plain lists, tuples, dicts or dataclasses"
+    )
+
+
+def _cut(path: str, limit: int = 60) -> str:
+    return path if len(path) <= limit else f"{path[: limit - 3]}..."
 
 
 def _rebuild(obj: Any, walk: Callable[[Any], Any]) -> Any:

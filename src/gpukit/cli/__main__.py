@@ -6,7 +6,8 @@ Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor chec
 Running out of device memory exits 1 with the explanation of ``gpukit.explain`` (the numbers of
 the message, and what to try first) instead of torch's bare message; other errors gpukit knows
 (tensors on different devices, device-side asserts, cuDNN, missing kernels, an old driver, NCCL
-and gloo failures) exit 1 with what happened, why, and the fix.
+and gloo failures) exit 1 with what happened, why, and the fix. A run stopped by SIGTERM or
+SIGINT after saving its checkpoint exits 143 (``gk.Preempted``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from gpukit import __version__
 from gpukit.cli import bench, devices, doctor, launch, trace, train
 from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import explain_error
-from gpukit.errors import GpukitError, OutOfMemory
+from gpukit.errors import GpukitError, OutOfMemory, Preempted
 
 COMMANDS = (doctor, devices, train, launch, trace, bench)
 
@@ -47,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OutOfMemory as err:
         print(f"gpukit {args.command}: {err}", file=sys.stderr)
         return 1
+    except Preempted as err:  # stopped as asked, after saving: not a usage error
+        print(f"gpukit {args.command}: {err}", file=sys.stderr)
+        return Preempted.exit_code
     except GpukitError as err:
         print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -17,9 +17,18 @@ communication with the backward (--oom recover: recover anyway; --oom raise: alw
 explain).
 
 With --out DIR: DIR/metrics.json, DIR/metrics.csv (a row per read-back, written as they come),
-DIR/loss.png and DIR/checkpoints/ (one per epoch). --resume continues from the newest
-checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
+DIR/loss.png and DIR/checkpoints/ (one per epoch, and every --save-every N steps or time such
+as 10m; the newest --keep kept). DIR is checked before anything starts: a folder that already
+holds checkpoints is refused unless --resume (continue) or --overwrite (start over; the old
+checkpoints are moved aside, not deleted). --resume continues from the newest good checkpoint
+exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
 checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+
+Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
+and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
+run whose processes stop making progress for S seconds, naming the stuck rank and its line;
+SIGTERM or Ctrl-C finishes the current step on every rank, saves, and exits 143 (a second one
+exits at once); --nonfinite skip|raise guards against NaN/Inf gradients.
 
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
@@ -34,17 +43,25 @@ Example:
     gpukit train --workload cnn --strategy dp-balanced --devices all
     gpukit train --workload mymod:make            # mymod.py in the current folder
     gpukit train --workload mlp --progress-every 60 | tee train.log
+    gpukit train --devices 2 --out runs/gpt --save-every 10m --max-restarts 3
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
+from gpukit import _env
 from gpukit._util.text import make_table
 from gpukit.cli._common import add_command, console
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.errors import ConfigError
+from gpukit.runtime import _launched_script
+from gpukit.runtime.agent import run_job
+from gpukit.runtime.outdir import check_out
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.loop import (
     DEFAULT_PROGRESS_EVERY,
@@ -100,15 +117,61 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds checkpoints (they are moved aside)",
+    )
+    parser.add_argument(
+        "--save-every",
+        default=None,
+        metavar="N|TIME",
+        help="a checkpoint every N steps, or every TIME (90s, 10m, 1h); needs --out",
+    )
+    parser.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (default 3)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart every process after a failure, up to K times, resuming from the newest "
+        "checkpoint",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with several processes or restarts: end the run when no rank makes progress for "
+        "this long, naming the stuck one (default 300; 0: never)",
+    )
+    parser.add_argument(
+        "--nonfinite",
+        choices=("skip", "raise"),
+        default=None,
+        help="NaN/Inf gradients: skip the step on the device, or stop naming it",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    devices: Any = int(args.devices) if args.devices.isdigit() else args.devices
-    for flag in ("epochs", "max_steps", "batch_size"):
+    devices = _devices(args.devices)
+    for flag in ("epochs", "max_steps", "batch_size", "keep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: give 1 or more")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if args.hang_timeout is not None and not 0 <= args.hang_timeout < float("inf"):
+        raise ConfigError(
+            f"--hang-timeout {args.hang_timeout}: give seconds, 0 or more (0: never end a run "
+            "for a hang)"
+        )
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict: continue, or start over")
+    worker = _env.job_dir() is not None  # one process of a job gpukit's launcher started
+    checkpoints = Path(args.out) / "checkpoints" if args.out else None
+    if args.save_every is not None and checkpoints is None:
+        raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
     rt = Runtime(
         strategy=args.strategy,
         precision=args.precision,
@@ -117,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         log_every=args.log_every,
         oom=args.oom,
+        checkpoints=checkpoints,
+        save_every=_save_every(args.save_every),
+        keep=args.keep,
+        nonfinite=args.nonfinite,
     )
     config = TrainConfig(
         workload=args.workload,
@@ -128,16 +195,60 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         resume=args.resume,
         progress_every=args.progress_every,
+        nonfinite=args.nonfinite,
     )
-    check(config, rt.world_size, rt.accumulate)
     try:
+        check(config, rt.world_size, rt.accumulate)
+        if not worker:  # the launcher checked it before starting this process
+            check_out(args.out, resume=args.resume, overwrite=args.overwrite)
+        if not worker and (rt.strategy.needs_launch or args.max_restarts):
+            # gpukit's launcher runs the processes (and restarts them, watching for hangs);
+            # each runs this command again as one rank of the job.
+            nproc, strategy = rt.world_size, rt.strategy.name
+            rt.teardown()
+            return run_job(
+                _worker_command(args, strategy),
+                nproc,
+                max_restarts=args.max_restarts,
+                hang_timeout=args.hang_timeout,
+                name="gpukit train",
+            )
         metrics = rt.launch(fit, config)
     finally:
         # A run in this process (single, dp, or ddp over one device) leaves its models and
         # process group here; the command is done with them.
         rt.teardown()
-    _summary(metrics)
+    if metrics:  # rank 0's; the other ranks of a launched job return nothing
+        _summary(metrics)
     return 0
+
+
+def _devices(text: str) -> Any:
+    """``--devices``: a count (ASCII digits only: int() would read other scripts' digits too)
+    or a spec for the Runtime."""
+    return int(text) if re.fullmatch(r"[0-9]+", text) else text
+
+
+def _save_every(text: str | None) -> int | str | None:
+    return int(text) if text is not None and re.fullmatch(r"[0-9]+", text) else text
+
+
+def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
+    """This command line for one rank of the job: the same training, with the strategy the
+    launcher resolved (a launched process would otherwise pick ddp even for one device)."""
+    # Through the runner that records how a process failed (with a nanosecond clock) and
+    # writes its stack when the launcher asks, as gpukit launch runs scripts.
+    runner = [sys.executable, str(Path(_launched_script.__file__))]
+    command = [*runner, "-m", "gpukit", "train", "--strategy", strategy]
+    for name in (
+        "workload", "precision", "devices", "epochs", "max_steps", "batch_size", "lr",
+        "accumulate", "seed", "log_every", "oom", "progress_every", "out", "save_every",
+        "keep", "nonfinite",
+    ):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    return command + (["--resume"] if args.resume else [])
 
 
 def _summary(m: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gpukit import _env
-from gpukit._util.text import format_bytes
+from gpukit._util.text import described, format_bytes
 from gpukit.devices import hw as _hw
 from gpukit.devices.spec import AUTO, SPELLINGS, DeviceType, Spec, SpecError, parse
 from gpukit.errors import DeviceError, warn_user
@@ -96,6 +96,11 @@ def device(spec: DeviceSpec = None, *, soft: bool = False) -> Device:
     >>> gk.device("gpu:7", soft=True)  # doctest: +SKIP
     Device(cpu, ...)
     """
+    if not isinstance(soft, bool):
+        raise DeviceError(
+            f"device(soft={described(soft)}): give True (fall back to the best device with a "
+            "warning) or False (raise when the device is missing)"
+        )
     try:
         # A Device is re-checked as its spelling: Device("tpu") or Device("cpu", 3) are refused
         # like the strings would be.
@@ -118,7 +123,7 @@ def cpu() -> Device:
 def gpu(i: int = 0) -> Device:
     """GPU number ``i``, like MXNet's ``mx.gpu(i)``; raises DeviceError if there is none."""
     if isinstance(i, bool) or not isinstance(i, int):
-        raise DeviceError(f"gpu(i={i!r}): i must be a GPU index (an int), e.g. gk.gpu(0)")
+        raise DeviceError(f"gpu(i={described(i)}): i must be a GPU index (an int), e.g. gk.gpu(0)")
     return device(i)
 
 
@@ -264,7 +269,7 @@ def _listing() -> str:
 def _show(spec: object) -> str:
     if isinstance(spec, Device):
         return repr(str(spec))
-    return repr(spec) if isinstance(spec, str) else f"{spec!r} ({type(spec).__name__})"
+    return described(spec)
 
 
 __all__ = ["SPELLINGS", "Device", "DeviceSpec", "cpu", "device", "devices", "gpu", "on"]

@@ -12,13 +12,16 @@ False
 from __future__ import annotations
 
 import copy as copy_module
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from gpukit._util.text import described, type_name
 from gpukit._util.tree import map_tensors
 from gpukit.devices.device import DeviceSpec, device
+from gpukit.errors import ConfigError, DeviceError
 
 T = TypeVar("T")
 
@@ -33,10 +36,26 @@ def to(obj: T, spec: DeviceSpec, *, copy: bool = False, non_blocking: bool | Non
     moves a deep copy instead). ``non_blocking=None`` means: non-blocking exactly for pinned
     CPU tensors going to a GPU, the one case where it overlaps the copy safely.
 
+    Refused with a :class:`~gpukit.errors.GpukitError`: an iterator or generator (moving it
+    would consume it: pass ``list(it)``), data that holds itself, tensors on the ``meta``
+    device (they have no data to move), and flags that are not bools.
+
     >>> import torch, gpukit as gk
     >>> gk.to((torch.zeros(1), "label"), "cpu")
     (tensor([0.]), 'label')
     """
+    for name, value, allowed in (
+        ("copy", copy, (True, False)),
+        ("non_blocking", non_blocking, (True, False, None)),
+    ):
+        if not (value is None or isinstance(value, bool)) or value not in allowed:
+            choices = " or ".join(map(str, allowed))
+            raise ConfigError(f"gk.to({name}={described(value)}): give {choices}")
+    if isinstance(obj, Iterator):
+        raise ConfigError(
+            f"gk.to() got a {type_name(obj)}: its items exist only as it is consumed, so it "
+            "cannot be moved as it is; pass list(...) of it, or move each item as it comes"
+        )
     return move_to(obj, device(spec).torch, copy=copy, non_blocking=non_blocking)
 
 
@@ -62,10 +81,16 @@ class _Mover:
 
     def _leaf(self, obj: torch.Tensor | nn.Module) -> Any:
         if isinstance(obj, nn.Module):
+            if self.target.type != "meta" and any(
+                t.is_meta for t in (*obj.parameters(), *obj.buffers())
+            ):
+                raise _meta_error(f"the module {type_name(obj)}", self.target)
             module = copy_module.deepcopy(obj) if self.copy else obj
             return module.to(self.target, non_blocking=self._non_blocking_for(None))
         if obj.device == self.target and not self.copy:
             return obj
+        if obj.is_meta:
+            raise _meta_error("a tensor", self.target)
         return obj.to(self.target, non_blocking=self._non_blocking_for(obj), copy=self.copy)
 
     def _non_blocking_for(self, t: torch.Tensor | None) -> bool:
@@ -74,6 +99,14 @@ class _Mover:
         if t is None or self.target.type != "cuda" or t.device.type != "cpu":
             return False
         return _is_pinned(t)
+
+
+def _meta_error(what: str, target: torch.device) -> DeviceError:
+    return DeviceError(
+        f"cannot move {what} from the meta device to {target}: meta tensors have a shape but "
+        "no data. Create it on the device instead (torch.device(...) as a context, or "
+        "module.to_empty(device=...) and then load or initialise the weights)"
+    )
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

@@ -22,7 +22,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpukit._util import tree
-from gpukit._util.text import format_bytes, make_table, render_plain
+from gpukit._util.text import (
+    described,
+    format_bytes,
+    make_table,
+    render_plain,
+    safe_repr,
+    type_name,
+)
 from gpukit.devices import hw as _hw
 from gpukit.devices import nvml as _nvml
 from gpukit.devices.device import Device, device
@@ -124,7 +131,7 @@ def report(devices: DeviceList | None = None, *, all_ranks: bool | None = None) 
     if all_ranks is None:
         all_ranks = world > 1
     elif not isinstance(all_ranks, bool):
-        raise ConfigError(f"all_ranks={all_ranks!r}: pass True, False or None (automatic)")
+        raise ConfigError(f"all_ranks={described(all_ranks)}: pass True, False or None (automatic)")
     if all_ranks and rank is None:
         raise ConfigError(
             "all_ranks=True but torch.distributed is not initialised: call it from every rank "
@@ -336,10 +343,16 @@ def _resolve(devices: DeviceList | None) -> list[Device]:
         devices, (str, int, torch.device, Device, list, tuple)
     ):
         raise ConfigError(
-            f"devices={devices!r} ({type(devices).__name__}) is not a device list: pass None "
+            f"devices={safe_repr(devices)} ({type_name(devices)}) is not a device list: pass None "
             "(the devices in use), one device like 'cuda:0', or a list like ['cuda:0', 1]"
         )
-    specs = devices if isinstance(devices, (list, tuple)) else [devices]
+    try:
+        specs = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+    except Exception as err:  # a list whose own methods fail
+        raise ConfigError(
+            f"devices={described(devices)}: reading the list failed with "
+            f"{type(err).__name__}: pass a plain list like ['cuda:0', 1]"
+        ) from err
     if not specs:
         raise ConfigError("devices=[] names no device: pass None for the devices in use")
     resolved = list(dict.fromkeys(device(spec) for spec in specs))  # once each, in order

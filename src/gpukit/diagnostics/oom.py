@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from gpukit._util.text import described, safe_repr
 from gpukit._util.text import format_bytes as _fb
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.strategies import STRATEGIES, Strategy, make_strategy
@@ -243,7 +244,7 @@ def is_oom(err: BaseException | str) -> bool:
         return _DETECT.search(str(err)) is not None
     if isinstance(err, BaseException):
         return False
-    raise ConfigError(f"is_oom() takes an exception or its message (str); got {err!r}")
+    raise ConfigError(f"is_oom() takes an exception or its message (str); got {described(err)}")
 
 
 def _check(name: str, value: object, low: float, kind: type | tuple[type, ...]) -> None:
@@ -252,7 +253,7 @@ def _check(name: str, value: object, low: float, kind: type | tuple[type, ...]) 
     )
     if not ok:
         what = "a whole number" if kind is int else "a number"
-        raise ConfigError(f"explain({name}={value!r}): give {what} >= {low:g}, or None")
+        raise ConfigError(f"explain({name}={described(value)}): give {what} >= {low:g}, or None")
 
 
 def explain(
@@ -278,7 +279,7 @@ def explain(
     if not isinstance(err, BaseException | str):
         raise ConfigError(
             f"explain() takes an exception or its message (str); got {type(err).__name__} "
-            f"{err!r}: pass the caught exception itself"
+            f"{safe_repr(err)}: pass the caught exception itself"
         )
     _check("state_bytes", state_bytes, 0, int)
     _check("micro_batch", micro_batch, 1, int)
@@ -288,7 +289,7 @@ def explain(
         strategy = make_strategy(strategy) if strategy in STRATEGIES else None
     elif strategy is not None and not isinstance(strategy, Strategy):
         raise ConfigError(
-            f"explain(strategy={strategy!r}): give a strategy name such as 'dp', or the "
+            f"explain(strategy={described(strategy)}): give a strategy name such as 'dp', or the "
             "strategy object (rt.strategy)"
         )
     cause = err.__cause__ if isinstance(err, OutOfMemory) else None

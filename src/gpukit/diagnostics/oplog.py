@@ -38,6 +38,7 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit._util import tree
+from gpukit._util.text import described
 from gpukit.diagnostics.oplog_summary import ModuleStats, PlacementSummary, device_counts
 from gpukit.errors import ConfigError
 
@@ -355,9 +356,9 @@ def log_placement(
     1 (Linear)  cpu[3,3]f32 -> cpu[3,2]f32  ops: cpu x2
     (model) (Sequential)  cpu[3,4]f32 -> cpu[3,2]f32  ops: -
     """
-    if level not in LEVELS:
+    if not isinstance(level, str) or level not in LEVELS:
         raise ConfigError(
-            f"log_placement(level={level!r}) is not a level: use 'op' (one record per op) "
+            f"log_placement(level={described(level)}) is not a level: use 'op' (one record per op) "
             "or 'module' (one entry per module)"
         )
     if not (file is None or isinstance(file, (str, os.PathLike)) or _is_text_stream(file)):

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from gpukit._util import tree
-from gpukit._util.text import format_bytes
-from gpukit.errors import GpukitError
+from gpukit._util.text import format_bytes, type_name
+from gpukit.errors import ConfigError
 
 Role = Literal["parameters", "buffers", "tensors"]
 ROLES: tuple[Role, ...] = ("parameters", "buffers", "tensors")
@@ -130,8 +130,8 @@ def placement(obj: nn.Module | torch.Tensor | Any) -> PlacementReport:
         return report
     tensors = list(tree.tensors(obj))
     if not tensors and not isinstance(obj, (dict, list, tuple)):
-        raise GpukitError(
-            f"gk.placement() got a {type(obj).__name__}: pass an nn.Module, a tensor, "
+        raise ConfigError(
+            f"gk.placement() got a {type_name(obj)}: pass an nn.Module, a tensor, "
             "or a dict/list/tuple of tensors"
         )
     report = PlacementReport(type(obj).__name__)

@@ -23,11 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
+from gpukit._util.text import described
 from gpukit.diagnostics import oom
 from gpukit.diagnostics.rules.cuda import cudnn, device_assert, driver, no_kernel
 from gpukit.diagnostics.rules.devices import cross_device
 from gpukit.diagnostics.rules.distributed import distributed
-from gpukit.errors import GpukitError, OutOfMemory
+from gpukit.errors import ConfigError, GpukitError, OutOfMemory
 
 _LIMIT = 50_000  # a DataLoader worker's message holds a whole traceback; bounds regex work
 
@@ -58,6 +59,13 @@ def explain_error(err: BaseException) -> GpukitError | None:
     """
     if isinstance(err, GpukitError):
         return err
+    if not isinstance(err, BaseException):
+        hint = " (gk.explain takes an out-of-memory message as text)"
+        hint = hint if isinstance(err, str) else ""
+        raise ConfigError(
+            f"explain_error() takes the exception itself; got {described(err)}: pass the "
+            f"caught exception (except Exception as err: gk.explain_error(err)){hint}"
+        )
     if not isinstance(err, Exception):
         return None  # KeyboardInterrupt, SystemExit: never a torch failure to explain
     if oom.is_oom(err):

@@ -38,6 +38,8 @@ def evaluate(sys_info: SystemInfo, t: TorchInfo, nvml: _nvml.NvmlInfo) -> Doctor
         *features.order_check(t, nvml, env),
         *features.mps_check(sys_info, t),
         *features.environment_check(sys_info),
+        *features.default_device_check(sys_info, t),
+        *features.fault_injection_check(sys_info),
     ]
     return DoctorReport(
         checks=tuple(found),

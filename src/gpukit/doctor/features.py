@@ -1,9 +1,11 @@
 """Checks of what the GPUs can do together and what the environment changes: peer-to-peer
-access, bf16/TF32, GPU numbering, MPS on macOS, and CUDA/NCCL variables."""
+access, bf16/TF32, GPU numbering, MPS on macOS, CUDA/NCCL variables, and the gpukit variables
+that choose the default device or inject faults."""
 
 from __future__ import annotations
 
 from gpukit.devices.nvml import NvmlInfo
+from gpukit.devices.spec import AUTO, SpecError, parse
 from gpukit.doctor.probe import SystemInfo, TorchInfo
 from gpukit.doctor.report import Check
 
@@ -110,3 +112,78 @@ def environment_check(sys_info: SystemInfo) -> list[Check]:
             )
         ]
     return [Check("environment", "OK", shown)]
+
+
+def default_device_check(sys_info: SystemInfo, t: TorchInfo) -> list[Check]:
+    """``GPUKIT_DEVICE``, when set: a device this machine has, or the reason ``gk.device()``
+    (and every Runtime with ``devices="auto"``) will fail.
+
+    >>> from gpukit.doctor.probe import read_system, read_torch
+    >>> import dataclasses
+    >>> facts = dataclasses.replace(read_system(), env={"GPUKIT_DEVICE": "tpu:0"})
+    >>> [(c.name, c.status) for c in default_device_check(facts, read_torch(False))]
+    [('GPUKIT_DEVICE', 'FAIL')]
+    """
+    value = sys_info.env.get("GPUKIT_DEVICE", "").strip()
+    if not value:
+        return []
+    unset = "unset GPUKIT_DEVICE (gk.device() then picks cuda:0, else mps, else cpu)"
+    try:
+        spec = parse(value)
+    except SpecError as err:
+        return [
+            Check(
+                "GPUKIT_DEVICE",
+                "FAIL",
+                f"GPUKIT_DEVICE={value!r} is not a device: {err.problem}; gk.device() fails",
+                f"{err.fix}; or {unset}",
+            )
+        ]
+    names = ["cpu", *(f"cuda:{g.index}" for g in t.gpus), *(["mps"] if t.mps_available else [])]
+    have = ", ".join(names)
+    missing = None
+    if spec.kind == "mps" and not t.mps_available:
+        missing = "MPS is not available here"
+    elif spec.kind == "cuda":
+        readable = {g.index for g in t.gpus}
+        broken = dict(t.unreadable)
+        index = spec.index if spec.index is not None else 0
+        if index in broken:
+            missing = f"CUDA cannot start on GPU {index}: {broken[index]}"
+        elif index not in readable:
+            missing = f"there is no GPU {index} (torch sees {len(t.gpus)} GPU(s))"
+    if missing is not None:
+        return [
+            Check(
+                "GPUKIT_DEVICE",
+                "FAIL",
+                f"GPUKIT_DEVICE={value!r}: {missing}; gk.device() fails (this machine has {have})",
+                f"set it to one of {have}, or {unset}",
+            )
+        ]
+    shown = "the best device" if spec == AUTO else "it"
+    return [Check("GPUKIT_DEVICE", "OK", f"GPUKIT_DEVICE={value!r}: gk.device() picks {shown}")]
+
+
+def fault_injection_check(sys_info: SystemInfo) -> list[Check]:
+    """Fault injection left on by mistake makes a healthy run fail on purpose.
+
+    >>> from gpukit.doctor.probe import read_system
+    >>> import dataclasses
+    >>> facts = dataclasses.replace(read_system(), env={"GPUKIT_FAULT_OOM_ABOVE": "8"})
+    >>> [c.status for c in fault_injection_check(facts)]
+    ['WARN']
+    """
+    env = sys_info.env
+    names = [k for k in ("GPUKIT_FAULT", "GPUKIT_FAULT_OOM_ABOVE") if env.get(k, "").strip()]
+    if not names:
+        return []
+    shown = ", ".join(f"{k}={env[k]}" for k in names)
+    return [
+        Check(
+            "fault injection",
+            "WARN",
+            f"{shown}: gpukit makes runs fail on purpose (crashes, hangs, out of memory)",
+            f"unset {' and '.join(names)} unless you are rehearsing failures",
+        )
+    ]

@@ -11,19 +11,34 @@ gpukit.errors.ConfigError: oom='sometimes': use 'raise' (explain and stop), 'rec
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from gpukit import _env
+from gpukit._util.text import described
 from gpukit.devices import Device
 from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
+from gpukit.devices import hw as _hw
 from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
 OomPolicy = Literal["raise", "recover", "auto"]
+
+# Seeds torch takes run from -2**63 to 2**64 - 1, but the data order seeds a generator with
+# seed + epoch: a signed 64-bit seed leaves room for every epoch.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+# Counts (accumulate, log_every) above this are never reached by a run: the optimizer would
+# never step, the metrics never be read.
+MAX_COUNT = 2**31 - 1
+# CPU processes beyond this many per core only contend for the cores (each holds a whole
+# replica of the model); a floor of 64 still lets a small machine rehearse a large job.
+CPU_PROCESSES_PER_CORE = 4
+MIN_CPU_PROCESS_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -40,16 +55,16 @@ class RuntimeConfig:
     oom: OomPolicy = "raise"
 
     def __post_init__(self) -> None:
-        _check_positive_int("accumulate", self.accumulate)
-        _check_positive_int("log_every", self.log_every)
-        if self.oom not in get_args(OomPolicy):
+        _check_count("accumulate", self.accumulate, "micro-batches per optimizer step")
+        _check_count("log_every", self.log_every, "rt.log calls between read-backs")
+        if not (isinstance(self.oom, str) and self.oom in get_args(OomPolicy)):
             raise ConfigError(
-                f"oom={self.oom!r}: use 'raise' (explain and stop), 'recover' (re-split the "
-                "batch and redo the step) or 'auto' (recover where it costs nothing per step: "
-                "one process; raise under several)"
+                f"oom={described(self.oom)}: use 'raise' (explain and stop), 'recover' (re-split "
+                "the batch and redo the step) or 'auto' (recover where it costs nothing per "
+                "step: one process; raise under several)"
             )
-        if self.clip is not None and not self.clip > 0:
-            raise ConfigError(f"clip={self.clip!r}: give a positive max gradient norm, or None")
+        _check_clip(self.clip)
+        _check_seed(self.seed)
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:
@@ -64,12 +79,15 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
     when there are enough GPUs, else the CPU.
     """
     gpus = [d for d in list_devices() if d.type == "cuda"]
-    if isinstance(spec, bool):
-        raise ConfigError(f"devices={spec!r}: use 'auto', 'all', a count, or a list of devices")
+    if isinstance(spec, (bool, bytes, bytearray)):
+        raise ConfigError(
+            f"devices={described(spec)}: use 'auto', 'all', a count, or a list of devices"
+        )
     if isinstance(spec, int):
         if spec < 1:
             raise ConfigError(f"devices={spec}: give at least 1")
         if not gpus:
+            _check_cpu_processes(spec, f"devices={spec}")
             return [resolve_device("cpu")] * spec
         if spec > len(gpus):
             raise ConfigError(
@@ -77,23 +95,94 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
                 f"({', '.join(map(str, gpus))}): use devices={len(gpus)} or fewer"
             )
         return gpus[:spec]
-    if spec == "auto":
+    if isinstance(spec, str) and spec == "auto":
         if launched:
             env = _env.launched()
             local = env.local_world_size if env else 1
-            return gpus[:local] if len(gpus) >= local else [resolve_device("cpu")] * local
+            if len(gpus) >= local:
+                return gpus[:local]
+            _check_cpu_processes(local, f"LOCAL_WORLD_SIZE={local}")
+            return [resolve_device("cpu")] * local
         return [resolve_device()]
-    if spec == "all":
+    if isinstance(spec, str) and spec == "all":
         return gpus or [resolve_device("cpu")]
     if isinstance(spec, str) and "," in spec:
         spec = [s.strip() for s in spec.split(",")]
     if isinstance(spec, str) or not isinstance(spec, Sequence):
         return [resolve_device(spec)]
-    if not spec:
+    try:
+        items = list(spec)
+    except Exception as err:  # a sequence whose own methods fail
+        raise ConfigError(
+            f"devices={described(spec)}: reading the list failed with {type(err).__name__}: "
+            "give a plain list of devices, e.g. devices=['cuda:0', 'cuda:1']"
+        ) from err
+    if not items:
         raise ConfigError("devices=[]: give at least one device")
-    return [resolve_device(s) for s in spec]
+    _check_cpu_processes(len(items), f"devices=[...] of {len(items)} entries")
+    for i, item in enumerate(items):
+        if item is None:
+            raise ConfigError(
+                f"devices[{i}] is None: name each device, e.g. devices=['cuda:0', 'cuda:1'] or "
+                "['cpu', 'cpu'] (or devices='auto' for the best one)"
+            )
+    return [resolve_device(s) for s in items]
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
+def cpu_process_limit() -> int:
+    """The most processes ``devices=`` may ask for on this machine (see
+    ``CPU_PROCESSES_PER_CORE``).
+
+    >>> cpu_process_limit() >= MIN_CPU_PROCESS_LIMIT
+    True
+    """
+    return max(MIN_CPU_PROCESS_LIMIT, CPU_PROCESSES_PER_CORE * _hw.cpu_cores()[0])
+
+
+def _check_cpu_processes(count: int, given: str) -> None:
+    """Refuse, before anything is allocated for them, more processes than the machine could
+    run usefully."""
+    limit = cpu_process_limit()
+    if count > limit:
+        cores = _hw.cpu_cores()[0]
+        raise ConfigError(
+            f"{given} asks for {count} processes, but this machine has {cores} CPU core(s) and "
+            f"{len([d for d in list_devices() if d.type == 'cuda'])} GPU(s): give at most "
+            f"{limit} (each process holds a whole model; more than {CPU_PROCESSES_PER_CORE} "
+            "per core only contend for the cores)"
+        )
+
+
+def _check_count(name: str, value: object, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ConfigError(
+            f"{name}={described(value)}: give a whole number of at least 1 and at most "
+            f"{MAX_COUNT} ({meaning})"
+        )
+
+
+def _check_clip(clip: object) -> None:
+    if clip is None:
+        return
+    value = math.nan
+    if isinstance(clip, numbers.Real) and not isinstance(clip, bool):
+        try:
+            value = float(clip)
+        except OverflowError:  # an int beyond float's range
+            value = math.inf
+    if not 0 < value < math.inf:
+        raise ConfigError(
+            f"clip={described(clip)}: give a positive max gradient norm, a finite number such "
+            "as clip=1.0, or None for no clipping"
+        )
+
+
+def _check_seed(seed: object) -> None:
+    if seed is None:
+        return
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ConfigError(
+            f"seed={described(seed)}: give a whole number from -2**63 to 2**63-1 "
+            "(a signed 64-bit integer, e.g. seed=0), or None to leave the generators as they are"
+        )

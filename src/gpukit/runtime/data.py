@@ -77,7 +77,8 @@ class DeviceLoader:
     starts a new one (so a checkpoint saved after the ``break`` continues it, as a run stopped
     at a step limit expects); then it counts as finished. A pass left without a training step
     (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken;
-    ``on_pass_end`` is called when a pass runs to its end.
+    ``on_pass_end`` is called when a pass runs to its end, ``on_pass_start`` before each pass
+    starts (where the Runtime resumes from a checkpoint, before the pass takes its position).
     """
 
     def __init__(
@@ -89,9 +90,11 @@ class DeviceLoader:
         seed: int,
         steps: Callable[[], int] | None = None,
         on_pass_end: Callable[[], None] | None = None,
+        on_pass_start: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
         self._on_pass_end = on_pass_end
+        self._on_pass_start = on_pass_start
         self.original = loader
         self.epoch = 0
         self._steps = steps or (lambda: 0)
@@ -200,6 +203,8 @@ class DeviceLoader:
 
     # -- passes --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        if self._on_pass_start is not None:
+            self._on_pass_start()
         resume, self._resume = self._resume, None
         if self._left is not None:  # a new pass: the one left early is over
             self._left, self.epoch = None, self.epoch + 1

@@ -1,6 +1,17 @@
 """Failures injected on purpose, to test and rehearse recovery without the hardware to cause
-them: ``GPUKIT_FAULT_OOM_ABOVE=N`` makes every micro-batch of more than N samples raise a real
-``torch.OutOfMemoryError``, whose message reads like the CUDA allocator's own.
+them.
+
+- ``GPUKIT_FAULT_OOM_ABOVE=N`` makes every micro-batch of more than N samples raise a real
+  ``torch.OutOfMemoryError``, whose message reads like the CUDA allocator's own.
+- ``GPUKIT_FAULT=KIND:RANK:STEP[,KIND:RANK:STEP...]`` makes rank RANK fail as KIND says when
+  it begins optimizer step STEP (counted from 1): ``raise`` (a RuntimeError), ``exit``
+  (``os._exit(3)``: no Python error, no cleanup), ``sigkill`` (the process kills itself: what
+  the kernel's out-of-memory killer does), ``hang`` (sleeps forever: a stuck collective, a dead
+  filesystem), ``sigterm`` (sends itself SIGTERM: a scheduler's preemption) or ``nan`` (that
+  step's loss is NaN on that rank). Each fault fires once per job: under gpukit's launcher, a
+  restarted attempt that resumes before STEP and reaches it again does not fire it again (what
+  fired is written to the job's folder), so a spec with several faults exercises several
+  restarts.
 
 >>> err = injected_oom(64, 32)
 >>> from gpukit.diagnostics.oom import is_oom, parse
@@ -10,9 +21,103 @@ them: ``GPUKIT_FAULT_OOM_ABOVE=N`` makes every micro-batch of more than N sample
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 from gpukit import _env
 from gpukit.diagnostics.oom import OOM_ERROR
 from gpukit.errors import ConfigError
+
+KINDS = ("raise", "sigkill", "exit", "hang", "sigterm", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``kind`` on ``rank`` when it begins step ``step``; ``index`` is its
+    place in the spec (what marks it fired)."""
+
+    kind: str
+    rank: int
+    step: int
+    index: int
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``GPUKIT_FAULT``'s value as faults; ConfigError naming the part that is wrong.
+
+    >>> parse_faults("sigkill:1:6,raise:0:11")[1]
+    Fault(kind='raise', rank=0, step=11, index=1)
+    """
+    faults = []
+    for index, part in enumerate(p.strip() for p in spec.split(",")):
+        fields = part.split(":")
+        ok = (
+            len(fields) == 3
+            and fields[0] in KINDS
+            and all(f.isascii() and f.isdigit() for f in fields[1:])
+            and int(fields[2]) >= 1
+        )
+        if not ok:
+            raise ConfigError(
+                f"GPUKIT_FAULT={spec!r}: {part!r} is not KIND:RANK:STEP with KIND one of "
+                f"{', '.join(KINDS)}, RANK a rank (0, 1, ...) and STEP an optimizer step from "
+                "1 on; e.g. GPUKIT_FAULT=sigkill:1:6,raise:0:11 (or unset it)"
+            )
+        faults.append(Fault(fields[0], int(fields[1]), int(fields[2]), index))
+    return faults
+
+
+class FaultPlan:
+    """The faults of ``GPUKIT_FAULT`` for this rank, fired by :meth:`step_begins`.
+
+    Checking costs one dictionary lookup per step; a rank with no fault has an empty plan.
+    """
+
+    def __init__(self, faults: list[Fault], rank: int, job_dir: Path | None) -> None:
+        self.pending = {f.step: f for f in faults if f.rank == rank}
+        self.job_dir = job_dir
+        self.nan_now = False  # the loss of the current step becomes NaN
+
+    @classmethod
+    def from_env(cls, rank: int) -> FaultPlan:
+        spec = _env.fault_spec()
+        return cls(parse_faults(spec) if spec else [], rank, _env.job_dir())
+
+    def step_begins(self, step: int) -> None:
+        """Rank begins optimizer step ``step`` (from 1): fire its fault there, if any."""
+        self.nan_now = False
+        fault = self.pending.pop(step, None) if self.pending else None
+        if fault is None or not self._first_time(fault):
+            return
+        if fault.kind == "nan":
+            self.nan_now = True
+            return
+        where = f"injected by GPUKIT_FAULT: {fault.kind} on rank {fault.rank} at step {step}"
+        if fault.kind == "raise":
+            raise RuntimeError(where)
+        if fault.kind == "exit":
+            os._exit(3)
+        if fault.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        while True:  # hang
+            time.sleep(3600)
+
+    def _first_time(self, fault: Fault) -> bool:
+        """Mark ``fault`` fired for the whole job; False when an earlier attempt fired it."""
+        if self.job_dir is None:
+            return True
+        marker = self.job_dir / f"fault-{fault.index}.fired"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 class OomFault:

@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 from torch import nn
 
+from gpukit._util.checks import require_module
+from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
 from gpukit.errors import ConfigError
 
@@ -38,7 +40,7 @@ class Precision:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """What runs ``module``'s forward in this precision; float32: the module itself."""
-        return module
+        return require_module(module, "rt.setup")
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The module ``setup_module`` was given."""
@@ -52,7 +54,11 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer; False when the step was skipped (overflowing gradients)."""
-        optimizer.step()
+        try:
+            step = optimizer.step
+        except AttributeError:
+            raise _not_an_optimizer(optimizer) from None
+        step()
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -69,6 +75,7 @@ class BF16Mixed(Precision):
     dtype: ClassVar[torch.dtype] = torch.bfloat16
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        require_module(module, "rt.setup")
         return MixedPrecision(self.unwrap(module), self.device.type, self.dtype)
 
 
@@ -107,8 +114,12 @@ class FP16Mixed(BF16Mixed):
             self.scaler.step(optimizer)
             self.scaler.update()  # updates that same tensor in place
             return bool(scale >= before_t)
+        try:
+            register = optimizer.register_step_pre_hook
+        except AttributeError:
+            raise _not_an_optimizer(optimizer) from None
         ran: list[bool] = []
-        hook = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        hook = register(lambda *_: ran.append(True))
         try:
             self.scaler.step(optimizer)  # skipped when the gradients hold inf or NaN
         finally:
@@ -138,11 +149,13 @@ def make_precision(name: str, device: torch.device) -> Precision:
     >>> make_precision("bf16-mixed", torch.device("cpu")).name
     'bf16-mixed'
     """
-    if name == "auto":
+    if isinstance(name, str) and name == "auto":
         name = _auto_name(device)
-    if name not in _CLASSES:
+    if not isinstance(name, str) or name not in _CLASSES:
+        numeric = isinstance(name, int) and not isinstance(name, bool)
+        hint = f" (the name is the string {str(name)!r})" if numeric else ""
         raise ConfigError(
-            f"unknown precision {name!r}: use one of {', '.join(NAMES)} "
+            f"unknown precision {described(name)}{hint}: use one of {', '.join(NAMES)} "
             "(e.g. precision='bf16-mixed')"
         )
     if name == "16-mixed" and device.type != "cuda":
@@ -156,6 +169,14 @@ def make_precision(name: str, device: torch.device) -> Precision:
             f"{torch.cuda.get_device_name(device)} has none: use '16-mixed' (or 'auto')"
         )
     return _CLASSES[name](device)
+
+
+def _not_an_optimizer(optimizer: object) -> ConfigError:
+    return ConfigError(
+        f"the optimizer is {described(optimizer)}, not a torch.optim.Optimizer: pass the "
+        "optimizer that rt.setup returned, e.g. rt.step(optimizer) or "
+        "rt.train_step(optimizer, batch, compute_loss)"
+    )
 
 
 def _auto_name(device: torch.device) -> str:

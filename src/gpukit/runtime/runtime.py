@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,22 +37,24 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gpukit import _env
-from gpukit.devices import Device
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.runtime import checkpoint, collectives
 from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.faults import OomFault
 from gpukit.runtime.launch import spawn
+from gpukit.runtime.lifecycle import Lifecycle, LifecycleConfig, ResumePolicy
 from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.nonfinite import NonFiniteGuard, NonFinitePolicy
 from gpukit.runtime.precision import make_precision
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
 from gpukit.runtime.targets import with_target_check
+from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, Strategy, choose
 
 
-class Runtime:
+class Runtime(RuntimeViews):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Args:
@@ -73,6 +76,18 @@ class Runtime:
             costs DDP its overlap of communication with the backward and one read per step),
             or "auto" (recover in one process, where it costs nothing per step; raise under
             several). See ``gpukit.runtime.step``.
+        checkpoints: the folder of this run's checkpoints: where ``rt.save()`` writes by
+            default, where ``save_every`` and a preemption save, and where ``resume="auto"``
+            looks. With it, SIGTERM and SIGINT stop the run cleanly at a step every rank
+            reaches, after saving there (``gk.Preempted``; see ``gpukit.runtime.preemption``).
+        save_every: a checkpoint every N optimizer steps (``4``), or every so much time
+            (``"10m"``, ``"90s"``, ``"1h"``); None: only when ``rt.save`` is called.
+        keep: how many of the newest checkpoints to keep.
+        resume: "auto": continue from the newest good checkpoint in ``checkpoints`` when there
+            is one (before the first pass over a loader or the first step), else start fresh.
+        nonfinite: None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs
+            an optimizer built with ``fused=True``) or "raise" (stop naming the step); both
+            read back only once per ``log_every`` steps (see ``gpukit.runtime.nonfinite``).
     """
 
     def __init__(
@@ -85,7 +100,14 @@ class Runtime:
         seed: int | None = None,
         log_every: int = 50,
         oom: OomPolicy = "raise",
+        checkpoints: str | Path | None = None,
+        save_every: int | str | None = None,
+        keep: int = 3,
+        resume: ResumePolicy = None,
+        nonfinite: NonFinitePolicy | None = None,
     ) -> None:
+        self.lifecycle_config = LifecycleConfig(checkpoints, save_every, keep, resume)
+        self.nonfinite = nonfinite
         self.config = config = RuntimeConfig(
             strategy=strategy,
             precision=precision,
@@ -100,8 +122,27 @@ class Runtime:
         self.strategy = choose(strategy, resolve_devices(devices, launched), launched)
         self.precision = make_precision(precision, self.strategy.device.torch)
         self.state = TrainState()
+        guard = None
+        if nonfinite is not None:
+            guard = NonFiniteGuard(nonfinite, log_every, self.precision.name)
+        self.lifecycle = Lifecycle(
+            self.lifecycle_config,
+            self.rank,
+            self.world_size,
+            log_every,
+            save=self.save,
+            agree=self.strategy.any_rank,
+            store=_default_store,
+            resume=self.resume,
+        )
         self.stepper = Stepper(
-            config, self.state, self.strategy, self.precision, OomFault.from_env()
+            config,
+            self.state,
+            self.strategy,
+            self.precision,
+            OomFault.from_env(),
+            boundaries=self.lifecycle,
+            guard=guard,
         )
         self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
         self._ready = False
@@ -112,102 +153,6 @@ class Runtime:
             # constructor does: what the program builds before rt.setup (a
             # DistributedSampler, a barrier around a download) needs it.
             self._ensure_ready()
-
-    # -- settings and progress ---------------------------------------------------------------
-    @property
-    def accumulate(self) -> int:
-        return self.config.accumulate
-
-    @property
-    def clip(self) -> float | None:
-        return self.config.clip
-
-    @property
-    def seed(self) -> int | None:
-        return self.config.seed
-
-    @property
-    def log_every(self) -> int:
-        return self.config.log_every
-
-    @property
-    def oom(self) -> str:
-        return self.config.oom
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken."""
-        return self.state.global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self.state.global_step = value
-
-    @property
-    def micro_step(self) -> int:
-        """Backward passes taken."""
-        return self.state.micro_step
-
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self.state.micro_step = value
-
-    @property
-    def oom_split(self) -> int:
-        """Micro-batches per accumulation step, raised by out-of-memory recovery."""
-        return self.state.oom_split
-
-    @oom_split.setter
-    def oom_split(self, value: int) -> None:
-        self.state.oom_split = value
-
-    @property
-    def oom_events(self) -> list[dict[str, Any]]:
-        """One record per out-of-memory recovery: step, micro-batch before and after."""
-        return self.state.oom_events
-
-    @property
-    def loaders(self) -> list[DeviceLoader]:
-        return self.state.loaders
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """What ``rt.log`` read back, one record per window. A window closes every
-        ``log_every`` calls, when a loader's pass runs to its end, at ``rt.save``, and when the
-        function ``rt.launch`` runs returns (points every rank reaches together, so the last
-        partial window is there at the end and any rank may read this alone); reading it never
-        reads anything back itself, so a progress display may read it every step.
-        ``rt.flush_logs()`` closes the window now."""
-        return self.metrics.history
-
-    # -- where this process sits ------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """The device this process trains on, as a ``torch.device``: ``x.to(rt.device)`` and
-        ``torch.zeros(2, device=rt.device)`` work as they do with plain PyTorch."""
-        return self.strategy.device.torch
-
-    @property
-    def device_info(self) -> Device:
-        """gpukit's :class:`Device` for ``rt.device``: its name, memory and compute
-        capability."""
-        return self.strategy.device
-
-    @property
-    def rank(self) -> int:
-        return self.strategy.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.rank == 0
 
     # -- setup ----------------------------------------------------------------------------------
     def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -224,6 +169,9 @@ class Runtime:
         # Each process builds its own Runtime from the same settings (its rank comes from
         # the environment the launcher sets).
         settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        lifecycle = self.lifecycle_config
+        settings |= {f.name: getattr(lifecycle, f.name) for f in dataclasses.fields(lifecycle)}
+        settings["nonfinite"] = self.nonfinite
         return spawn(functools.partial(Runtime, **settings), self.world_size, run, args)
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
@@ -235,6 +183,7 @@ class Runtime:
         the same model again returns what the first call returned.
         """
         self._ensure_ready()
+        self.lifecycle.beat("setup", self.state.global_step)
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         if module is None:
@@ -265,6 +214,7 @@ class Runtime:
             self.config.seed or 0,
             steps=lambda: self.state.micro_step,
             on_pass_end=self._end_of_pass,
+            on_pass_start=self.lifecycle.before_first_pass,
         )
         self.state.loaders.append(wrapped)
         return wrapped
@@ -309,10 +259,14 @@ class Runtime:
         1
         """
         self._ensure_ready()
+        if not self.lifecycle.resumed:
+            self.lifecycle.before_first_pass()
         return self.stepper.train_step(optimizer, batch, compute_loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass in the run's precision, averaged over accumulated micro-batches."""
+        if not self.lifecycle.resumed:
+            self.lifecycle.before_first_pass()
         self.stepper.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -356,24 +310,28 @@ class Runtime:
     def barrier(self) -> None:
         """Wait for every rank."""
         self._ensure_ready()
+        self.lifecycle.beat("collective", self.state.global_step)
         self.strategy.barrier()
 
     def all_reduce(self, value: torch.Tensor | float, op: ReduceOp = "mean") -> Any:
         """``value`` combined over the ranks by "mean", "sum", "max" or "min": a tensor on any
         device (the result comes back on that device) or a Python number (a number back)."""
         self._ensure_ready()
+        self.lifecycle.beat("collective", self.state.global_step)
         return collectives.all_reduce(self.strategy, value, op)
 
     def all_gather(self, value: torch.Tensor | float) -> Any:
         """Every rank's ``value`` in rank order: tensors (the same shape on every rank) stacked
         on a new first dimension, on the tensor's device; numbers as a list."""
         self._ensure_ready()
+        self.lifecycle.beat("collective", self.state.global_step)
         return collectives.all_gather(self.strategy, value)
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``value`` on every rank: a tensor (same shape and dtype on every
         rank; the result on the tensor's device) or any picklable object."""
         self._ensure_ready()
+        self.lifecycle.beat("collective", self.state.global_step)
         return collectives.broadcast(self.strategy, value, src)
 
     @contextlib.contextmanager
@@ -404,35 +362,70 @@ class Runtime:
             builtins.print(*args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, directory: str | Path, keep: int = 3) -> Path:
-        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.runtime.checkpoint``).
+    def save(self, directory: str | Path | None = None, keep: int | None = None) -> Path:
+        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.runtime.checkpoint``)
+        into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
+        (default: the Runtime's ``keep``).
 
         Collective: every rank calls it (rank 0 writes the files, every rank gives its random
         state). Called on some ranks only, it fails within 30 s naming the ranks that did not
         call it."""
         self._ensure_ready()
+        folder = _folder("rt.save", directory, self.lifecycle.folder)
+        if folder.is_file():
+            raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
+        self.lifecycle.beat("save", self.state.global_step)
         self.strategy.check_every_rank_calls("rt.save")
         self._close_window()
-        return checkpoint.save(
-            Path(directory),
+        path = checkpoint.save(
+            Path(folder),
             self.state,
             self.strategy,
             self.precision,
             accumulate=self.config.accumulate,
-            keep=keep,
+            keep=keep if keep is not None else self.lifecycle_config.keep,
         )
+        self.lifecycle.saved(self.state.global_step)
+        return path
 
-    def load(self, directory: str | Path) -> dict[str, int]:
-        """Restore the newest checkpoint under ``directory``; returns its epoch and step."""
+    def load(self, directory: str | Path | None = None) -> dict[str, int]:
+        """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
+        returns its epoch and step. Nothing changes unless everything in it matches."""
         self._ensure_ready()
-        progress = checkpoint.load(Path(directory), self.state, self.strategy, self.precision)
+        folder = _folder("rt.load", directory, self.lifecycle.folder)
+        self.lifecycle.beat("load", self.state.global_step)
+        self.lifecycle.resumed = True  # an explicit load is the resume
+        progress = checkpoint.load(folder, self.state, self.strategy, self.precision)
         self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
+        self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
+        self.lifecycle.saved(self.state.global_step)
+        return progress
+
+    def skipped_steps(self) -> int:
+        """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
+        guard = self.stepper.guard
+        if guard is None:
+            return 0
+        guard.read(self.rank)
+        return guard.skipped
+
+    def resume(self) -> dict[str, int] | None:
+        """Continue from the newest good checkpoint in ``checkpoints`` when there is one
+        (its epoch and step), else nothing (None). ``resume="auto"`` calls it by itself
+        before the first pass or step."""
+        self.lifecycle.resumed = True
+        folder = self.lifecycle.folder
+        if folder is None or checkpoint.resumable(folder) is None:
+            return None
+        progress = self.load(folder)
+        self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
         # DDP's reducer must go while its process group still exists: destroyed later, by the
         # garbage collector at interpreter exit, it can block the process forever.
+        self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
         gc.collect()
@@ -456,7 +449,23 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     normally reaches this point (module level, so ``spawn`` can pickle it)."""
     result = fn(rt, *args)
     rt._close_window()
+    rt.lifecycle.finished(rt.global_step)
     return result
+
+
+def _folder(call: str, given: Any, default: Path | None) -> Path:
+    """The checkpoint folder ``call`` was given (or the Runtime's), checked."""
+    folder = given if given is not None else default
+    if folder is None:
+        raise ConfigError(f"{call}() needs a folder: {call}('ckpt'), or Runtime(checkpoints=...)")
+    if not isinstance(folder, (str, os.PathLike)) or not str(folder).strip():
+        raise ConfigError(f"{call}({folder!r}): give the checkpoint folder as a path, e.g. 'ckpt'")
+    return Path(folder)
+
+
+def _default_store() -> Any:
+    """The process group's key-value store (preemption's agreement runs through it)."""
+    return torch.distributed.distributed_c10d._get_default_store()
 
 
 def seed_everything(seed: int) -> None:

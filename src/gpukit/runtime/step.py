@@ -40,8 +40,11 @@ from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.runtime.boundaries import StepBoundaries
 from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.faults import OomFault
+from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
+from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.runtime.state import TrainState, user_model
@@ -70,8 +73,12 @@ class Stepper:
         strategy: Strategy,
         precision: Precision,
         fault: OomFault | None = None,
+        boundaries: StepBoundaries | None = None,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         self.config = config
+        self.boundaries = boundaries or StepBoundaries()
+        self.guard = guard
         self.state = state
         self.strategy = strategy
         self.precision = precision
@@ -97,6 +104,15 @@ class Stepper:
     # -- the manual loop: rt.backward, rt.step -------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward in the run's precision, averaged over accumulated micro-batches."""
+        loss = check_loss(loss)
+        boundaries = self.boundaries
+        if self.state.micro_step == self.state.stepped_at:  # the first of a step's windows
+            boundaries.step_begins(self.state.global_step)
+        boundaries.beat("backward", self.state.global_step)
+        if boundaries.poison_loss():
+            loss = loss * float("nan")
+        if self.guard is not None:
+            self.guard.loss(loss)
         if self.config.accumulate > 1:
             loss = loss / self.config.accumulate
         try:
@@ -128,12 +144,24 @@ class Stepper:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; True unless 16-mixed skipped it."""
+        self.boundaries.beat("optimizer", self.state.global_step)
+        guard, skipping = self.guard, {}
         try:
+            norm = None
             if self.config.clip is not None:
                 self.precision.unscale(optimizer)
                 # No read-back: the norm and the scaling stay on the device.
-                torch.nn.utils.clip_grad_norm_(self._params(optimizer), self.config.clip)
-            stepped = self.precision.step(optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(self._params(optimizer), self.config.clip)
+            if guard is not None:
+                guard.check_optimizer(optimizer)
+                grads = [p.grad for p in self._params(optimizer) if p.grad is not None]
+                guard.found(grads, norm)
+                skipping = guard.skip_step(optimizer)
+            try:
+                stepped = self.precision.step(optimizer)
+            finally:
+                if skipping:
+                    guard.restore(optimizer, skipping)  # type: ignore[union-attr]
         except Exception as err:
             # Not recoverable by smaller micro-batches: the optimizer state is what grew.
             if is_oom(err):
@@ -142,6 +170,12 @@ class Stepper:
         optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self.sync_next_backward()
+        step = self.state.global_step
+        if guard is not None:
+            guard.update(step)
+            if guard.due(step):
+                guard.read(self.strategy.rank)  # one small read per logging window
+        self.boundaries.step_ended(step)
         return stepped
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -188,6 +222,7 @@ class Stepper:
         compute_loss: Callable[[Any], torch.Tensor],
     ) -> torch.Tensor:
         """See the module docstring; ``rt.train_step`` is the public entry."""
+        compute_loss = checked_loss_fn(compute_loss)
         n = batch_size(batch)
         if n is None:
             raise ConfigError(
@@ -195,6 +230,9 @@ class Stepper:
                 "the batch as the loader yields it (tensors, or tuples/dicts of tensors)"
             )
         state, config = self.state, self.config
+        self.boundaries.step_begins(state.global_step)
+        if self.boundaries.poison_loss() or self.guard is not None:
+            compute_loss = self._watched(compute_loss)
         if self.whole_batches and state.oom_split == 1:  # a split a checkpoint brought is kept
             return self._whole_batch_step(optimizer, batch, n, compute_loss)
         if self.hold_back and not self._collectives_checked:
@@ -239,6 +277,7 @@ class Stepper:
         try:
             self.fault.check(n)
             loss = compute_loss(batch)
+            self.boundaries.beat("backward", self.state.global_step)
             self.precision.backward(loss)
             # The last step's loss, and with it its autograd graph, goes now, after this
             # step's forward, where a plain loop's `loss = ...` lets it go. Freed before the
@@ -255,6 +294,23 @@ class Stepper:
         self.state.stepped_at = self.state.micro_step
         self.optimizer_step(optimizer)
         return loss.detach()
+
+    def _watched(
+        self, compute_loss: Callable[[Any], torch.Tensor]
+    ) -> Callable[[Any], torch.Tensor]:
+        """``compute_loss`` whose losses the guard notes and an injected fault poisons (only
+        when needed: a plain step calls the user's function as is)."""
+        poison, guard = self.boundaries.poison_loss(), self.guard
+
+        def watched(batch: Any) -> torch.Tensor:
+            loss = compute_loss(batch)
+            if poison:
+                loss = loss * float("nan")
+            if guard is not None:
+                guard.loss(loss)
+            return loss
+
+        return watched
 
     def refuse_collective_forward(self) -> None:
         """SyncBatchNorm gathers statistics over the ranks inside the forward: a rank that
@@ -286,6 +342,7 @@ class Stepper:
                     self.strategy.set_backward_sync(module, True)
                 self.fault.check(size)
                 loss = compute_loss(batch)
+                self.boundaries.beat("backward", self.state.global_step)
                 self.precision.backward(loss)
                 self._previous_loss = loss  # freed after the next forward (_whole_batch_step)
                 return _Attempt(loss=loss.detach())
@@ -319,6 +376,7 @@ class Stepper:
             try:
                 self.fault.check(size)
                 weighted = compute_loss(chunk) * (size / total)
+                self.boundaries.beat("backward", self.state.global_step)
                 self.precision.backward(weighted)
             except Exception as err:
                 err.gpukit_micro_batch = size  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpukit._util.text import described
 from gpukit.errors import ConfigError
 from gpukit.strategies._parallel import parallel_apply, replicate, scatter
 from gpukit.strategies.per_device import PerDevice, Reduction
@@ -88,7 +89,7 @@ def reduction_of(fn: Callable[..., Any], given: str | None) -> Reduction:
     found = given if given is not None else getattr(fn, "reduction", bound.get("reduction", "mean"))
     if found not in ("mean", "sum"):
         raise ConfigError(
-            f"criterion reduction {found!r}: the loss must reduce its samples to one number; "
-            "use reduction='mean' (or 'sum'), e.g. nn.CrossEntropyLoss(reduction='mean')"
+            f"criterion reduction {described(found)}: the loss must reduce its samples to one "
+            "number; use reduction='mean' (or 'sum'), e.g. nn.CrossEntropyLoss(reduction='mean')"
         )
     return found  # type: ignore[return-value]

@@ -13,7 +13,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from gpukit._util.checks import require_module
+from gpukit._util.text import described
 from gpukit.devices.device import Device
+from gpukit.errors import ConfigError
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -73,13 +76,14 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the model; return what the training loop should call."""
-        return module.to(self.device.torch)
+        return require_module(module, "rt.setup").to(self.device.torch)
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
     ) -> Callable[..., torch.Tensor]:
         """The loss function as this strategy computes it (the function itself by default).
         ``reduction`` says how ``fn`` reduces over samples ("mean" or "sum"), when known."""
+        check_criterion(fn, reduction)
         return fn
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -152,3 +156,28 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release what ``setup_environment`` took."""
+
+
+def check_criterion(fn: object, reduction: object) -> None:
+    """Refuse a loss function that cannot be called, or a ``reduction`` that is not one of
+    None, "mean" and "sum" (what ``rt.setup_criterion`` accepts).
+
+    >>> check_criterion(torch.nn.MSELoss(), "sum")
+    >>> check_criterion(None, None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: rt.setup_criterion got None: ...
+    """
+    if not callable(fn) or isinstance(fn, type):
+        raise ConfigError(
+            f"rt.setup_criterion got {described(fn)}: pass the loss function or module "
+            "itself, e.g. rt.setup_criterion(nn.CrossEntropyLoss()) or F.cross_entropy"
+        )
+    if reduction is not None and not (isinstance(reduction, str) and reduction in _REDUCTIONS):
+        raise ConfigError(
+            f"rt.setup_criterion(reduction={described(reduction)}): give 'mean' (the loss is "
+            "the mean over its samples), 'sum', or None (the loss module's own, else 'mean')"
+        )
+
+
+_REDUCTIONS = ("mean", "sum")

@@ -7,6 +7,7 @@ gradients bucket by bucket while the backward pass is still running.
 from __future__ import annotations
 
 import datetime
+import numbers
 import re
 from typing import Any, ClassVar
 
@@ -16,8 +17,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gpukit import _env
+from gpukit._util.text import described
 from gpukit.devices.device import Device
-from gpukit.errors import ConfigError, DistributedError
+from gpukit.errors import ConfigError, DistributedError, LaunchError
 from gpukit.strategies.base import ReduceOp, Strategy
 
 _OPS = {
@@ -55,6 +57,33 @@ def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
+def _check_options(
+    find_unused_parameters: object, static_graph: object, bucket_cap_mb: object, timeout: object
+) -> None:
+    """Refuse DDP options that torch would only reject (or misuse) once the processes run."""
+    for name, flag in (
+        ("find_unused_parameters", find_unused_parameters),
+        ("static_graph", static_graph),
+    ):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"DDP({name}={described(flag)}): give True or False")
+    if bucket_cap_mb is not None:
+        number = isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)
+        # Compared, not converted: float() of a huge int raises. A bucket is at most a TiB
+        # (2**20 MiB): more than any device holds, and far below what torch's int64 takes.
+        if not (number and 0 < bucket_cap_mb <= 2**20):  # type: ignore[operator]
+            raise ConfigError(
+                f"DDP(bucket_cap_mb={described(bucket_cap_mb)}): give the size of a gradient "
+                "bucket in MiB, a number above 0 and at most 1048576 (torch's default is 25), "
+                "or None for torch's default"
+            )
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ConfigError(
+            f"DDP(timeout={described(timeout)}): give a positive datetime.timedelta, e.g. "
+            "timeout=datetime.timedelta(minutes=10)"
+        )
+
+
 class DDP(Strategy):
     """Distributed data parallel over processes started by ``Runtime.launch`` or a launcher.
 
@@ -76,6 +105,7 @@ class DDP(Strategy):
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         super().__init__()
+        _check_options(find_unused_parameters, static_graph, bucket_cap_mb, timeout)
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
@@ -131,9 +161,53 @@ class DDP(Strategy):
                     timeout=self.timeout,
                 )
             else:
-                dist.init_process_group(
-                    self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
-                )
+                # The store env:// would make, but with a bounded wait for the other ranks: a
+                # rank that never comes (RANK/WORLD_SIZE left in the shell, a node that never
+                # started) must end the run in minutes with a reason, not hang it.
+                addr, port = _env.master_endpoint()
+                where = f"rank {self.rank} of {self.world_size}"
+                if addr is None or port is None or not port.isdigit():
+                    raise ConfigError(
+                        f"{where} (RANK and WORLD_SIZE are set) needs MASTER_ADDR and "
+                        f"MASTER_PORT, but MASTER_ADDR={addr!r} and MASTER_PORT={port!r}: start "
+                        "it with `gpukit launch` or torchrun, or, if no launcher should be "
+                        "involved, `unset RANK WORLD_SIZE` (left from an earlier job)"
+                    )
+                bound = _env.rendezvous_timeout()
+                # DistStoreError (rank 0: not everyone came), DistNetworkError (the others: no
+                # rank 0); torch before 2.2 raises plain RuntimeErrors for both.
+                waits: type[Exception] = getattr(dist, "DistError", RuntimeError)
+                try:
+                    store = dist.TCPStore(
+                        addr,
+                        int(port),
+                        self.world_size,
+                        # Under torchrun the agent on node 0 hosts the store already.
+                        is_master=self.rank == 0 and not _env.torchelastic_agent_store(),
+                        timeout=datetime.timedelta(seconds=bound),
+                        wait_for_workers=True,
+                        multi_tenant=True,
+                    )
+                    dist.init_process_group(
+                        self.backend,
+                        store=store,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        timeout=self.timeout,
+                    )
+                except waits as err:
+                    said = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+                    raise LaunchError(
+                        f"{where} waited {bound:g} s at {addr}:{port} for all "
+                        f"{self.world_size} ranks to join, in vain ({said}). Likely causes: "
+                        "RANK/WORLD_SIZE left in the shell from an earlier job (`unset RANK "
+                        "WORLD_SIZE MASTER_ADDR MASTER_PORT`, or start the program with "
+                        "`gpukit launch`); a rank or node that never started or died before "
+                        f"joining; a firewall closing port {port} between the nodes. "
+                        "GPUKIT_RENDEZVOUS_TIMEOUT=SECONDS waits longer"
+                    ) from None
+                # Later waits on the store (new groups) follow the collectives' timeout.
+                store.set_timeout(self.timeout)
             self._owns_group = True
         # A gloo group beside the training one (gloo even when training uses NCCL): its
         # monitored barrier names the ranks that never arrive, within a timeout of our choice.
@@ -223,8 +297,8 @@ class DDP(Strategy):
         return [v > 0 for v in found.tolist()]  # the one read: every rank decides alike
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
-        if op not in _OPS:
-            raise ConfigError(f"unknown reduce op {op!r}: use one of {', '.join(_OPS)}")
+        if not isinstance(op, str) or op not in _OPS:
+            raise ConfigError(f"unknown reduce op {described(op)}: use one of {', '.join(_OPS)}")
         out = tensor.detach().clone()
         dist.all_reduce(out, op=_OPS[op])
         if op == "mean":

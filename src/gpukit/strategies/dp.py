@@ -28,12 +28,14 @@ from torch import nn
 
 from gpukit import _env
 from gpukit._util.batch import batch_size, chunk_sizes
+from gpukit._util.text import described
 from gpukit.devices.device import Device, DeviceSpec
 from gpukit.devices.device import device as resolve_device
+from gpukit.devices.spec import SpecError, parse
 from gpukit.errors import ConfigError
 from gpukit.strategies._criterion import ParallelCriterion, reduction_of
 from gpukit.strategies._parallel import gather, parallel_apply, replicate, scatter
-from gpukit.strategies.base import MemoryAdvice, Strategy
+from gpukit.strategies.base import MemoryAdvice, Strategy, check_criterion
 from gpukit.strategies.per_device import PerDevice
 
 
@@ -84,7 +86,7 @@ class DP(Strategy):
 
     def __init__(self, *, output_device: DeviceSpec | None = None) -> None:
         super().__init__()
-        self.output_device_spec = output_device
+        self.output_device_spec = _checked_member("output_device", output_device)
 
     def configure(self, devices: list[Device]) -> None:
         if _env.launched() is not None:
@@ -124,8 +126,8 @@ class DP(Strategy):
         chosen = resolve_device(spec)
         if chosen not in self.devices:
             raise ConfigError(
-                f"{what}={spec!r} is not one of the strategy's devices ({listing}): give one "
-                "of them, or its position"
+                f"{what}={described(spec)} is not one of the strategy's devices ({listing}): "
+                "give one of them, or its position"
             )
         return chosen.torch
 
@@ -186,7 +188,7 @@ class DPBalanced(DP):
 
     def __init__(self, *, loss_device: DeviceSpec | None = None) -> None:
         super().__init__()
-        self.loss_device_spec = loss_device
+        self.loss_device_spec = _checked_member("loss_device", loss_device)
 
     def configure(self, devices: list[Device]) -> None:
         super().configure(devices)
@@ -206,7 +208,27 @@ class DPBalanced(DP):
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
     ) -> Callable[..., torch.Tensor]:
+        check_criterion(fn, reduction)
         reduces = reduction_of(fn, reduction)
         if isinstance(fn, nn.Module):
             fn = fn.to(self.devices[0].torch)
         return ParallelCriterion(fn, self.loss_device, reduces)
+
+
+def _checked_member(what: str, spec: DeviceSpec | None) -> DeviceSpec | None:
+    """``spec`` as given, once its spelling is known to be a device or a position (whether it
+    is one of the strategy's devices is known only when they are given, in ``configure``)."""
+    if spec is None or isinstance(spec, Device):
+        return spec
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 0:
+            raise ConfigError(f"{what}={spec}: give a position 0, 1, ... among the devices")
+        return spec
+    try:
+        parse(spec)
+    except SpecError as err:
+        raise ConfigError(
+            f"{what}={described(spec)}: {err.problem}; give a position among the strategy's "
+            f"devices (0, 1, ...) or one of them ({err.fix})"
+        ) from None
+    return spec

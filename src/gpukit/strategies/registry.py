@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpukit._util.text import described
 from gpukit.devices import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import Strategy
@@ -25,9 +26,14 @@ def make_strategy(spec: str | Strategy) -> Strategy:
     """A fresh strategy for a registered name, or the strategy object given."""
     if isinstance(spec, Strategy):
         return spec
-    if spec not in STRATEGIES:
+    if isinstance(spec, type) and issubclass(spec, Strategy):
         raise ConfigError(
-            f"unknown strategy {spec!r}: use one of auto, {', '.join(STRATEGIES)} "
+            f"strategy={spec.__name__} is the class, not a strategy: pass an instance, "
+            f"e.g. strategy={spec.__name__}(), or the name {spec.name!r}"
+        )
+    if not isinstance(spec, str) or spec not in STRATEGIES:
+        raise ConfigError(
+            f"unknown strategy {described(spec)}: use one of auto, {', '.join(STRATEGIES)} "
             "(or pass a strategy object such as gk.strategies.DDP(...))"
         )
     return STRATEGIES[spec]()
@@ -41,7 +47,7 @@ def choose(spec: str | Strategy, devices: Sequence[Device], launched: bool) -> S
     >>> choose("auto", [device("cpu")], launched=False).name
     'single'
     """
-    if spec == "auto":
+    if isinstance(spec, str) and spec == "auto":
         spec = "ddp" if launched or len(devices) > 1 else "single"
     strategy = make_strategy(spec)
     strategy.configure(list(devices))

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import os
-import reprlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from gpukit.errors import ConfigError
+from gpukit._util.text import described, safe_repr, type_name
+from gpukit._util.tree import children
+from gpukit.errors import ConfigError, GpukitError
+from gpukit.runtime.config import SEED_RANGE
 
 WorkloadName = Literal["mlp", "cnn", "gpt"]
 WORKLOADS: tuple[WorkloadName, ...] = ("mlp", "cnn", "gpt")
@@ -93,7 +97,10 @@ def load_workload(spec: str, *, seed: int = 0) -> Workload:
     ``batch_size=32, lr=1e-3, epochs=1, flops_per_sample=0.0``). The module must be
     importable, i.e. on ``sys.path``. Either way the global RNG state is left as it was:
     the model is built under a forked RNG seeded with ``seed``. Bad specs raise
-    :class:`~gpukit.errors.ConfigError`.
+    :class:`~gpukit.errors.ConfigError`, and so does a workload that cannot train, before any
+    process starts: a function that raises (naming its line) or returns something else, a
+    module with a syntax error (its file, line and text), a model with nothing to train, an
+    empty dataset, or items that are not (input, target) pairs the loader can stack.
 
     >>> a, b = load_workload("mlp", seed=3), load_workload("mlp", seed=3)
     >>> all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
@@ -103,15 +110,32 @@ def load_workload(spec: str, *, seed: int = 0) -> Workload:
     gpukit.errors.ConfigError: unknown workload 'resnet50': ...
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"workload {spec!r} is not a name: {_ALLOWED}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed={seed!r} must be an int, e.g. seed=0")
+        raise ConfigError(f"workload {described(spec)} is not a name: {_ALLOWED}")
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ConfigError(
+            f"seed={described(seed)} must be an int from -2**63 to 2**63-1, e.g. seed=0"
+        )
     spec = spec.strip()
     builder = _builtin(spec) if ":" not in spec else _user_function(spec)
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
         torch.manual_seed(seed)
-        result = builder(seed=seed) if _takes_seed(builder) else builder()
-    return _as_workload(spec, result)
+        try:
+            result = builder(seed=seed) if _takes_seed(builder) else builder()
+        except GpukitError:
+            raise
+        except Exception as err:
+            if ":" not in spec:
+                raise  # a built-in workload that fails is gpukit's bug: keep its traceback
+            module_name, _, function_name = spec.partition(":")
+            raise ConfigError(
+                f"workload {spec!r}: {function_name}() failed{_failed_at(err, module_name)} "
+                f"with {type_name(err)}: {_first_line(err)}: fix it (calling it in Python "
+                "shows the whole traceback)"
+            ) from err
+    workload = _as_workload(spec, result)
+    _check_parts(workload)
+    return workload
 
 
 def _builtin(name: str) -> Callable[..., Any]:
@@ -185,9 +209,12 @@ def _import_user_module(spec: str, module_name: str) -> Any:
             "install the package it imports, or fix the import"
         ) from None
     except SyntaxError as err:
-        where = f"{err.filename}, line {err.lineno}" if err.filename else module_name
+        # Two lines, as Python shows it: where and what, then the line itself.
+        where = f"{err.filename}:{err.lineno}" if err.filename else module_name
+        line = (err.text or "").strip()
+        shown = f"    {line}    <- fix this line and run again" if line else "    fix it, run again"
         raise ConfigError(
-            f"workload {spec!r}: a syntax error in {where}: {err.msg}: fix it and run again"
+            f"workload {spec!r}: {where}: {type_name(err)}: {err.msg}\n{shown}"
         ) from None
     except Exception as err:  # the module's own code failed while it was being imported
         raise ConfigError(
@@ -208,8 +235,11 @@ def _failed_at(err: BaseException, module_name: str) -> str:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    try:
+        text = str(err).strip()
+    except Exception:  # an exception whose own message fails
+        text = ""
+    return text.splitlines()[0] if text else type_name(err)
 
 
 def _where(module: Any) -> str:
@@ -253,11 +283,94 @@ def _as_workload(spec: str, result: object) -> Workload:
         detail = "; ".join(wrong)
     else:
         size = f" of {len(result)} items" if isinstance(result, tuple) else ""
-        detail = f"it returned {reprlib.repr(result)} ({type(result).__name__}{size})"
+        detail = f"it returned {safe_repr(result)} ({type_name(result)}{size})"
     raise ConfigError(
         f"workload {spec!r} must return a gpukit.workloads.Workload or a (model, dataset, loss) "
         f"tuple, but {detail}"
     )
+
+
+def _check_parts(w: Workload) -> None:
+    """Refuse, before any process starts, a workload that cannot train: a model with nothing
+    to train, a dataset that is empty or whose items are not (input, target) pairs."""
+    problem = _model_problem(w.model) or _dataset_problem(w.dataset)
+    if problem is None and not callable(w.loss):
+        problem = f"the loss is {described(w.loss)}, not a function loss(output, target)"
+    if problem is not None:
+        raise ConfigError(f"workload {w.name!r}: {problem}")
+
+
+def _model_problem(model: object) -> str | None:
+    if not isinstance(model, nn.Module):
+        return f"the model is {described(model)}, not a torch.nn.Module"
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        state = f"{len(params)} parameter(s), all frozen" if params else "no parameters"
+        return (
+            f"the model ({type_name(model)}) has {state}: there is nothing to train; return "
+            "a model with trainable weights (or unfreeze them with requires_grad_(True))"
+        )
+    if any(p.is_meta for p in params):
+        return (
+            f"the model ({type_name(model)}) has parameters on the meta device (a shape, no "
+            "data): create it on a real device, or materialise it with to_empty()"
+        )
+    return None
+
+
+def _dataset_problem(dataset: object) -> str | None:
+    """What is wrong with the dataset, judged from its length and its first item."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return (
+            f"the dataset is {described(dataset)}: give a map-style dataset (len() and "
+            "dataset[i]), e.g. torch.utils.data.TensorDataset(inputs, targets)"
+        )
+    data: Any = dataset
+    try:
+        size = len(data)
+        item = data[0] if size > 0 else None
+    except Exception as err:
+        return (
+            f"reading the dataset ({type_name(dataset)}) failed with {type_name(err)}: "
+            f"{_first_line(err)}: len(dataset) and dataset[0] must work"
+        )
+    if size == 0:
+        return (
+            f"the dataset ({type_name(dataset)}) is empty: there is no batch to train on; "
+            "return one with samples"
+        )
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        count = f" of {len(item)} items" if isinstance(item, (tuple, list)) else ""
+        return (
+            f"dataset[0] is {safe_repr(item, 60)} ({type_name(item)}{count}): each item must "
+            "be an (input, target) pair, e.g. TensorDataset(inputs, targets)"
+        )
+    for name, part in zip(("input", "target"), item, strict=True):
+        if not _batchable(part):
+            return (
+                f"dataset[0]'s {name} is {safe_repr(part, 60)} ({type_name(part)}): the "
+                f"{name} must be a tensor (or numbers, numpy arrays, or a tuple/dict of "
+                "them) for the loader to stack into a batch"
+            )
+    return None
+
+
+def _batchable(value: object) -> bool:
+    """Whether the default collate stacks ``value`` into a tensor batch: tensors, arrays and
+    numbers, also inside a few levels of tuples, lists and dicts (strings and None it cannot
+    give to a model)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (torch.Tensor, np.ndarray, np.generic)):
+            continue
+        if isinstance(item, numbers.Number) and not isinstance(item, complex):
+            continue
+        inside = [child for _, child in children(item)]
+        if not inside or depth >= 3 or isinstance(item, (str, bytes)):
+            return False
+        stack += [(child, depth + 1) for child in inside]
+    return True
 
 
 def _is_int(value: object, minimum: int) -> bool:

@@ -31,6 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from gpukit import _env
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
@@ -65,7 +66,8 @@ class TrainConfig:
     lr: float | None = None
     seed: int = 0
     out: str | None = None
-    resume: bool = False
+    resume: bool = False  # continue from out's newest checkpoint (restarted attempts always do)
+    nonfinite: str | None = None  # "skip" builds the optimizer fused, to skip on the device
     progress: bool = True  # progress on rank 0 (off when stdout carries JSON)
     progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between lines off a terminal
     sample: bool = True  # generate text at the end, for workloads that can
@@ -78,7 +80,10 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
     model = workload.model
     lr = config.lr if config.lr is not None else workload.lr
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # fused: the only AdamW that can skip a step on the device (nonfinite="skip"); otherwise
+    # torch's default, as a plain program gets it.
+    fused: dict[str, Any] = {"fused": True} if config.nonfinite == "skip" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
     # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
     # accumulation micro-batches (and into more if memory runs out).
     loader = torch.utils.data.DataLoader(
@@ -92,7 +97,11 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         return criterion(model(x), y)
 
     checkpoints = Path(config.out) / "checkpoints" if config.out else None
-    resumed = rt.load(_resume_folder(config))["step"] if config.resume else None
+    resumed = None
+    if config.resume or (checkpoints is not None and _env.attempt() > 0):
+        # A restarted attempt goes on from the newest good checkpoint, if the run made one.
+        progress = rt.load(_resume_folder(config)) if config.resume else rt.resume()
+        resumed = progress["step"] if progress else None
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -123,7 +132,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
                     break
             if rt.global_step < total:  # the last epoch's end is the line after the last flush
                 bar.epoch_end(rt.global_step, rt.history)
-            if checkpoints is not None:
+            if checkpoints is not None and rt.lifecycle.saved_step != rt.global_step:
                 rt.save(checkpoints)
         rt.flush_logs()
         bar.finish(rt.global_step, rt.history)  # the last line shows the last loss
@@ -147,6 +156,8 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         history=history,
         resumed_from_step=resumed,
     )
+    if rt.nonfinite is not None:
+        summary["skipped_steps"] = rt.skipped_steps()
     if workload.sample is not None and config.sample:
         summary["sample"] = workload.sample(rt.unwrap(model), rt.device)
     if config.out:

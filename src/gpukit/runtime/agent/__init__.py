@@ -1,0 +1,194 @@
+"""gpukit's launcher for one machine: ``nproc`` ranks of a command, watched and restarted.
+
+``run_job`` starts one process per rank with the variables torchrun would give it (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
+``MASTER_PORT``, ``TORCHELASTIC_ERROR_FILE``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``) plus ``GPUKIT_JOB_DIR`` (one folder per job, kept across attempts:
+heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then:
+
+- **failures**: when a rank fails, the others get a short grace and are SIGKILLed with their
+  process groups; the headline names the rank that failed first, with its step and phase
+  (``workers``, ``failures``);
+- **hangs**: when a rank has not beaten for ``hang_timeout`` seconds, every rank writes its
+  stacks, the report names the stuck rank and its line, and all are stopped (``hangs``);
+- **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
+  ``max_restarts`` times, unless it failed before its first step or keeps failing the same
+  way (``restarts``);
+- **preemption**: SIGTERM/SIGINT to the launcher reaches every rank as SIGTERM: they save and
+  exit 143, and so does the launcher (``supervisor``);
+- **no orphans**: workers die with the launcher, even when it is SIGKILLed (Linux; elsewhere
+  when it exits or is signalled).
+
+Several machines go through torchrun instead (``gpukit launch --nnodes``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TextIO
+
+from gpukit import _env
+from gpukit.errors import ConfigError
+from gpukit.runtime.agent.failures import PREEMPTED_EXIT, Fault, headline, rank_lines
+from gpukit.runtime.agent.hangs import REPORT_FILE
+from gpukit.runtime.agent.restarts import (
+    DEFAULT_CRASH_LOOP,
+    Restart,
+    redone,
+    stop_reason,
+    summary,
+)
+from gpukit.runtime.agent.supervisor import Attempt, Outcome, Settings, Signals, fresh_job_dir
+from gpukit.runtime.agent.workers import kill_leftovers
+from gpukit.runtime.launch import free_port
+
+__all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
+
+# Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
+# it records the error with its time and dumps the stacks when a hang is being reported.
+RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
+DEFAULT_HANG_TIMEOUT = 300.0
+GRACE_S = 1.5  # after the first failure, for the others to fail on their own
+STOP_TIMEOUT_S = 60.0  # after a forwarded SIGTERM, for the ranks to save and exit
+
+
+def run_job(
+    command: list[str],
+    nproc: int,
+    *,
+    max_restarts: int = 0,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
+    env: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+    name: str = "gpukit launch",
+    master_port: int | None = None,
+    crash_loop: int = DEFAULT_CRASH_LOOP,
+    grace: float = GRACE_S,
+    stop_timeout: float = STOP_TIMEOUT_S,
+    job_dir: str | Path | None = None,
+) -> int:
+    """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
+    0 success, 143 stopped on request (preempted: the ranks saved), 1 failed or hung.
+
+    ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
+    is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
+    without a heartbeat before a rank counts as hung (0: never; None: the default, 300); only
+    ranks that beat, i.e. that run a gpukit Runtime, are watched. ``master_port``: the first
+    attempt's port (later attempts take a fresh one; default: a free one each time).
+    ``crash_loop``: stop restarting after this many identical failures in a row. ``grace``:
+    seconds the other ranks get to fail on their own after the first failure.
+    ``stop_timeout``: seconds the ranks get to save and exit after a forwarded SIGTERM.
+    ``job_dir``: the job's folder (kept; default a temporary one, removed at the end unless a
+    hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
+    starting with ``name``.
+
+    Call it from the thread that will live as long as the job (the main thread, normally): the
+    ranks are tied to it, and only there can the launcher catch SIGTERM and SIGINT.
+
+    >>> import sys
+    >>> run_job([sys.executable, "-c", "import os; assert os.environ['WORLD_SIZE'] == '2'"], 2)
+    0
+
+    Through the runner, a failure is timed to the nanosecond and a hang shows its stacks:
+    ``run_job([sys.executable, str(RUNNER), "-m", "gpukit", "train", ...], 2)``.
+    """
+    _check(command, nproc, max_restarts, hang_timeout, crash_loop)
+    folder = Path(job_dir) if job_dir is not None else fresh_job_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    variables = {**_env.environment(), **(env or {})}
+    if nproc > 1:
+        variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
+    settings = Settings(
+        list(command),
+        nproc,
+        variables,
+        folder,
+        max_restarts,
+        DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout or None,
+        grace,
+        stop_timeout,
+        name,
+        out if out is not None else sys.stderr,
+    )
+    signals = Signals()
+    try:
+        return _attempts(settings, signals, master_port, crash_loop)
+    finally:
+        signals.restore()
+        kill_leftovers()
+        # After a hang the stack dumps and the report stay (the report said where).
+        if job_dir is None and not (folder / REPORT_FILE).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: int) -> int:
+    faults: list[Fault] = []
+    restarts: list[Restart] = []
+    checkpoint = -1
+    for number in range(s.max_restarts + 1):
+        if signals.received:  # asked to stop while deciding to restart: do not
+            _say(s, [f"{s.name}: stopped on request before restart {number}"])
+            _say(s, _ended(s, faults, restarts, "stopped"))
+            return PREEMPTED_EXIT
+        port = master_port if number == 0 and master_port else free_port()
+        outcome = Attempt(s, number, port, signals, max(checkpoint, 0)).run()
+        if restarts:
+            restarts[-1].startup_s = outcome.progress.startup_s()
+            restarts[-1].resume_s = outcome.progress.resume_s()
+        checkpoint = max(checkpoint, outcome.progress.checkpoint)
+        if outcome.status == "ok":
+            _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
+            return 0
+        if outcome.status == "preempted":
+            _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
+            return PREEMPTED_EXIT
+        if outcome.status == "failed":
+            _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
+        assert outcome.fault is not None
+        faults.append(outcome.fault)
+        why = stop_reason(faults, outcome.progress.advanced, number, s.max_restarts, repeats)
+        if why is not None:
+            lines = [f"{s.name}: not restarted: {why}"] if why else []
+            _say(s, lines + _ended(s, faults, restarts, "failed"))
+            return 1
+        lost = redone(outcome.progress.step, checkpoint)
+        restarts.append(Restart(number + 1, outcome.fault, lost, outcome.stop_s))
+        _say(s, [f"{s.name}: {restarts[-1].line(s.max_restarts)}"])
+    return 1  # not reached: the last attempt has no restarts left
+
+
+def _ended(s: Settings, faults: list[Fault], restarts: list[Restart], how: str) -> list[str]:
+    return summary(s.name, faults, restarts, how) if restarts else []
+
+
+def _preempted(name: str, outcome: Outcome) -> str:
+    hint = outcome.preempted_message
+    if hint:
+        return f"{name}: stopped on request (exit {PREEMPTED_EXIT}): {hint}"
+    return (
+        f"{name}: stopped on request (exit {PREEMPTED_EXIT}); every rank has exited "
+        "(a gpukit Runtime saves a checkpoint first, and resumes from it at the next start)"
+    )
+
+
+def _say(s: Settings, lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=s.out, flush=True)
+
+
+def _check(
+    command: list[str], nproc: int, max_restarts: int, hang_timeout: float | None, repeats: int
+) -> None:
+    if not command:
+        raise ConfigError("run_job: command is empty: give the program and its arguments")
+    if nproc < 1:
+        raise ConfigError(f"nproc={nproc}: give at least 1 process")
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts={max_restarts}: give 0 or more")
+    if hang_timeout is not None and not hang_timeout >= 0:
+        raise ConfigError(f"hang_timeout={hang_timeout}: give seconds >= 0 (0: never)")
+    if repeats < 1:
+        raise ConfigError(f"crash_loop={repeats}: give 1 or more identical failures")

@@ -1,0 +1,181 @@
+"""When to restart a failed job, what each restart cost, and the words for both.
+
+A failed attempt is restarted (all ranks, a fresh port) unless:
+
+- it failed before its first step: no rank's heartbeat step moved past where the attempt began
+  (a rank that never beat has not begun). An import error, a wrong path, a model that does not
+  fit: restarting would fail the same way;
+- the same failure (kind, rank, first line of the message, step) came ``repeats`` times in a
+  row: a crash loop;
+- no restarts are left.
+
+The heartbeats also tell what a restart costs: the steps since the last checkpoint, done again
+(``step - saved_step``), and the time from the failure to training again, in three phases:
+stopping the workers, starting processes until every rank's first beat (import, rendezvous),
+and from there to the first step done (setup, loading the checkpoint).
+
+>>> from gpukit.runtime.agent.failures import Fault
+>>> boom = Fault("raised", 1, "ValueError: bad", 6, "rank 1 raised ValueError: bad at step 6")
+>>> crash_loop([boom, boom], repeats=3), crash_loop([boom, boom, boom], repeats=3)
+(False, True)
+>>> redone(6, 4)
+'2 step(s) since the checkpoint at step 4 are redone'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpukit.runtime.agent.failures import Fault
+from gpukit.runtime.heartbeat import Beat
+
+# Phases a rank beats in before its training loop; only "load" carries the step the attempt
+# resumes from ("start" and "setup" come before the checkpoint is read).
+_BEFORE_LOOP = ("start", "setup", "load")
+DEFAULT_CRASH_LOOP = 3
+
+
+def crash_loop(faults: list[Fault], repeats: int = DEFAULT_CRASH_LOOP) -> bool:
+    """The last ``repeats`` faults are the same failure."""
+    if repeats < 1 or len(faults) < repeats:
+        return False
+    last = faults[-1]
+    return all(f.same_as(last) for f in faults[-repeats:])
+
+
+def stop_reason(
+    faults: list[Fault], advanced: bool, restarts_done: int, max_restarts: int, repeats: int
+) -> str | None:
+    """Why the job must not be restarted after its latest fault; None: restart it."""
+    if max_restarts == 0:
+        return ""  # restarts were not asked for: nothing to explain
+    if not advanced:
+        return "it failed before its first step: restarting would fail the same way"
+    if crash_loop(faults, repeats):
+        return (
+            f"the same failure {repeats} times in a row (a crash loop): restarting would fail "
+            "the same way"
+        )
+    if restarts_done >= max_restarts:
+        return f"no restarts left (all {max_restarts} used)"
+    return None
+
+
+def redone(step: int | None, checkpoint: int) -> str:
+    """The work a restart does again: the steps since the checkpoint it resumes from."""
+    if step is None:
+        return "the work lost is unknown (no heartbeat)"
+    if checkpoint >= 0:
+        lost = max(step - checkpoint, 0)
+        return f"{lost} step(s) since the checkpoint at step {checkpoint} are redone"
+    return f"{step} step(s) since the start are redone (no checkpoint yet)"
+
+
+@dataclass
+class Progress:
+    """What one attempt's heartbeats showed, as they were read (every ~0.15 s, and once more
+    when each rank ended: a fast rank may have taken several steps between two reads).
+
+    Where a rank began: the step of its "load" beat when one was seen, else the step the
+    attempt should resume from (another rank's "load" beat, else ``resumes_from``: the last
+    checkpoint known, or 0), or 0 when the first step seen is below that (it started over)."""
+
+    started: float  # when its processes were started (time.time())
+    ranks: int
+    resumes_from: int = 0
+    base: dict[int, int] = field(default_factory=dict)  # the step each rank began from
+    last: dict[int, Beat] = field(default_factory=dict)
+    first_beat: dict[int, float] = field(default_factory=dict)
+    first_step_at: float | None = None
+    _loaded: set[int] = field(default_factory=set)
+
+    def observe(self, beat: Beat) -> None:
+        rank = beat.rank
+        self.last[rank] = beat
+        self.first_beat.setdefault(rank, beat.time)
+        if beat.phase == "load":
+            self.base[rank] = beat.step
+            self._loaded.add(rank)
+        if beat.phase in _BEFORE_LOOP:
+            return
+        if rank not in self.base:
+            # Ranks resume from the same checkpoint: another rank's "load" beat tells it too.
+            loaded = [self.base[r] for r in self._loaded]
+            resumed = loaded[0] if loaded else self.resumes_from
+            # Below that step, it did not resume from there: it started over, most likely.
+            self.base[rank] = resumed if beat.step >= resumed else 0
+        if self.first_step_at is None and beat.step > self.base[rank]:
+            self.first_step_at = beat.time
+
+    @property
+    def advanced(self) -> bool:
+        """Some rank completed a step in this attempt."""
+        return self.first_step_at is not None
+
+    @property
+    def all_beaten_at(self) -> float | None:
+        """When the last rank gave its first beat, or None while one has not."""
+        if len(self.first_beat) < self.ranks:
+            return None
+        return max(self.first_beat.values())
+
+    @property
+    def step(self) -> int | None:
+        """The furthest step any rank reached, or None without a beat."""
+        return max((b.step for b in self.last.values()), default=None)
+
+    @property
+    def checkpoint(self) -> int:
+        """The step of the last checkpoint every rank beat took part in (-1: none)."""
+        if not self.last:
+            return -1
+        return min(b.saved_step for b in self.last.values())
+
+    def startup_s(self) -> float | None:
+        """Seconds from starting the processes to every rank's first beat."""
+        beaten = self.all_beaten_at
+        return None if beaten is None else max(beaten - self.started, 0.0)
+
+    def resume_s(self) -> float | None:
+        """Seconds from every rank's first beat to the first step done."""
+        beaten = self.all_beaten_at
+        if beaten is None or self.first_step_at is None:
+            return None
+        return max(self.first_step_at - beaten, 0.0)
+
+
+@dataclass
+class Restart:
+    """One restart: after which fault, the work done again, and its time in phases."""
+
+    number: int
+    fault: Fault
+    redone: str
+    stop_s: float | None  # from the failure (or the hang's detection) to every worker gone
+    startup_s: float | None = None  # start of the processes to every rank's first beat
+    resume_s: float | None = None  # first beats to the first step done
+
+    def line(self, of: int) -> str:
+        return f"restart {self.number}/{of} after {self.fault.text}; {self.redone}"
+
+    def timing(self) -> str:
+        return (
+            f"restart {self.number}: stopping {_s(self.stop_s)}, starting until every rank's "
+            f"first beat {_s(self.startup_s)} (import + rendezvous), then to the first step "
+            f"{_s(self.resume_s)} (setup + resume)"
+        )
+
+
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.1f} s"
+
+
+def summary(name: str, faults: list[Fault], restarts: list[Restart], ended: str) -> list[str]:
+    """The job's last words when it restarted: how it ended, its FIRST fault (not the last
+    attempt's), and what each restart cost."""
+    first = faults[0] if faults else None
+    lines = [f"{name}: {ended} after {len(restarts)} restart(s)"]
+    if first is not None:
+        lines[0] += f"; the job's first fault: {first.text} (attempt {first.attempt})"
+    lines += [f"  {r.timing()}; {r.redone}" for r in restarts]
+    return lines

@@ -1,0 +1,339 @@
+"""One attempt of a job: start every rank, watch them, stop them all when one fails or hangs.
+
+The attempt's thread waits on one queue: the waiting threads of the workers post a rank the
+moment it ends, the launcher's signal handlers post the signal, and every ~0.15 s it wakes
+anyway to read the heartbeats. After the first failure the other ranks get a short grace (they
+usually fail on their own, on the broken connection, which dates their failure) and are then
+SIGKILLed with their process groups: never SIGTERM, which asks a gpukit rank to save and stop.
+
+SIGTERM or SIGINT to the launcher is forwarded to every rank as SIGTERM (they finish the step,
+save and exit 143) and the launcher waits up to ``stop_timeout`` seconds before killing them; a
+second signal kills them at once. A rank whose heartbeat says it was asked to stop (a scheduler
+signalled that one process) has the request relayed to the others, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from gpukit.runtime import heartbeat
+from gpukit.runtime.agent.failures import ErrorRecord, Fault, RankEnd, read_error
+from gpukit.runtime.agent.hangs import (
+    REPORT_FILE,
+    Watch,
+    blame,
+    hang_report,
+    stack_file,
+    user_frame,
+    wait_for_dumps,
+)
+from gpukit.runtime.agent.restarts import Progress
+from gpukit.runtime.agent.workers import Worker, start_worker
+
+POLL_S = 0.15  # how often heartbeats are read
+
+
+@dataclass
+class Settings:
+    """What every attempt of a job shares."""
+
+    command: list[str]
+    nproc: int
+    env: dict[str, str]
+    folder: Path
+    max_restarts: int
+    hang_timeout: float | None
+    grace: float  # seconds the other ranks get to fail on their own after the first failure
+    stop_timeout: float  # seconds ranks get to save and exit after a forwarded SIGTERM
+    name: str
+    out: TextIO
+
+
+class Signals:
+    """SIGTERM and SIGINT to the launcher, noted and posted to the attempt's queue; installed
+    only from the main thread (Python allows no other), restored by ``restore``."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.events: queue.SimpleQueue[int] | None = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if self.events is not None:
+            self.events.put(-signum)  # SimpleQueue.put is safe in a signal handler
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended."""
+
+    status: str  # "ok", "failed", "hung" or "preempted"
+    ends: list[RankEnd]
+    progress: Progress
+    fault: Fault | None = None
+    detected_at: float | None = None  # when the failure happened or the hang was seen
+    stopped_at: float | None = None  # when the last worker was gone
+    preempted_message: str | None = None
+
+    @property
+    def stop_s(self) -> float | None:
+        if self.detected_at is None or self.stopped_at is None:
+            return None
+        return max(self.stopped_at - self.detected_at, 0.0)
+
+
+@dataclass
+class Attempt:
+    """Attempt number ``number`` of a job, its ranks on ``port``."""
+
+    settings: Settings
+    number: int
+    port: int
+    signals: Signals
+    resumes_from: int = 0  # the step of the last checkpoint known (0: none)
+    workers: list[Worker] = field(default_factory=list)
+
+    def run(self) -> Outcome:
+        s = self.settings
+        events: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.signals.events = events
+        progress = Progress(time.time(), s.nproc, self.resumes_from)
+        self.workers = [
+            start_worker(rank, s.command, self._env(rank), events) for rank in range(s.nproc)
+        ]
+        watch = _Watch(self, progress)
+        handled = 0  # a signal that came between two attempts stops this one at once
+        while any(w.alive for w in self.workers):
+            with contextlib.suppress(queue.Empty):
+                events.get(timeout=POLL_S)
+            if len(self.signals.received) > handled:
+                handled = len(self.signals.received)
+                watch.on_signals()
+            watch.check(time.time())
+        for worker in self.workers:
+            worker.kill()  # what a rank left behind in its group (DataLoader workers)
+        return watch.outcome()
+
+    def _env(self, rank: int) -> dict[str, str]:
+        s = self.settings
+        return {
+            **s.env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(s.nproc),
+            "LOCAL_WORLD_SIZE": str(s.nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "TORCHELASTIC_ERROR_FILE": str(self.error_file(rank)),
+            "TORCHELASTIC_RESTART_COUNT": str(self.number),
+            "TORCHELASTIC_MAX_RESTARTS": str(s.max_restarts),
+            "GPUKIT_JOB_DIR": str(s.folder),
+            "GPUKIT_ATTEMPT": str(self.number),
+        }
+
+    def error_file(self, rank: int) -> Path:
+        return self.settings.folder / f"error-{rank}-{self.number}.json"
+
+
+class _Watch:
+    """The attempt's state between wake-ups: failures seen, deadlines, heartbeats."""
+
+    def __init__(self, attempt: Attempt, progress: Progress) -> None:
+        self.attempt = attempt
+        self.progress = progress
+        self.seen: set[int] = set()
+        self.first_failure: float | None = None
+        self.kill_at: float | None = None
+        self.stopping = False  # asked to stop: by a signal, a rank's request, a 143 exit
+        self.signalled: set[int] = set()  # ranks sent SIGTERM by the launcher
+        self.hang: tuple[Fault, float] | None = None
+
+    @property
+    def _settings(self) -> Settings:
+        return self.attempt.settings
+
+    def _deadline(self, at: float) -> None:
+        self.kill_at = at if self.kill_at is None else min(self.kill_at, at)
+
+    def _terminate(self, workers: list[Worker]) -> None:
+        for w in workers:
+            if w.alive:
+                self.signalled.add(w.rank)
+                w.send(signal.SIGTERM)
+
+    def on_signals(self) -> None:
+        if len(self.attempt.signals.received) >= 2:
+            self.kill_all()  # a second signal: stop now
+            return
+        self.stopping = True
+        self._terminate(
+            [
+                w
+                for w in self.attempt.workers
+                if w.rank not in self.signalled and not self._asked_to_stop(w.rank)
+            ]
+        )
+        self._deadline(time.time() + self._settings.stop_timeout)
+
+    def kill_all(self) -> None:
+        for w in self.attempt.workers:
+            if w.alive:
+                w.kill()
+
+    def check(self, now: float) -> None:
+        for w in self.attempt.workers:
+            if not w.alive and w.rank not in self.seen:
+                self.seen.add(w.rank)
+                self._ended(w, now)
+        self._read_beats()
+        timeout = self._settings.hang_timeout
+        if timeout and self.first_failure is None and self.hang is None:
+            self._check_hang(now, timeout)
+        if self.kill_at is not None and now >= self.kill_at:
+            self.kill_all()
+
+    def _ended(self, worker: Worker, now: float) -> None:
+        code = worker.returncode
+        if code == 0 or worker.stopped:
+            return
+        if code == 143 or (worker.rank in self.signalled and code == -signal.SIGTERM):
+            if not self.stopping:  # it was asked to stop by someone else: so are the others
+                self._terminate([w for w in self.attempt.workers if w is not worker])
+            self.stopping = True
+            self._deadline(now + self._settings.stop_timeout)
+            return
+        if self.first_failure is None:
+            self.first_failure = now
+            # While the ranks save on their way out, a peer's failure must not cut that short.
+            self._deadline(
+                now + (self._settings.stop_timeout if self.stopping else self._settings.grace)
+            )
+
+    def _read_beats(self) -> None:
+        folder, number = self._settings.folder, self.attempt.number
+        for w in self.attempt.workers:
+            beat = heartbeat.read(folder, w.rank)
+            if beat is None or beat.attempt != number:
+                continue  # not beaten yet in this attempt (the file may be the last attempt's)
+            self.progress.observe(beat)
+            if beat.stop_requested and not self.stopping:
+                # One rank got the scheduler's SIGTERM: relay it to the others, once.
+                self.stopping = True
+                others = [x for x in self.attempt.workers if x is not w]
+                self._terminate([x for x in others if not self._asked_to_stop(x.rank)])
+
+    def _asked_to_stop(self, rank: int) -> bool:
+        beat = self.progress.last.get(rank)
+        return beat is not None and beat.stop_requested
+
+    def _watches(self) -> list[Watch]:
+        found = []
+        for w in self.attempt.workers:
+            if not w.alive:
+                continue
+            beat = self.progress.last.get(w.rank)
+            if beat is None:
+                found.append(Watch(w.rank, w.started, -1, "start"))
+            else:
+                found.append(Watch(w.rank, beat.time, beat.step, beat.phase))
+        return found
+
+    def _check_hang(self, now: float, timeout: float) -> None:
+        if not self.progress.last:
+            return  # watching starts with the first beat of the attempt
+        watches = self._watches()
+        stuck = blame(watches, now, timeout)
+        if stuck is None:
+            return
+        s, number = self._settings, self.attempt.number
+        alive = [w for w in self.attempt.workers if w.alive]
+        for w in alive:
+            w.send(signal.SIGUSR1)
+        stacks = wait_for_dumps({w.rank: stack_file(s.folder, w.rank, number) for w in alive})
+        report = hang_report(stuck, watches, stacks, now, s.name)
+        kept = f"  stack dumps and {REPORT_FILE} are kept in {s.folder}"
+        (s.folder / REPORT_FILE).write_text(f"attempt {number}\n{report}\n")
+        print(f"{report}\n{kept}", file=s.out, flush=True)
+        frames = stacks.get(stuck.rank, [])
+        where = user_frame(frames) or (frames[0] if frames else None)
+        text = f"rank {stuck.rank} hung at step {stuck.step} (phase {stuck.phase})"
+        message = where.show() if where is not None else "no stack"
+        self.hang = (Fault("hung", stuck.rank, message, stuck.step, text, number), now)
+        self.first_failure = now
+        self.kill_all()
+
+    def outcome(self) -> Outcome:
+        ends = [self._end(w) for w in self.attempt.workers]
+        stopped_at = max((w.ended_ns or 0) for w in self.attempt.workers) / 1e9
+        progress, number = self.progress, self.attempt.number
+        if self.hang is not None:
+            fault, seen = self.hang
+            return Outcome("hung", ends, progress, fault, seen, stopped_at)
+        failed = sorted((e for e in ends if e.failed), key=_first)
+        # Asked to stop, ranks that only lost a peer on the way out did not fail the job.
+        stop_only = self.stopping and all(e.consequence for e in failed)
+        if failed and not self.attempt.signals.received and not stop_only:
+            first = failed[0]
+            return Outcome(
+                "failed", ends, progress, first.fault(number), first.failed_at_ns / 1e9, stopped_at
+            )
+        if self.attempt.signals.received or any(e.preempted for e in ends):
+            return Outcome("preempted", ends, progress, preempted_message=_resume_hint(ends))
+        return Outcome("ok", ends, progress)  # a stop was relayed, yet every rank finished
+
+    def _end(self, w: Worker) -> RankEnd:
+        code = w.returncode
+        assert code is not None and w.ended_ns is not None
+        beat = self.progress.last.get(w.rank)
+        final = heartbeat.read(self._settings.folder, w.rank)  # its very last beat
+        if final is not None and final.attempt == self.attempt.number:
+            beat = final
+            self.progress.observe(final)
+        return RankEnd(
+            w.rank,
+            code,
+            w.ended_ns,
+            read_error(self.attempt.error_file(w.rank)),
+            stopped=w.stopped and code == -signal.SIGKILL,
+            step=beat.step if beat is not None else None,
+            phase=beat.phase if beat is not None else None,
+            asked_to_stop=w.rank in self.signalled,
+        )
+
+
+def _first(end: RankEnd) -> tuple[bool, int, int]:
+    return (end.consequence, end.failed_at_ns, end.rank)
+
+
+def _resume_hint(ends: list[RankEnd]) -> str | None:
+    """What a rank that stopped on request said (gpukit's Preempted: where it saved and how to
+    resume), rank 0's first."""
+    for end in sorted(ends, key=lambda e: e.rank):
+        error: ErrorRecord | None = end.error
+        if error is not None and error.message.startswith("Preempted"):
+            return error.first_line.removeprefix("Preempted: ")
+    return None
+
+
+def fresh_job_dir() -> Path:
+    """A new folder for one job's heartbeats, error records and stack dumps."""
+    return Path(tempfile.mkdtemp(prefix=f"gpukit-job-{os.getpid()}-"))

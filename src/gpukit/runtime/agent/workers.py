@@ -1,0 +1,160 @@
+"""Starting and stopping the processes of one attempt: one per rank, none outliving the launcher.
+
+Each worker is started in a process group of its own, so stopping a rank (``killpg``) stops the
+processes it started too (DataLoader workers, compilers). On Linux each worker also asks the
+kernel to SIGKILL it when the launcher dies (``PR_SET_PDEATHSIG``), even by SIGKILL, which no
+handler in the launcher could see. The kernel sends that signal when the *thread* that started
+the worker ends, so workers are started from the thread that runs the whole job. Elsewhere
+(macOS) the launcher kills its workers' groups on its way out (``atexit``, and the handlers of
+SIGTERM/SIGINT), which covers everything but a SIGKILL of the launcher.
+
+One thread per worker waits for it and notes the nanosecond it ended: a rank killed by a signal
+leaves no error record, and this time is what tells it failed before the peers that lost their
+connection to it.
+
+>>> import queue, sys
+>>> events = queue.SimpleQueue()
+>>> w = start_worker(0, [sys.executable, "-c", "pass"], {}, events)
+>>> events.get(timeout=30), w.returncode
+(0, 0)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+@dataclass(eq=False)
+class Worker:
+    """One rank's process; ``ended_ns`` is set (by its waiting thread) the moment it ends."""
+
+    rank: int
+    proc: subprocess.Popen[bytes]
+    started: float  # time.time() just before it was started
+    ended_ns: int | None = None
+    stopped: bool = False  # the launcher killed it (it did not end on its own)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._done.is_set()
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (negative: the signal that ended it), None while it runs."""
+        return self.proc.returncode if self._done.is_set() else None
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the rank's own process (not its group), while it runs."""
+        if self.alive:
+            # It may have ended between the check and the signal.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the rank's whole process group (its DataLoader workers too); a rank still
+        running then counts as stopped by the launcher rather than failed."""
+        if self.alive:
+            self.stopped = True
+        _kill_group(self.pid)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it ended within ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
+
+# Workers not yet known to be gone, for the exit-time cleanup where PDEATHSIG is missing.
+_LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def start_worker(
+    rank: int,
+    command: list[str],
+    env: Mapping[str, str],
+    events: queue.SimpleQueue[int],
+) -> Worker:
+    """Start ``command`` as rank ``rank`` with exactly ``env``; ``events`` receives ``rank`` the
+    moment it ends. Call from a thread that lives as long as the job (see the module doc)."""
+    started = time.time()
+    proc = subprocess.Popen(
+        command,
+        env=dict(env),
+        start_new_session=True,
+        preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None,
+    )
+    worker = Worker(rank, proc, started)
+    _LIVE.add(worker)
+    threading.Thread(
+        target=_wait, args=(worker, events), name=f"gpukit-rank-{rank}", daemon=True
+    ).start()
+    return worker
+
+
+def _wait(worker: Worker, events: queue.SimpleQueue[int]) -> None:
+    worker.proc.wait()
+    worker.ended_ns = time.time_ns()
+    worker._done.set()
+    _LIVE.discard(worker)
+    events.put(worker.rank)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    prctl: Callable[..., int] = libc.prctl
+    return prctl
+
+
+# Looked up once, here: the child between fork and exec must not load libraries.
+_PRCTL = _load_prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """What the child runs between fork and exec: die with ``parent``."""
+
+    def child() -> None:
+        assert _PRCTL is not None
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # The parent may have died before the call above: then no signal would ever come.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return child
+
+
+def kill_leftovers() -> None:
+    """SIGKILL the groups of every worker still running: the launcher is on its way out."""
+    for worker in list(_LIVE):
+        worker.kill()
+
+
+# Where PDEATHSIG exists it covers this too, and a SIGKILL of the launcher besides.
+atexit.register(kill_leftovers)

@@ -1,0 +1,57 @@
+"""Checkpoints that resume a run exactly, and that a crash, a kill or a bad value never loses.
+
+A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
+
+- ``model.safetensors`` (or ``model-N.safetensors`` for several models): the weights;
+- ``state.pt``: optimizer and gradient-scaler state, epoch, step, each loader's position
+  inside its epoch (in batches, with their size, so another batch size resumes at the same
+  sample), and the RNG states of every rank, with the state each loader's pass started from
+  (the resumed pass redoes that start's draws: its order and its workers' seeds);
+- ``manifest.json``, written last: the format, the step, whether every value was finite, and
+  each file's size and sha256.
+
+Saving (:func:`save`, rank 0 writes): into a temporary folder, every file fsynced, renamed into
+place, then the file ``latest`` is pointed at it (written the same way) and the checkpoints
+beyond the newest ``keep`` are removed, never the one just written. A checkpoint whose
+weights, optimizer or scaler state hold NaN or Inf is written, marked bad in its manifest,
+with a warning; ``latest`` stays on the last good one and nothing is pruned.
+
+Loading (:func:`load`) is all or nothing: it verifies every file against the manifest, reads
+``state.pt`` with ``weights_only=True`` (a checkpoint holds tensors and plain values and can
+never run code), checks the weights' keys, shapes and dtypes, the optimizers' parameter groups
+and state shapes, and that no value is NaN or Inf, and only then changes the models,
+optimizers, precision, counters, loaders and random states. A ``latest`` naming a missing or
+damaged folder falls back to the newest good one, with a warning. Folders written before
+manifests existed load without verification.
+
+>>> import tempfile
+>>> with tempfile.TemporaryDirectory() as tmp:
+...     print(has_checkpoints(tmp), resumable(tmp))
+False None
+"""
+
+from gpukit.runtime.checkpoint.files import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    has_checkpoints,
+    latest,
+    newest_step,
+    problem,
+    resumable,
+)
+from gpukit.runtime.checkpoint.reader import load
+from gpukit.runtime.checkpoint.writer import save
+
+__all__ = [
+    "FORMAT",
+    "LATEST",
+    "MANIFEST",
+    "has_checkpoints",
+    "latest",
+    "load",
+    "newest_step",
+    "problem",
+    "resumable",
+    "save",
+]

@@ -1,0 +1,175 @@
+"""Writing a checkpoint so that a crash, a kill or a bad value never costs the last good one.
+
+Rank 0 checks every saved value is finite, writes the files into ``.tmp-step-N/``, fsyncs
+them, writes ``manifest.json`` last, renames the folder into place and only then points
+``latest`` at it and prunes. A checkpoint holding NaN or Inf is written for inspection but
+marked bad in its manifest: ``latest`` keeps naming the last good one and nothing is pruned.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from safetensors.torch import save_model
+
+from gpukit.errors import ConfigError, warn_user
+from gpukit.runtime.checkpoint import files, finite
+from gpukit.runtime.checkpoint.fit import (
+    optimizer_entries,
+    parameter_names,
+    user_models,
+    weights_name,
+)
+from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.precision import Precision
+from gpukit.runtime.state import TrainState
+from gpukit.strategies import Strategy
+
+
+def save(
+    directory: Path,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    *,
+    accumulate: int = 1,
+    keep: int = 3,
+) -> Path:
+    """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
+
+    Collective: every rank calls it (rank 0 writes). See :mod:`gpukit.runtime.checkpoint`.
+    Users call it through the Runtime::
+
+        rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
+    """
+    if keep < 1:
+        raise ConfigError(f"keep={keep}: keep at least the newest checkpoint (keep=1)")
+    if state.micro_step % accumulate:
+        warn_user(
+            f"saving in the middle of an accumulation window (micro-step {state.micro_step}, "
+            f"accumulate={accumulate}): the partial gradients are not saved, so a resumed "
+            "run will not continue exactly; save right after an optimizer step"
+        )
+    # Every rank takes part: its RNG states, and where its loaders' passes started.
+    rng = strategy.all_gather_object(_rng_state(strategy.device.torch, state.loaders))
+    final = directory / files.folder_name(state.global_step)
+    if strategy.rank == 0:
+        models = user_models(state, strategy, precision)
+        progress = _progress(state, strategy, precision, rng)
+        bad = finite.problems(_entries(models, state, progress))
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".tmp-{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for i, model in enumerate(models):
+            save_model(model, str(tmp / weights_name(i, len(models))))
+        torch.save(progress, tmp / files.STATE)
+        for f in tmp.iterdir():
+            files.fsync(f)
+        files.write_manifest(tmp, state.global_step, bad)  # last: its presence means complete
+        files.fsync(tmp)
+        if bad:
+            _keep_bad(directory, tmp, final, bad)
+        else:
+            _publish(directory, tmp, final, keep)
+    strategy.barrier()
+    return final
+
+
+def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Move a good checkpoint into place, point ``latest`` at it, prune."""
+    later = files.newest_step(directory)
+    step = files.step_of(final) or 0
+    old = directory / f".old-{final.name}"
+    if final.exists():  # the same step saved again: swap, so `latest` never dangles long
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    files.point_latest(directory, final)
+    shutil.rmtree(old, ignore_errors=True)
+    files.fsync(directory)
+    files.prune(directory, keep, final)
+    if later is not None and later > step:
+        warn_user(
+            f"{directory} also holds checkpoints of later steps (up to step {later}): "
+            f"'{files.LATEST}' now names {final.name}, and pruning keeps the highest steps, "
+            "so this run keeps only its newest checkpoint; give each run its own folder"
+        )
+
+
+def _keep_bad(directory: Path, tmp: Path, final: Path, bad: list[str]) -> None:
+    """Keep a checkpoint with non-finite values aside from the good ones: never over an
+    existing folder, never named by ``latest``, and nothing pruned for it."""
+    found = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+    pointer = directory / files.LATEST
+    good = pointer.read_text().strip() if pointer.is_file() else None
+    after = (
+        f"'{files.LATEST}' still names {good}, the last good one, which resuming uses"
+        if good
+        else f"no '{files.LATEST}' was written, so there is nothing to resume from yet"
+    )
+    if final.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        warn_user(
+            f"the checkpoint of step {files.step_of(final)} holds non-finite values ({found}); "
+            f"it was not written over {final}, which stays as it was; {after}"
+        )
+        return
+    os.replace(tmp, final)
+    files.fsync(directory)
+    warn_user(
+        f"checkpoint {final} holds non-finite values ({found}): it is kept for inspection, "
+        f"marked bad in its {files.MANIFEST}, and {after}"
+    )
+
+
+def _entries(models: list[Any], state: TrainState, progress: dict[str, Any]) -> list[finite.Entry]:
+    entries: list[finite.Entry] = []
+    for i, model in enumerate(models):
+        entries += finite.model_entries(weights_name(i, len(models)), model.state_dict(), model)
+    names = parameter_names(models)
+    for i, (optimizer, kept) in enumerate(
+        zip(state.optimizers, progress["optimizers"], strict=True)
+    ):
+        entries += optimizer_entries(files.STATE, f"optimizer {i}", kept, optimizer, names)
+    entries += finite.state_entries(files.STATE, "precision", progress["precision"])
+    return entries
+
+
+def _progress(
+    state: TrainState, strategy: Strategy, precision: Precision, rng: list[dict[str, Any]]
+) -> dict[str, Any]:
+    loaders = [lo.state_dict() for lo in state.loaders]
+    return {
+        "format": files.FORMAT,
+        "epoch": loaders[0]["epoch"] if loaders else 0,
+        "step": state.global_step,
+        "micro_step": state.micro_step,
+        "oom_split": state.oom_split,  # the split recovery found: not to be found again
+        "world_size": strategy.world_size,
+        "loaders": loaders,
+        "optimizers": [o.state_dict() for o in state.optimizers],
+        "precision": precision.state_dict(),
+        "rng": rng,
+    }
+
+
+def _rng_state(device: torch.device, loaders: list[DeviceLoader]) -> dict[str, Any]:
+    # Plain lists and tensors only: they load under weights_only=True.
+    numpy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    kind, keys, pos, has_gauss, cached = numpy_state
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":  # this rank's own GPU only: touching others would make contexts
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    state["loaders"] = [lo.pass_rng() for lo in loaders]
+    return state

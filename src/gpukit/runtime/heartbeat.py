@@ -1,0 +1,152 @@
+"""Each rank's heartbeat: where it is, written to shared memory at the phase boundaries the
+Runtime owns, read from outside the ranks by gpukit's launcher to tell a hang from slow work.
+
+A beat is a few bytes written into a memory-mapped file (``GPUKIT_JOB_DIR/beat-<rank>``): no
+system call, no collective, no device synchronisation, about a microsecond. The launcher
+(``gpukit.runtime.agent``) reads every rank's file; a rank whose last beat is older than the
+hang timeout is stuck, and the one furthest behind (step, then phase) is the one to blame.
+
+Without ``GPUKIT_JOB_DIR`` (no gpukit launcher watching) a beat does nothing.
+
+Each record is written under a sequence number (odd while a write is under way), so a reader
+never takes half of one write for a whole record.
+
+>>> import tempfile
+>>> folder = tempfile.mkdtemp()
+>>> beats = Heartbeat(folder, rank=1)
+>>> beats.beat("backward", 5)
+>>> record = read(folder, 1)
+>>> record.rank, record.step, record.phase, record.saved_step
+(1, 5, 'backward', -1)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpukit import _env
+
+# The phases in the order a step goes through them: the rank furthest behind is the one the
+# others wait for. "loop" is the user's code between steps (the forward, data loading).
+PHASES: tuple[str, ...] = (
+    "start",  # the Runtime exists; the process group is being joined
+    "setup",
+    "load",
+    "loop",
+    "forward",
+    "backward",
+    "optimizer",
+    "collective",  # rt.barrier, rt.all_reduce, rt.all_gather, rt.broadcast
+    "save",
+    "end",
+)
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+
+# seq, time, step, saved step, pid, phase, stop requested (preemption), attempt
+_FORMAT = "<QdqqiiiI"
+_SIZE = struct.calcsize(_FORMAT)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's last heartbeat."""
+
+    rank: int
+    time: float  # time.time() of the beat
+    step: int  # optimizer steps taken
+    saved_step: int  # the step of the last checkpoint this rank took part in, -1: none
+    pid: int
+    phase: str
+    stop_requested: bool  # the rank got SIGTERM/SIGINT and will save and stop
+    attempt: int
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """Sort key: further in the run is larger (step, then phase within it)."""
+        return (self.step, _PHASE_INDEX.get(self.phase, 0))
+
+
+class Heartbeat:
+    """The writing end, one per rank (see the module docstring)."""
+
+    def __init__(self, folder: str | Path, rank: int, attempt: int = 0) -> None:
+        path = Path(folder) / f"beat-{rank}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, _SIZE)
+            self._map = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        self._seq = 0
+        self._pid = os.getpid()
+        self._attempt = attempt
+        self.step = 0
+        self.saved_step = -1
+        self.stop_requested = False
+        self.phase = "start"
+
+    @classmethod
+    def from_env(cls) -> Heartbeat | None:
+        """The heartbeat the launcher watches, or None when no gpukit launcher started us."""
+        folder = _env.job_dir()
+        placement = _env.launched()
+        if folder is None or placement is None:
+            return None
+        return cls(folder, placement.rank, _env.attempt())
+
+    def beat(self, phase: str, step: int) -> None:
+        """Record that this rank entered ``phase`` at optimizer step ``step``, now."""
+        self.phase, self.step = phase, step
+        self._write()
+
+    def saved(self, step: int) -> None:
+        """A checkpoint at ``step`` is complete on this rank."""
+        self.saved_step = step
+        self._write()
+
+    def request_stop(self) -> None:
+        """This rank was asked to stop (a signal): the launcher relays it to the others."""
+        self.stop_requested = True
+        self._write()
+
+    def _write(self) -> None:
+        self._seq += 1  # odd: a write is under way
+        struct.pack_into("<Q", self._map, 0, self._seq)
+        struct.pack_into(
+            _FORMAT,
+            self._map,
+            0,
+            self._seq,
+            time.time(),
+            self.step,
+            self.saved_step,
+            self._pid,
+            _PHASE_INDEX[self.phase],
+            int(self.stop_requested),
+            self._attempt,
+        )
+        self._seq += 1  # even: the record is whole
+        struct.pack_into("<Q", self._map, 0, self._seq)
+
+
+def read(folder: str | Path, rank: int) -> Beat | None:
+    """Rank ``rank``'s last beat, or None when it has not beaten yet."""
+    path = Path(folder) / f"beat-{rank}"
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    for _ in range(100):
+        if len(data) < _SIZE:
+            return None
+        seq, when, step, saved, pid, phase, stop, attempt = struct.unpack_from(_FORMAT, data)
+        if seq and seq % 2 == 0:
+            return Beat(rank, when, step, saved, pid, PHASES[phase], bool(stop), attempt)
+        time.sleep(0.001)  # a write is under way: read again
+        data = path.read_bytes()
+    return None

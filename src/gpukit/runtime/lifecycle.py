@@ -1,0 +1,192 @@
+"""What happens at the boundaries of a run, beside the step itself: the heartbeat gpukit's
+launcher watches, injected faults, periodic checkpoints, resuming by itself, and stopping
+cleanly when preempted.
+
+At each boundary the Runtime owns (a step begins, a backward, the optimizer step, a step ends,
+a save, a collective) :class:`Lifecycle` does a few Python operations and, once per step, one
+memory write for the heartbeat: no collective, no read from the device. The exceptions are
+named where they happen: a checkpoint (collective by nature), and with ``save_every`` given in
+time, one small agreement every ``log_every`` steps (the ranks' clocks differ, so they must
+agree on the step to save at), and after a preemption signal a store lookup per step until the
+ranks agree where to stop (see ``gpukit.runtime.preemption``).
+
+>>> parse_save_every("10m"), parse_save_every(4), parse_save_every("90s")
+((None, 600.0), (4, None), (None, 90.0))
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from gpukit import _env
+from gpukit.errors import ConfigError, Preempted
+from gpukit.runtime import heartbeat
+from gpukit.runtime.boundaries import StepBoundaries
+from gpukit.runtime.faults import FaultPlan
+from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.runtime.preemption import Preemption
+
+ResumePolicy = Literal["auto"] | None
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_save_every(value: int | str | None) -> tuple[int | None, float | None]:
+    """``save_every`` as (steps, seconds): ``4`` or ``"4"`` is every 4 steps, ``"10m"`` every
+    10 minutes (units s, m, h); None saves only when asked."""
+    if value is None:
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value, None
+    text = value.strip() if isinstance(value, str) else ""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([smh]?)", text, re.ASCII)
+    if match and not match.group(2) and "." not in match.group(1) and int(match.group(1)) >= 1:
+        return int(match.group(1)), None
+    if match and match.group(2) and float(match.group(1)) > 0:
+        return None, float(match.group(1)) * _UNITS[match.group(2)]
+    raise ConfigError(
+        f"save_every={value!r}: give a number of optimizer steps (e.g. 4, --save-every 4) or a "
+        "time with its unit, s, m or h (e.g. '10m', --save-every 10m)"
+    )
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """The Runtime's settings for checkpoints and resuming (see ``gk.Runtime``)."""
+
+    checkpoints: str | Path | None = None
+    save_every: int | str | None = None
+    keep: int = 3
+    resume: ResumePolicy = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoints is not None and not str(self.checkpoints).strip():
+            raise ConfigError(
+                "checkpoints='': give the folder for checkpoints, or None to keep none"
+            )
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"keep={self.keep!r}: keep at least the newest checkpoint (keep=1)")
+        if self.resume not in ("auto", None):
+            raise ConfigError(
+                f"resume={self.resume!r}: use 'auto' (continue from the newest good checkpoint "
+                "in checkpoints= when there is one, else start fresh) or None"
+            )
+        steps, seconds = parse_save_every(self.save_every)
+        if (steps or seconds or self.resume) and self.checkpoints is None:
+            what = "save_every" if steps or seconds else "resume='auto'"
+            raise ConfigError(
+                f"{what} needs a folder for the checkpoints: gk.Runtime(checkpoints='ckpt', ...)"
+            )
+
+
+class Lifecycle(StepBoundaries):
+    """The boundaries of one rank's run (see the module docstring).
+
+    ``save`` writes a checkpoint (every rank calls it at the same step); ``agree`` returns,
+    for a list of flags, whether any rank set each (a collective); ``store`` gives the
+    process group's store; ``resume`` resumes from the newest good checkpoint, if any (called
+    once, before the first step or pass, with ``resume="auto"``)."""
+
+    def __init__(
+        self,
+        config: LifecycleConfig,
+        rank: int,
+        world_size: int,
+        log_every: int,
+        save: Callable[[], Path],
+        agree: Callable[[list[bool]], list[bool]],
+        store: Callable[[], Any],
+        resume: Callable[[], Any],
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size, self.log_every = rank, world_size, log_every
+        self._save, self._agree, self._resume = save, agree, resume
+        self.every_steps, self.every_seconds = parse_save_every(config.save_every)
+        self.heartbeat = Heartbeat.from_env()
+        self.faults = FaultPlan.from_env(rank)
+        self.preemption: Preemption | None = None
+        if config.checkpoints is not None:
+            self.preemption = Preemption(
+                rank, world_size, store, self.heartbeat, _env.attempt(), self._peers
+            )
+            self.preemption.install()
+        self._last_save = time.monotonic()
+        self.saved_step = -1  # the step of the last checkpoint this run wrote or loaded
+        self.resumed = config.resume != "auto"  # True once there is nothing left to resume
+        self.beat("start", 0)
+
+    def _peers(self) -> list[int]:
+        """The process ids of the other ranks of this attempt, from their heartbeats."""
+        folder = _env.job_dir()
+        if folder is None or self.heartbeat is None:
+            return []
+        beats = [heartbeat.read(folder, r) for r in range(self.world_size) if r != self.rank]
+        return [b.pid for b in beats if b is not None and b.attempt == _env.attempt()]
+
+    @property
+    def folder(self) -> Path | None:
+        return Path(self.config.checkpoints) if self.config.checkpoints is not None else None
+
+    def beat(self, phase: str, step: int) -> None:
+        """This rank entered ``phase`` at ``step``: one memory write when a launcher watches."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat(phase, step)
+
+    def before_first_pass(self) -> None:
+        """A loader's pass or a step is about to start: resume first, once (``"auto"``)."""
+        if not self.resumed:
+            self.resumed = True
+            self._resume()
+
+    def step_begins(self, step: int) -> None:
+        """Optimizer step ``step + 1`` begins (``step`` taken so far)."""
+        self.beat("forward", step)
+        self.faults.step_begins(step + 1)
+
+    def poison_loss(self) -> bool:
+        return self.faults.nan_now
+
+    def saved(self, step: int) -> None:
+        """A checkpoint at ``step`` is complete (written, or loaded)."""
+        self._last_save = time.monotonic()
+        self.saved_step = step
+        if self.heartbeat is not None:
+            self.heartbeat.saved(step)
+
+    def step_ended(self, step: int) -> None:
+        """After optimizer step ``step``: a periodic checkpoint when one is due, and the
+        preemption's save and stop when a signal asked for it."""
+        self.beat("loop", step)
+        preempt = self.preemption
+        if preempt is not None and preempt.should_stop(step):
+            path = self._save()
+            raise Preempted(
+                f"{preempt.requested} received: stopped after step {step} on every rank and "
+                f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "
+                f"gk.Runtime(checkpoints={str(self.folder)!r}, resume='auto')"
+            )
+        if self._due(step):
+            self._save()
+
+    def _due(self, step: int) -> bool:
+        if self.every_steps is not None:
+            return step % self.every_steps == 0
+        if self.every_seconds is None or step % self.log_every:
+            return False
+        late = time.monotonic() - self._last_save >= self.every_seconds
+        if self.world_size == 1:
+            return late
+        return self._agree([late])[0]  # every log_every steps: the ranks' clocks differ
+
+    def finished(self, step: int) -> None:
+        """The rank's work returned normally (a failure keeps the phase it failed in)."""
+        self.beat("end", step)
+
+    def close(self) -> None:
+        """Give the signal handlers back."""
+        if self.preemption is not None:
+            self.preemption.uninstall()

@@ -1,0 +1,111 @@
+"""The ``--out`` folder of ``gpukit train``, checked before anything starts.
+
+A run writes its metrics, plot and checkpoints there at the end of an epoch or of the run;
+a folder it cannot write, or one holding another run's checkpoints, would fail or do harm
+only then. :func:`check_out` refuses those at once, and changes nothing on disk when it does.
+
+>>> check_out(None, resume=False, overwrite=False) is None
+True
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from gpukit.errors import ConfigError, warn_user
+from gpukit.runtime.checkpoint.files import LATEST, has_checkpoints, newest_step
+
+CHECKPOINTS = "checkpoints"
+
+
+def check_out(out: str | None, *, resume: bool, overwrite: bool) -> Path | None:
+    """The run's output folder, once it is known to be usable; None without ``--out``.
+
+    Refused (ConfigError, with nothing created or changed): an empty name; an existing file;
+    a folder that cannot be created or written; a folder whose ``checkpoints/`` holds
+    checkpoints when neither ``resume`` (continue them) nor ``overwrite`` (start over) is
+    given. With ``overwrite``, once every check passed, the old ``checkpoints/`` is renamed to
+    ``checkpoints.old-<date>-<time>/`` beside it: nothing on disk is deleted.
+
+    >>> check_out("  ", resume=False, overwrite=False)
+    Traceback (most recent call last):
+    gpukit.errors.ConfigError: --out '  ': give a folder (--out runs/mlp), or leave --out out ...
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict: continue, or start over")
+    if out is None:
+        return None
+    if not out.strip():
+        raise ConfigError(
+            f"--out {out!r}: give a folder (--out runs/mlp), or leave --out out to write no "
+            "metrics and no checkpoints"
+        )
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"--out {out}: that is a file, not a folder: give a folder for the metrics, plot "
+            "and checkpoints (a new one is created), or remove the file"
+        )
+    checkpoints = path / CHECKPOINTS
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise ConfigError(
+            f"--out {out}: {checkpoints} is a file, where the checkpoints folder goes: remove "
+            "it, or give another --out"
+        )
+    held = has_checkpoints(checkpoints)
+    if held and not resume and not overwrite:
+        step = newest_step(checkpoints)
+        upto = f"up to step {step}" if step is not None else f"(a '{LATEST}' file)"
+        raise ConfigError(
+            f"--out {out} already holds checkpoints {upto} in {checkpoints}: add --resume to "
+            "continue that run, or --overwrite to start over (the old checkpoints are kept, "
+            f"renamed to {CHECKPOINTS}.old-<date>-<time>), or give another --out"
+        )
+    _check_writable(path, out)
+    if checkpoints.is_dir():
+        _check_writable(checkpoints, out)
+    if held and overwrite:
+        moved = move_aside(checkpoints)
+        warn_user(f"--overwrite: the checkpoints of the previous run were moved to {moved}")
+    return path
+
+
+def move_aside(checkpoints: Path) -> Path:
+    """Rename ``checkpoints`` to ``checkpoints.old-<date>-<time>`` beside it (a number is added
+    when that name is taken); returns the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = checkpoints.with_name(f"{checkpoints.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = checkpoints.with_name(f"{checkpoints.name}.old-{stamp}-{n}")
+    os.rename(checkpoints, target)
+    return target
+
+
+def _check_writable(path: Path, out: str) -> None:
+    """Create ``path`` (and its missing parents), write and remove a small file in it, and
+    remove again what was created: the folder the run will write is known to work, and the
+    disk is as it was."""
+    created: list[Path] = []
+    probe = path / f".gpukit-write-check-{os.getpid()}"
+    try:
+        for folder in reversed([path, *path.parents]):
+            if not folder.exists():
+                folder.mkdir()
+                created.append(folder)
+        probe.write_bytes(b"gpukit")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out}: cannot write there ({err.strerror or type(err).__name__}: "
+            f"{err.filename or path}): give a folder you can write, or fix its permissions"
+        ) from None
+    finally:
+        for folder in reversed(created):
+            try:
+                folder.rmdir()
+            except OSError:
+                warn_user(f"--out {out}: could not remove {folder}, created to check the path")

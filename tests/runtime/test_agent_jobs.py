@@ -1,0 +1,360 @@
+"""gpukit's launcher with real processes (gloo, 2 ranks on 127.0.0.1): restarts on a fresh
+port, when not to restart, the first failure named, hangs, signals, and no orphans.
+
+The scripts beat through ``Heartbeat.from_env()`` themselves, as a gpukit Runtime would."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gpukit
+
+GPUKIT = Path(gpukit.__file__).resolve().parent
+
+# A tutorial-style DDP script. argv[1]: the output folder; argv[2]: what to do per attempt,
+# e.g. "0=kill,1=raise" (rank FAIL_RANK, default 1, fails so at step 2 of attempts 0 and 1).
+TRAIN = """
+import os, signal, sys
+import torch, torch.distributed as dist
+from gpukit.runtime.heartbeat import Heartbeat
+
+out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
+beats = Heartbeat.from_env()
+beats.beat("start", 0)
+attempt = int(os.environ["GPUKIT_ATTEMPT"])
+mode = plan.get(str(attempt))
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 0:
+    with open(os.path.join(out, f"port-{attempt}"), "w") as f:
+        f.write(os.environ["MASTER_PORT"])
+for step in range(4):
+    beats.beat("forward", step)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    beats.beat("optimizer", step)
+    if step == 1:
+        beats.saved(1)
+    if step == 2 and rank == int(os.environ.get("FAIL_RANK", "1")) and mode:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "exit":
+            os._exit(3)
+        raise ValueError(f"bad batch at step {step}")
+beats.beat("end", 4)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+# Ranks that only beat: the heartbeat writer is loaded without gpukit's package __init__ (which
+# imports torch), so each attempt starts in a blink. argv as TRAIN's; rank 1 fails at step 2,
+# and with "stay" in the plan rank 0 waits to be stopped rather than finish.
+LIGHT = """
+import os, signal, sys, time, types
+for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(GPUKIT, sub)]
+    sys.modules[name] = package
+from gpukit.runtime.heartbeat import Heartbeat
+
+out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
+attempt, rank = int(os.environ["GPUKIT_ATTEMPT"]), int(os.environ["RANK"])
+if rank == 0:
+    with open(os.path.join(out, f"port-{attempt}"), "w") as f:
+        f.write(os.environ["MASTER_PORT"])
+mode = plan.get(str(attempt))
+beats = Heartbeat.from_env()
+beats.beat("start", 0)
+for step in range(4):
+    beats.beat("forward", step)
+    time.sleep(0.02)
+    beats.beat("optimizer", step)
+    if step == 2 and rank == 1 and mode:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "exit":
+            os._exit(3)
+        raise ValueError(f"bad batch at step {step}")
+if mode and "stay" in plan:
+    time.sleep(30)  # until the launcher stops it, after rank 1's failure
+"""
+
+HANG = """
+import time
+import torch, torch.distributed as dist
+from gpukit.runtime.heartbeat import Heartbeat
+
+
+def stall():
+    while True:
+        time.sleep(0.5)  # line 9
+
+
+def main():
+    beats = Heartbeat.from_env()
+    beats.beat("start", 0)
+    dist.init_process_group("gloo")
+    for step in range(1000):
+        beats.beat("loop", step)
+        if dist.get_rank() == 1 and step == 3:
+            stall()
+        beats.beat("collective", step)
+        dist.all_reduce(torch.ones(1))  # line 21
+
+
+main()
+"""
+
+# No torch: a rank that saves and exits 143 on SIGTERM, after writing its pid.
+WAIT = """
+import os, signal, sys, time
+out = sys.argv[1]
+def stop(sig, frame):
+    open(os.path.join(out, "term-" + os.environ["RANK"]), "w").close()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+with open(os.path.join(out, "job-dir"), "w") as f:
+    f.write(os.environ["GPUKIT_JOB_DIR"])
+with open(os.path.join(out, "pid-" + os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def launch(
+    script: Path, *flags: str, args: tuple[str, ...] = (), timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    """``gpukit launch --nproc 2 FLAGS script ARGS`` to its end; a hang guard fails the test."""
+    command = [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", *flags, str(script)]
+    try:
+        return subprocess.run(
+            [*command, *args],
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            cwd=script.parent,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"gpukit launch did not end within {timeout} s:\n{err.stderr}")
+
+
+def run_train(
+    tmp_path: Path, plan: str, *flags: str, timeout: float = 90, light: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """TRAIN (or LIGHT), failing as ``plan`` says, under ``gpukit launch --nproc 2 FLAGS``."""
+    script = tmp_path / "train.py"
+    script.write_text(f"GPUKIT = {str(GPUKIT)!r}\n{LIGHT}" if light else TRAIN)
+    return launch(script, *flags, args=(str(tmp_path), plan), timeout=timeout)
+
+
+def ports(tmp_path: Path) -> list[str]:
+    return [p.read_text() for p in sorted(tmp_path.glob("port-*"))]
+
+
+def assert_headline(err: str, attempt: int, words: str) -> None:
+    """Attempt ``attempt``'s first line names rank 1, which failed at step 2 in the way
+    ``words`` says, although rank 0 then failed too, on the broken connection (or was
+    stopped); then one line per rank, rank 1's first."""
+    heads = [line for line in err.splitlines() if line.startswith("gpukit launch: rank")]
+    head = heads[attempt]
+    assert head.startswith(f"gpukit launch: rank 1 {words} at step 2 (phase optimizer) — "), err
+    assert re.search(r"the first failure; rank 0 (failed after it|stopped)$", head), head
+    lines = err[err.index(head) :].splitlines()
+    assert lines[1].startswith("  rank 1 at step 2 (phase optimizer): ")
+    assert lines[2].startswith("  rank 0 ")
+
+
+def test_restarts_twice_in_a_row_on_fresh_ports_then_succeeds(tmp_path: Path) -> None:
+    done = run_train(tmp_path, "0=kill,1=raise", "--max-restarts", "2")
+    err = done.stderr
+    assert done.returncode == 0, err
+    assert len(set(ports(tmp_path))) == 3  # a fresh port each attempt
+    assert_headline(err, 0, "was killed by SIGKILL")
+    assert_headline(err, 1, "raised ValueError: bad batch at step 2")
+    # Rank 0 may have begun step 3 when rank 1 died: the steps redone count from there.
+    assert re.search(
+        r"gpukit launch: restart 1/2 after rank 1 was killed by SIGKILL at step 2 \(phase "
+        r"optimizer\); [12] step\(s\) since the checkpoint at step 1 are redone",
+        err,
+    ), err
+    assert "gpukit launch: restart 2/2 after rank 1 raised ValueError: bad batch at step 2" in err
+    summary = err[err.index("gpukit launch: done after 2 restart(s)") :].splitlines()
+    assert summary[0].endswith(
+        "the job's first fault: rank 1 was killed by SIGKILL at step 2 (phase optimizer) "
+        "(attempt 0)"
+    )
+    assert summary[1].startswith("  restart 1: stopping ") and "(import + rendezvous)" in summary[1]
+    assert summary[2].startswith("  restart 2: stopping ")
+
+
+def test_when_restarts_run_out_the_summary_names_the_jobs_first_fault(tmp_path: Path) -> None:
+    done = run_train(tmp_path, "0=exit,1=kill,stay=1", "--max-restarts", "1", light=True)
+    err = done.stderr
+    assert done.returncode == 1, err
+    # Rank 0 did not fail: it was stopped.
+    assert (
+        "gpukit launch: rank 1 exited with code 3 at step 2 (phase optimizer) — the first "
+        "failure; rank 0 stopped\n" in err
+    )
+    assert "  rank 0 at step 3 (phase optimizer): stopped by the launcher\n" in err
+    assert "gpukit launch: not restarted: no restarts left (all 1 used)" in err
+    last = err[err.index("gpukit launch: failed after 1 restart(s)") :].splitlines()[0]
+    assert last.endswith(
+        "the job's first fault: rank 1 exited with code 3 at step 2 (phase optimizer) (attempt 0)"
+    )
+
+
+def test_a_failure_before_the_first_step_is_not_restarted(tmp_path: Path) -> None:
+    script = tmp_path / "early.py"  # it never beats: it has not begun
+    script.write_text("raise ImportError(\"no module named 'missing'\")\n")
+    done = launch(script, "--max-restarts", "3")
+    assert done.returncode == 1, done.stderr
+    assert re.search(
+        r"gpukit launch: rank [01] raised ImportError: no module named .missing.", done.stderr
+    )
+    assert (
+        "gpukit launch: not restarted: it failed before its first step: restarting would fail "
+        "the same way" in done.stderr
+    )
+    assert "restart 1/" not in done.stderr
+
+
+def test_the_same_failure_three_times_is_a_crash_loop(tmp_path: Path) -> None:
+    plan = ",".join(f"{a}=raise" for a in range(6))
+    done = run_train(tmp_path, plan, "--max-restarts", "5", light=True)
+    assert done.returncode == 1, done.stderr
+    assert "the same failure 3 times in a row (a crash loop)" in done.stderr
+    assert len(ports(tmp_path)) == 3  # stopped early: attempts 3..5 never ran
+
+
+def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    done = launch(script, "--hang-timeout", "3", timeout=3 + 10 + 30)  # guard: timeout + 10 s
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert re.search(
+        r"gpukit launch: rank 1 hung: no heartbeat for \d+ s at step 3 \(phase loop\), at "
+        r"hang\.py:9 in stall",
+        err,
+    ), err
+    assert re.search(
+        r"  rank 0: waits in all_reduce \(torch/distributed/\S+\), called from hang\.py:21 in "
+        r"main; last beat \d+ s ago at step 3 \(phase collective\)",
+        err,
+    ), err
+    kept = Path(re.search(r"hang-report\.txt are kept in (\S+)", err)[1])  # type: ignore[index]
+    try:
+        assert {p.name for p in kept.glob("stack-*")} == {"stack-0-0.txt", "stack-1-0.txt"}
+        assert "in stall" not in (kept / "stack-0-0.txt").read_text()
+        assert 'hang.py", line 9 in stall' in (kept / "stack-1-0.txt").read_text()
+        assert "rank 1 hung" in (kept / "hang-report.txt").read_text()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+def start_waiting_job(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(script), str(tmp_path)],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*"))) < 2:
+        if time.monotonic() > deadline or job.poll() is not None:
+            job.kill()
+            pytest.fail(f"the ranks did not start:\n{job.communicate()[0]}")
+        time.sleep(0.05)
+    time.sleep(0.2)  # the pid files are written; let the writes finish
+    return job, [int(p.read_text()) for p in sorted(tmp_path.glob("pid-*"))]
+
+
+def gone(pid: int) -> bool:
+    """Ended (a zombie waiting for whoever adopted it to reap it counts)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return state in ("Z", "X")
+
+
+def test_sigterm_reaches_every_rank_which_saves_and_the_launcher_exits_143(
+    tmp_path: Path,
+) -> None:
+    job, _ = start_waiting_job(tmp_path)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=60)
+    assert job.returncode == 143, output
+    assert (tmp_path / "term-0").exists() and (tmp_path / "term-1").exists()
+    assert "gpukit launch: stopped on request (exit 143)" in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_the_launcher_even_when_it_is_sigkilled(tmp_path: Path) -> None:
+    job, pids = start_waiting_job(tmp_path)
+    job.kill()
+    job.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if not gone(pid)]
+    for pid in alive:  # do not leave them behind, whatever the outcome
+        os.kill(pid, signal.SIGKILL)
+    # A launcher killed so has no chance to remove its job folder.
+    shutil.rmtree((tmp_path / "job-dir").read_text(), ignore_errors=True)
+    assert not alive
+    assert not (tmp_path / "term-0").exists()  # killed, not asked to stop
+
+
+RELAY = """
+import os, signal, sys, time, types
+for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(GPUKIT, sub)]
+    sys.modules[name] = package
+from gpukit.runtime.heartbeat import Heartbeat
+out = sys.argv[1]
+beats = Heartbeat.from_env()
+beats.beat("start", 0)
+def stop(sig, frame):
+    open(os.path.join(out, "term-" + os.environ["RANK"]), "w").close()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+if os.environ["RANK"] == "1":
+    time.sleep(0.5)
+    beats.request_stop()  # as a rank does when the scheduler signals it alone
+    time.sleep(0.5)
+    sys.exit(143)
+while True:
+    beats.beat("loop", 0)
+    time.sleep(0.05)
+"""
+
+
+def test_a_stop_one_rank_was_asked_for_is_relayed_to_the_others(tmp_path: Path) -> None:
+    script = tmp_path / "relay.py"
+    script.write_text(f"GPUKIT = {str(GPUKIT)!r}\n{RELAY}")
+    done = launch(script, "--max-restarts", "2", args=(str(tmp_path),))
+    assert done.returncode == 143, done.stderr
+    assert (tmp_path / "term-0").exists()  # rank 0 got SIGTERM from the launcher
+    assert "restart" not in done.stderr  # a preemption is not restarted

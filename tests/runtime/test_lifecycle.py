@@ -1,0 +1,268 @@
+"""The boundaries of a run: periodic checkpoints, injected faults, preemption, the non-finite
+guard and the heartbeat, in one process (the launcher's side is tested with the agent).
+
+Each feature's per-step cost is counted with gk.trace(): none adds a read per step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpukit as gk
+from gpukit.errors import ConfigError, NonFiniteError, Preempted
+from gpukit.runtime import heartbeat
+from gpukit.runtime.faults import FaultPlan, parse_faults
+from gpukit.runtime.lifecycle import parse_save_every
+from gpukit.runtime.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(n)]
+
+
+def _train(rt: gk.Runtime, steps: int, fused: bool = False) -> nn.Module:
+    """``steps`` steps over a loader (a resumed run skips the batches it has seen)."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    batches = _batches(steps)
+    data = DataLoader(
+        TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])),
+        batch_size=8,
+    )
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=fused or None)
+    model, opt, loader = rt.setup(net, opt, data)
+    mse = nn.functional.mse_loss
+    for batch in loader:
+        loss = rt.train_step(opt, batch, lambda b: mse(model(b[0]), b[1]))
+        rt.log(loss=loss)
+    return net
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(4, (4, None)), ("4", (4, None)), ("10m", (None, 600.0)), ("90s", (None, 90.0)),
+     ("1.5h", (None, 5400.0)), (None, (None, None))],
+)  # fmt: skip
+def test_save_every_reads_steps_or_time(given: Any, expected: Any) -> None:
+    assert parse_save_every(given) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -3, "0", "10x", "m", "", "1.5", True, 2.5, "٤", "-1m", "0s"])
+def test_a_bad_save_every_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="save_every"):
+        parse_save_every(bad)
+
+
+def test_settings_that_need_a_folder_say_so() -> None:
+    with pytest.raises(ConfigError, match="needs a folder"):
+        gk.Runtime(devices="cpu", save_every=4)
+    with pytest.raises(ConfigError, match="needs a folder"):
+        gk.Runtime(devices="cpu", resume="auto")
+    with pytest.raises(ConfigError, match="resume="):
+        gk.Runtime(devices="cpu", checkpoints="x", resume="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="keep="):
+        gk.Runtime(devices="cpu", checkpoints="x", keep=0)
+    with pytest.raises(ConfigError, match=r"rt\.save\(\) needs a folder"):
+        gk.Runtime(devices="cpu").save()
+
+
+def test_save_every_n_steps_writes_a_checkpoint_at_each_multiple(tmp_path: Path) -> None:
+    rt = gk.Runtime(devices="cpu", checkpoints=tmp_path, save_every=3, keep=10)
+    _train(rt, 10)
+    rt.teardown()
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-00000003",
+        "step-00000006",
+        "step-00000009",
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["boom:0:1", "raise:0:0", "raise:a:1", "raise:0", "raise:0:1:2", "raise:0:٣", "raise:-1:2"],
+)
+def test_a_bad_fault_spec_is_refused(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT", spec)
+    with pytest.raises(ConfigError, match="GPUKIT_FAULT"):
+        gk.Runtime(devices="cpu")
+
+
+def test_an_injected_raise_fires_at_its_step_on_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT", "raise:1:2,raise:0:4")
+    rt = gk.Runtime(devices="cpu")
+    with pytest.raises(RuntimeError, match="raise on rank 0 at step 4"):
+        _train(rt, 10)
+    assert rt.global_step == 3  # steps 1..3 done; step 4 began and failed
+
+
+def test_a_fault_fires_once_per_job(tmp_path: Path) -> None:
+    faults = parse_faults("raise:0:2")
+    first = FaultPlan(faults, rank=0, job_dir=tmp_path)
+    with pytest.raises(RuntimeError):
+        first.step_begins(2)
+    again = FaultPlan(faults, rank=0, job_dir=tmp_path)  # a restarted attempt of the same job
+    again.step_begins(2)
+    other = FaultPlan(faults, rank=1, job_dir=tmp_path)
+    other.step_begins(2)
+
+
+def test_preemption_saves_at_the_step_and_resume_finishes_bitwise_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = _train(gk.Runtime(devices="cpu", seed=0), 12)
+    monkeypatch.setenv("GPUKIT_FAULT", "sigterm:0:5")
+    rt = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path)
+    with pytest.raises(Preempted, match="SIGTERM received: stopped after step 5") as caught:
+        _train(rt, 12)
+    rt.teardown()
+    assert caught.value.exit_code == 143
+    assert (tmp_path / "step-00000005").is_dir()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
+    monkeypatch.delenv("GPUKIT_FAULT")
+    again = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path, resume="auto")
+    resumed = _train(again, 12)
+    again.teardown()
+    assert again.global_step == 12
+    for a, b in zip(plain.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time, torch, gpukit as gk
+            rt = gk.Runtime(devices="cpu", checkpoints={str(tmp_path / "ck")!r})
+            net = torch.nn.Linear(2, 1)
+            model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            def slow(batch):
+                print("in step", flush=True)
+                time.sleep(60)
+                return model(batch).sum()
+            rt.train_step(opt, torch.ones(2, 2), slow)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "in step"
+    proc.send_signal(signal.SIGTERM)  # the first waits for the step
+    time.sleep(1)  # two signals sent at once may arrive as one
+    proc.send_signal(signal.SIGTERM)  # the second does not
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not (tmp_path / "ck").exists()
+
+
+def test_without_a_checkpoint_folder_signals_are_left_alone() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    rt = gk.Runtime(devices="cpu")
+    assert signal.getsignal(signal.SIGINT) is before
+    rt.teardown()
+
+
+def _nan_at(step: int) -> Any:
+    def poison(loss: torch.Tensor, at: list[int]) -> torch.Tensor:
+        return loss * float("nan") if at[0] == step else loss
+
+    return poison
+
+
+def test_skip_leaves_weights_and_optimizer_state_of_a_nan_step_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT", "nan:0:3")
+    rt = gk.Runtime(devices="cpu", nonfinite="skip", log_every=4)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
+    model, opt = rt.setup(net, opt)
+    mse = nn.functional.mse_loss
+    weights = []
+    for batch in _batches(6):
+        rt.train_step(opt, batch, lambda b: mse(model(b[0]), b[1]))
+        weights.append(net.weight.detach().clone())
+    assert torch.equal(weights[1], weights[2])  # step 3 skipped
+    assert not torch.equal(weights[2], weights[3])  # step 4 trained
+    assert torch.isfinite(net.weight).all()
+    assert int(opt.state[net.weight]["step"]) == 5
+    assert rt.skipped_steps() == 1
+
+
+def test_raise_names_the_step_and_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_FAULT", "nan:0:3")
+    rt = gk.Runtime(devices="cpu", nonfinite="raise", log_every=2)
+    with pytest.raises(NonFiniteError, match=r"step 3 hold NaN or Inf on rank 0 \(rank 0's own"):
+        _train(rt, 6)
+    assert rt.global_step == 4  # found at the read-back after step 4
+
+
+def test_too_many_skips_in_a_row_raise() -> None:
+    guard = NonFiniteGuard("skip", log_every=100)
+    for step in range(1, MAX_SKIPS_IN_A_ROW + 1):
+        guard.found([torch.tensor([float("inf")])])
+        guard.update(step)
+    with pytest.raises(NonFiniteError, match=f"{MAX_SKIPS_IN_A_ROW} steps in a row"):
+        guard.read(0)
+
+
+def test_skip_needs_a_fused_optimizer_and_refuses_16_mixed() -> None:
+    rt = gk.Runtime(devices="cpu", nonfinite="skip")
+    with pytest.raises(ConfigError, match="fused=True"):
+        _train(rt, 2, fused=False)
+    with pytest.raises(ConfigError, match="16-mixed"):
+        NonFiniteGuard("skip", log_every=1, precision="16-mixed")
+    with pytest.raises(ConfigError, match="nonfinite="):
+        gk.Runtime(devices="cpu", nonfinite="ignore")  # type: ignore[arg-type]
+
+
+def _reads(rt: gk.Runtime, steps: int = 20) -> int:
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True))
+    mse = nn.functional.mse_loss
+    batches = _batches(steps + 2)
+    for batch in batches[:2]:
+        rt.train_step(opt, batch, lambda b: mse(model(b[0]), b[1]))
+    rt.flush_logs()
+    with gk.trace() as t:
+        for batch in batches[2:]:
+            rt.log(loss=rt.train_step(opt, batch, lambda b: mse(model(b[0]), b[1])))
+    rt.teardown()
+    return sum(s.count for s in t.syncs)
+
+
+def test_the_heartbeat_preemption_and_guard_add_no_read_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = _reads(gk.Runtime(devices="cpu", log_every=10))
+    assert plain == 2  # one per logging window
+    monkeypatch.setenv("GPUKIT_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    watched = gk.Runtime(
+        strategy="single", devices="cpu", log_every=10, checkpoints=tmp_path / "ck"
+    )
+    assert watched.lifecycle.heartbeat is not None
+    assert _reads(watched) == plain
+    beat = heartbeat.read(tmp_path, 0)
+    assert beat is not None and beat.phase == "loop" and beat.step == 22
+    # The guard reads its counters once per logging window, beside the metrics' flush.
+    guarded = gk.Runtime(strategy="single", devices="cpu", log_every=10, nonfinite="skip")
+    assert _reads(guarded) == plain * 2
