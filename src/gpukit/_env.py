@@ -76,29 +76,24 @@ def attempt() -> int:
 
 def collective_check_timeout() -> float:
     """``GPUKIT_COLLECTIVE_CHECK_TIMEOUT`` in seconds (default 30)."""
-    value = os.environ.get("GPUKIT_COLLECTIVE_CHECK_TIMEOUT", "").strip()
-    if not value:
-        return 30.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        from gpukit.errors import ConfigError
-
-        raise ConfigError(
-            f"GPUKIT_COLLECTIVE_CHECK_TIMEOUT={value!r}: give a positive number of seconds "
-            "(how long a collective call waits for every rank), or unset it"
-        )
-    return seconds
+    return _seconds(
+        "GPUKIT_COLLECTIVE_CHECK_TIMEOUT", 30.0, "how long a collective call waits for every rank"
+    )
 
 
 def rendezvous_timeout() -> float:
     """``GPUKIT_RENDEZVOUS_TIMEOUT`` in seconds (default 120): how long a launched rank waits
     for the others to join its process group."""
-    value = os.environ.get("GPUKIT_RENDEZVOUS_TIMEOUT", "").strip()
+    return _seconds(
+        "GPUKIT_RENDEZVOUS_TIMEOUT", 120.0, "how long a launched rank waits for the others to join"
+    )
+
+
+def _seconds(name: str, default: float, meaning: str) -> float:
+    """Variable ``name`` as a positive number of seconds, ``default`` when unset or blank."""
+    value = os.environ.get(name, "").strip()
     if not value:
-        return 120.0
+        return default
     try:
         seconds = float(value)
     except ValueError:
@@ -107,8 +102,7 @@ def rendezvous_timeout() -> float:
         from gpukit.errors import ConfigError
 
         raise ConfigError(
-            f"GPUKIT_RENDEZVOUS_TIMEOUT={value!r}: give a positive number of seconds (how long "
-            "a launched rank waits for the others to join), or unset it"
+            f"{name}={value!r}: give a positive number of seconds ({meaning}), or unset it"
         )
     return seconds
 

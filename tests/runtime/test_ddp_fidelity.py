@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +40,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gpukit as gk
+from tests.fakes import spawn_plain_program
 
 SEED = 1234  # not 0: a seed that did not reach the sampler or the model would show
 WORLD = 2
@@ -140,10 +139,6 @@ def _snapshot(model: nn.Module, history: list[dict[str, float]]) -> dict[str, An
 
 
 # -- the plain program, as the DDP tutorial writes it ------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plain_train(v: Variant) -> dict[str, Any]:
@@ -241,7 +236,7 @@ Results = dict[str, list[dict[str, Any]]]
 def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     """Every variant's final state on each rank: ``results["plain-sgd"][rank]``, and so on."""
     outdir = tmp_path_factory.mktemp("ddp-fidelity")
-    mp.spawn(_plain_worker, args=(_free_port(), str(outdir)), nprocs=WORLD, join=True)
+    spawn_plain_program(_plain_worker, str(outdir), WORLD)
     gk.Runtime(strategy="ddp", devices=DEVICES, seed=SEED).launch(_gpukit_worker, str(outdir))
     return {
         f"{side}-{name}": [

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gpukit as gk
+from tests.fakes import spawn_plain_program
 
 N_LAYER, N_HEAD, N_EMBD, VOCAB, BLOCK, DROPOUT = 2, 2, 32, 65, 16, 0.1
 BATCH_SIZE, GRAD_ACCUM = 4, 4  # GRAD_ACCUM is global: each of N ranks runs GRAD_ACCUM // N
@@ -283,10 +282,6 @@ def _settings(world: int) -> dict[str, Any]:
 
 
 # -- running them ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plain_worker(rank: int, port: int, folder: str) -> None:
@@ -338,7 +333,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         finally:
             torch.set_num_threads(threads)
         return out
-    mp.spawn(_plain_worker, args=(_free_port(), str(folder)), nprocs=2, join=True)
+    spawn_plain_program(_plain_worker, str(folder), 2)
     gk.Runtime(strategy="ddp", devices=["cpu", "cpu"]).launch(_gpukit_worker, str(folder))
     for side, names in (("plain", PLAIN), ("gpukit", list(PORTS))):
         for name in names:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import gpukit as gk
+from tests.fakes import spawn_plain_program
 
 SEED = 4321
 PROGRAMS = ("tutorial", "nanogpt", "fabric")
@@ -355,10 +354,6 @@ def _gpukit_program(rt: gk.Runtime, name: str, folder: Path) -> dict[str, Any]:
 
 
 # -- running them ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plain_worker(rank: int, port: int, folder: str) -> None:
@@ -399,7 +394,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             rt = gk.Runtime(devices="cpu", **SETTINGS[name])
             out[f"gpukit-{name}"] = [_gpukit_program(rt, name, folder)]
         return out
-    mp.spawn(_plain_worker, args=(_free_port(), str(folder)), nprocs=2, join=True)
+    spawn_plain_program(_plain_worker, str(folder), 2)
     gk.Runtime(strategy="ddp", devices=["cpu", "cpu"]).launch(_gpukit_worker, str(folder))
     for side in ("plain", "gpukit"):
         for name in PROGRAMS:
