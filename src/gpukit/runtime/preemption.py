@@ -27,7 +27,6 @@ from typing import Any
 
 from gpukit.runtime.heartbeat import Heartbeat
 
-EXIT_CODE = 143
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Another rank was asked to stop: the same request, passed on (never a "second signal").
 _PEER_SIGNAL = signal.SIGUSR2
