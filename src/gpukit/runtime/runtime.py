@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 from gpukit import _env
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.runtime import checkpoint, collectives
+from gpukit.runtime.adopt import adopt
 from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.faults import OomFault
@@ -186,16 +187,18 @@ class Runtime(RuntimeViews):
         self.lifecycle.beat("setup", self.state.global_step)
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if module is None:
+            before = dict(user.named_parameters(remove_duplicate=False))
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
             module = self.strategy.setup_module(self.precision.setup_module(user))
             self.state.modules.append(module)
+            # fsdp replaces the parameters: optimizers built before now must follow them.
+            after = dict(self.unwrap(module).named_parameters(remove_duplicate=False))
+            self.stepper.stale.note(adopt(before, after, optimizers))
         self.state.optimizers += [
-            o
-            for o in objects
-            if isinstance(o, torch.optim.Optimizer)
-            and not any(o is k for k in self.state.optimizers)
+            o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
         self.stepper.sync_next_backward()
         out = [module] + [self.setup_loader(o) if isinstance(o, DataLoader) else o for o in objects]

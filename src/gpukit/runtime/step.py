@@ -40,6 +40,7 @@ from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.runtime.adopt import StaleOptimizers
 from gpukit.runtime.boundaries import StepBoundaries
 from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.faults import OomFault
@@ -83,7 +84,16 @@ class Stepper:
         self.strategy = strategy
         self.precision = precision
         self.fault = fault or OomFault()
+        if config.oom == "recover" and not strategy.recovers_out_of_memory:
+            raise ConfigError(
+                f"oom='recover' cannot be used with strategy {strategy.name!r} over "
+                f"{strategy.world_size} ranks: each forward all-gathers the weights from every "
+                "rank, so a rank that ran out of memory halfway would leave the others waiting "
+                "in a collective. Use oom='raise' (with gpukit train --max-restarts the run "
+                "resumes from its last checkpoint), or recover on one rank"
+            )
         self.recover = config.recovers(strategy.distributed)
+        self.stale = StaleOptimizers()
         # Under several processes, recovery holds gradients back until every rank is known to
         # have finished its backward.
         self.hold_back = self.recover and strategy.distributed
@@ -145,6 +155,7 @@ class Stepper:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients; True unless 16-mixed skipped it."""
         self.boundaries.beat("optimizer", self.state.global_step)
+        self.stale.check(optimizer)
         guard, skipping = self.guard, {}
         try:
             norm = None
@@ -246,6 +257,8 @@ class Stepper:
                 break
             optimizer.zero_grad(set_to_none=True)
             assert saved is not None  # failures come back only when recovering
+            for module in state.modules:
+                self.strategy.recover_module(module)
             self._restore(saved)
             _release()
             if exhausted:

@@ -65,6 +65,12 @@ class Strategy:
         return self.world_size > 1
 
     @property
+    def recovers_out_of_memory(self) -> bool:
+        """Whether a step can be redone after some rank ran out of memory halfway (not when
+        the forward itself talks to the other ranks)."""
+        return True
+
+    @property
     def needs_launch(self) -> bool:
         """True when more processes must be started before training can begin."""
         return False
@@ -107,6 +113,9 @@ class Strategy:
     def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
         """Do now what ``hold_sync`` held back: average the gradients.
         ``anywhere``: ``held_flags`` agreed over the ranks."""
+
+    def recover_module(self, module: nn.Module) -> None:
+        """Put ``module`` back in order after a forward or backward failed halfway."""
 
     def check_gradients(self, module: nn.Module) -> None:
         """Called once after the first backward, to catch setups that fail a step later."""

@@ -15,10 +15,11 @@ from gpukit.errors import ConfigError
 from gpukit.strategies.base import Strategy
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.dp import DP, DPBalanced
+from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.single import SingleDevice
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (SingleDevice, DP, DPBalanced, DDP)
+    cls.name: cls for cls in (SingleDevice, DP, DPBalanced, DDP, FSDP)
 }
 
 

@@ -1,0 +1,102 @@
+"""Optimizers built before ``rt.setup`` train the parameters setup put in place.
+
+A strategy that shards a model (fsdp) replaces its parameters with new ones. An optimizer
+built from ``model.parameters()`` before that still holds the old ones: it would step tensors
+the model no longer uses, and the model would silently not train. ``adopt`` points such an
+optimizer's groups at the new parameters, and lays any state it already has (a loaded
+``state_dict``) out as its parameter is. ``StaleOptimizers`` remembers the replaced parameters,
+so an optimizer that setup never saw is refused at its first step instead of doing nothing.
+
+>>> import torch
+>>> old = {"w": torch.nn.Parameter(torch.ones(2))}
+>>> new = {"w": torch.nn.Parameter(torch.ones(2))}
+>>> opt = torch.optim.SGD(old.values(), lr=0.1)
+>>> len(adopt(old, new, [opt])), opt.param_groups[0]["params"][0] is new["w"]
+(1, True)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import is_dtensor
+
+
+def adopt(
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    optimizers: list[torch.optim.Optimizer],
+) -> list[torch.Tensor]:
+    """Point ``optimizers`` from each parameter of ``before`` to the one of the same name in
+    ``after`` (where setup replaced it); returns the replaced parameters."""
+    moved = {
+        id(old): after[name]
+        for name, old in before.items()
+        if name in after and after[name] is not old
+    }
+    if not moved:
+        return []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        for param in list(optimizer.state):
+            new = moved.get(id(param))
+            if new is not None:
+                kept = optimizer.state.pop(param)
+                optimizer.state[new] = {k: _laid_out(v, param, new) for k, v in kept.items()}
+    olds: dict[int, torch.Tensor] = {}
+    for _name, old in before.items():
+        if id(old) in moved:
+            olds.setdefault(id(old), old)
+    return list(olds.values())
+
+
+def _laid_out(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """A state tensor shaped as its parameter, placed as the new parameter is (sharded)."""
+    if not isinstance(value, torch.Tensor) or value.shape != old.shape or value.dim() == 0:
+        return value
+    if is_dtensor(new):
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh, placements = new.device_mesh, new.placements  # type: ignore[attr-defined]
+        return distribute_tensor(value.to(new.device), mesh, placements)
+    return value.to(new.device)
+
+
+class StaleOptimizers:
+    """The parameters setup replaced, to refuse an optimizer that still holds them."""
+
+    def __init__(self) -> None:
+        self._replaced: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    def note(self, replaced: list[torch.Tensor]) -> None:
+        for p in replaced:
+            self._replaced[id(p)] = p
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer (its first step): refuse it if it holds replaced parameters."""
+        if not self._replaced or optimizer in self._checked:
+            return
+        self._checked.add(optimizer)
+        stale = sum(
+            1
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if self._replaced.get(id(p)) is p
+        )
+        if stale:
+            raise ConfigError(
+                f"this optimizer holds {stale} parameter(s) the model had before rt.setup "
+                "sharded it: stepping it would change tensors the model no longer uses, and "
+                "the model would not train. Pass the optimizer to rt.setup (model, optimizer "
+                "= rt.setup(model, optimizer)), or build it after rt.setup from "
+                "model.parameters()"
+            )

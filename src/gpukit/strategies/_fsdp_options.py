@@ -1,0 +1,123 @@
+"""The settings of ``gk.strategies.FSDP``, checked before any process starts.
+
+Each check raises a ConfigError that names the setting, what was given, and what to give.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpukit._util.text import described
+from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies._recompute import MODES
+
+ACCUMULATION = ("reduce-scatter", "no-sync")
+_MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """``reshard``: "auto" (torch's choice: reshard every group after its forward except the
+    root's), True, False (keep the gathered weights from forward to backward: one all-gather
+    per group per step instead of two, at the memory of unsharded weights), or a number of
+    ranks to reshard to (a smaller group's all-gather in the backward). ``mixed``: None (the
+    weights stay in their dtype; the Runtime's precision applies), "bf16"/"fp16" (weights
+    gathered and computed in that dtype, gradients reduced in float32), or a torch
+    ``MixedPrecisionPolicy``. ``accumulation``: what the micro-batches before an optimizer
+    step do with their gradients (see ``gpukit.strategies.fsdp``)."""
+
+    reshard: bool | int | str = "auto"
+    mixed: Any = None
+    offload: bool = False
+    activation_checkpointing: str = "off"
+    compile: bool | str = False
+    tp: int = 1
+    replicas: int = 1
+    accumulation: str = "reduce-scatter"
+    tp_plan: Any = None
+
+    def __post_init__(self) -> None:
+        _check_reshard(self.reshard)
+        _check_mixed(self.mixed)
+        for name in ("offload",):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"FSDP({name}={described(getattr(self, name))}): give True or False"
+                )
+        if self.activation_checkpointing not in MODES or not isinstance(
+            self.activation_checkpointing, str
+        ):
+            raise ConfigError(
+                f"FSDP(activation_checkpointing={described(self.activation_checkpointing)}): give "
+                "'off', 'full' (recompute each block's forward in the backward) or 'selective' "
+                "(keep matrix products and attention, recompute the rest)"
+            )
+        if self.compile is not False and self.compile != "blocks" and self.compile is not True:
+            raise ConfigError(
+                f"FSDP(compile={described(self.compile)}): give False, or 'blocks' (True means "
+                "the same) to torch.compile each repeated block before sharding it"
+            )
+        for name in ("tp", "replicas"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(
+                    f"FSDP({name}={described(value)}): give a whole number of ranks, 1 or more"
+                )
+        if self.accumulation not in ACCUMULATION or not isinstance(self.accumulation, str):
+            raise ConfigError(
+                f"FSDP(accumulation={described(self.accumulation)}): give 'reduce-scatter' "
+                "(gradients stay sharded; one reduce-scatter per micro-batch) or 'no-sync' "
+                "(one reduce-scatter per step; full-size gradients kept until then)"
+            )
+        if self.tp > 1 and self.tp_plan is None:
+            raise ConfigError(
+                f"FSDP(tp={self.tp}) needs tp_plan: which layers to split across the "
+                f"{self.tp} tensor-parallel ranks, as parallelize_module takes it, e.g. "
+                "tp_plan={'blocks.*.mlp.0': ColwiseParallel(), 'blocks.*.mlp.2': "
+                "RowwiseParallel()} (torch.distributed.tensor.parallel); or a function "
+                "model -> such a dict"
+            )
+
+    def mixed_policy(self) -> Any:
+        """The ``MixedPrecisionPolicy`` for ``fully_shard`` (None: torch's default)."""
+        if self.mixed is None:
+            return None
+        if isinstance(self.mixed, str):
+            policy = fsdp2().MixedPrecisionPolicy
+            return policy(param_dtype=_MIXED[self.mixed], reduce_dtype=torch.float32)
+        return self.mixed
+
+    @property
+    def reshard_after_forward(self) -> bool | int | None:
+        return None if self.reshard == "auto" else self.reshard  # type: ignore[return-value]
+
+
+def _check_reshard(value: object) -> None:
+    if value == "auto" and isinstance(value, str):
+        return
+    if isinstance(value, bool):
+        return
+    if isinstance(value, numbers.Integral) and int(value) >= 1:
+        return
+    raise ConfigError(
+        f"FSDP(reshard={described(value)}): give 'auto', True (free the gathered weights "
+        "after each forward), False (keep them until the backward) or a number of ranks to "
+        "reshard to, which must divide the number of sharding ranks"
+    )
+
+
+def _check_mixed(value: object) -> None:
+    if value is None or (isinstance(value, str) and value in _MIXED):
+        return
+    if isinstance(value, fsdp2().MixedPrecisionPolicy):
+        return
+    raise ConfigError(
+        f"FSDP(mixed={described(value)}): give None (weights in their own dtype), 'bf16' or "
+        "'fp16' (gathered and computed in that dtype, gradients reduced in float32), or a "
+        "torch.distributed.fsdp.MixedPrecisionPolicy"
+    )

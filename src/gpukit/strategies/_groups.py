@@ -1,0 +1,115 @@
+"""Which parts of a model fsdp shards as one group, found without a wrapping policy.
+
+A sharded model is all-gathered group by group, so the peak holds one group's full weights
+at a time; each group is also one all-gather and one reduce-scatter. The natural groups are
+a model's repeated blocks: the largest list of modules of one class (a transformer's layers),
+each block a group, and the rest of the model (embeddings, final norm, head) the root's
+group. Parameters shared by two modules (a head tied to its embedding) must sit in one group:
+a block that shares a parameter with another block is merged with it, and one that shares a
+parameter with something outside the blocks stays in the root's group.
+
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Embedding(10, 4), nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]))
+>>> [g.names for g in find_groups(model)]
+[['1.0'], ['1.1'], ['1.2']]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class Group:
+    """Modules sharded together (``names`` as in ``named_modules``)."""
+
+    names: list[str]
+    modules: list[nn.Module] = field(repr=False)
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The repeated blocks: the ``ModuleList``/``Sequential`` (or the model itself) whose
+    children are at least two modules of one class holding parameters, the longest such list
+    (the one holding more parameters on a tie); None when there is none."""
+    best: tuple[int, int, str, list[nn.Module]] | None = None
+    for name, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.children())
+        kinds = {type(c) for c in children}
+        if len(children) < 2 or len(kinds) != 1:
+            continue
+        if not all(any(True for _ in c.parameters()) for c in children):
+            continue
+        size = sum(p.numel() for p in container.parameters())
+        if best is None or (len(children), size) > (best[0], best[1]):
+            best = (len(children), size, name, children)
+    if best is None:
+        return None
+    return best[2], best[3]
+
+
+def find_groups(model: nn.Module) -> list[Group]:
+    """The groups sharded before the root (the root's group holds everything else), in
+    forward order; tied parameters never span two groups."""
+    found = find_blocks(model)
+    if found is None:
+        return []
+    prefix, blocks = found
+    names = [f"{prefix}.{i}" if prefix else str(i) for i in range(len(blocks))]
+    # A block listed twice (one layer applied several times) is one module: one group.
+    unique: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        unique.setdefault(id(block), i)
+    index = sorted(unique.values())
+    owner: dict[int, int] = {}  # parameter id -> the first block (by index) holding it
+    parent = {i: i for i in index}
+
+    def root_of(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i in index:
+        for _, p in blocks[i].named_parameters(remove_duplicate=False):
+            j = owner.setdefault(id(p), i)
+            if j != i:  # shared by two blocks: merge them into one group
+                parent[root_of(i)] = root_of(j)
+    in_blocks = set(owner)
+    outside = {
+        id(p)
+        for name, module in model.named_modules()
+        if not _within(name, names)
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False)
+    }
+    tied_to_root = {root_of(owner[pid]) for pid in in_blocks & outside}
+    merged: dict[int, list[int]] = {}
+    for i in index:
+        merged.setdefault(root_of(i), []).append(i)
+    return [
+        Group([names[i] for i in members], [blocks[i] for i in members])
+        for leader, members in merged.items()
+        if leader not in tied_to_root
+    ]
+
+
+def _within(name: str, blocks: list[str]) -> bool:
+    return any(name == b or name.startswith(b + ".") for b in blocks)
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Names under which one parameter appears more than once (a tied head and embedding)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]

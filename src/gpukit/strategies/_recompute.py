@@ -1,0 +1,107 @@
+"""Activation checkpointing of a sharded model's blocks: keep less from the forward, recompute
+the rest in the backward.
+
+``"full"`` keeps only each block's input and recomputes the whole block; ``"selective"`` keeps
+the outputs of the expensive operations (matrix products, attention) and recomputes the cheap
+ones (activations, norms, additions): most of the memory saved for a fraction of the extra
+compute. Both use torch's non-reentrant checkpoint, the only kind that works with fsdp (the
+reentrant kind runs the block's backward outside autograd's view, so fsdp would all-gather
+its weights twice and miss its gradients).
+
+The block's ``forward`` is replaced on the instance, not the module wrapped, so the model's
+structure, parameter names and state-dict keys stay as the user wrote them. Recomputing
+replays the random generators' states, so dropout draws what it drew the first time: the
+result is the same, bit for bit, as without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+from gpukit.errors import ConfigError
+
+MODES = ("off", "full", "selective")
+
+# Operations whose outputs selective checkpointing keeps: their recomputation would cost as
+# much as the forward itself (torchtitan's list, less what this torch lacks).
+_KEPT_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "linear",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> None:
+    """Make each of ``blocks`` recompute its activations in the backward (``mode`` "full" or
+    "selective"; "off" leaves them alone)."""
+    if mode == "off":
+        return
+    context = _selective_context if mode == "selective" else None
+    for block in blocks:
+        if getattr(block, "_gpukit_recomputes", None) is not None:
+            continue  # set up once: a second setup must not checkpoint a checkpoint
+        block.forward = functools.partial(_recomputed, block.forward, context)
+        block._gpukit_recomputes = mode  # type: ignore[assignment]
+
+
+def _recomputed(
+    forward: Callable[..., Any], context: Callable[[], Any] | None, *args: Any, **kwargs: Any
+) -> Any:
+    options: dict[str, Any] = {"use_reentrant": False}
+    if context is not None:
+        options["context_fn"] = context
+    return torch_checkpoint.checkpoint(forward, *args, **options, **kwargs)
+
+
+def _selective_context() -> Any:
+    make = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
+    policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
+    if make is None or policy is None:  # pragma: no cover - torch < 2.4
+        raise ConfigError(
+            f"activation_checkpointing='selective' needs torch 2.4 or newer (this is "
+            f"{torch.__version__}); use 'full'"
+        )
+    kept = {
+        getattr(torch.ops.aten, name).default for name in _KEPT_OPS if hasattr(torch.ops.aten, name)
+    }
+
+    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return policy.MUST_SAVE if op in kept else policy.PREFER_RECOMPUTE
+
+    return make(choose)
+
+
+def refuse_reentrant(model: nn.Module) -> None:
+    """A model whose own layers use reentrant checkpointing cannot be sharded (see above)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            CheckpointWrapper,
+        )
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, CheckpointWrapper)
+            and module.checkpoint_impl == CheckpointImpl.REENTRANT
+        ):
+            raise ConfigError(
+                f"fsdp: {name or 'the model'} uses reentrant activation checkpointing "
+                "(checkpoint_wrapper with CheckpointImpl.REENTRANT): its backward runs outside "
+                "autograd's view, so fsdp would all-gather the weights twice and lose their "
+                "gradients. Remove the wrapper and use gk.strategies.FSDP("
+                "activation_checkpointing='full' or 'selective'), or "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )

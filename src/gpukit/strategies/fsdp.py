@@ -1,0 +1,281 @@
+"""Fully sharded data parallel (torch's FSDP2): each rank keeps 1/N of every weight, gradient
+and optimizer state, and gathers a group's full weights only while it computes with them.
+
+Without a wrapping policy: the model's repeated blocks (the longest list of same-class
+modules) are sharded one group each, then the root holds the rest; parameters tied across
+modules never span two groups (see ``_groups``). Each block may first be checkpointed (its
+activations recomputed in the backward, ``_recompute``), compiled (``torch.compile`` per
+block) and split across tensor-parallel ranks (``tp``, with a plan). ``replicas`` > 1 shards
+within groups of ranks and replicates across them (HSDP: all-gathers stay inside a group).
+
+Gradient accumulation is a trade-off, chosen with ``accumulation``:
+
+- ``"reduce-scatter"`` (default): every micro-batch reduce-scatters its gradients, so they
+  stay sharded (1/N of the memory) at one reduce-scatter per micro-batch. Under HSDP the
+  all-reduce across replicas still waits for the last micro-batch.
+- ``"no-sync"``: the micro-batches keep full-size, unsharded gradients and the last one
+  reduces them once: less communication, but each rank then holds a full gradient, the
+  memory fsdp was meant to save.
+
+Parameters become DTensors, sharded in place: the model the user holds is the sharded one.
+An optimizer built before ``rt.setup`` is pointed at the sharded parameters there (with its
+state, if it has any), so it trains them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, ClassVar
+
+from torch import nn
+
+from gpukit._util.checks import require_module
+from gpukit.devices.device import Device
+from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies._fsdp_options import FSDPOptions
+from gpukit.strategies._groups import find_groups
+from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
+from gpukit.strategies._shard_plan import ShardPlan, describe_plan
+from gpukit.strategies.base import MemoryAdvice
+from gpukit.strategies.ddp import DDP
+
+log = logging.getLogger("gpukit")
+
+
+class FSDP(DDP):
+    """Sharded training over processes started by ``Runtime.launch`` or a launcher; see the
+    module docstring for the settings.
+
+    >>> import gpukit as gk
+    >>> strategy = gk.strategies.FSDP(activation_checkpointing="selective")
+    >>> rt = gk.Runtime(strategy=strategy, devices=["cpu", "cpu"])
+    >>> rt.world_size, strategy.name
+    (2, 'fsdp')
+    """
+
+    name: ClassVar[str] = "fsdp"
+
+    def __init__(
+        self,
+        *,
+        reshard: bool | int | str = "auto",
+        mixed: Any = None,
+        offload: bool = False,
+        activation_checkpointing: str = "off",
+        compile: bool | str = False,
+        tp: int = 1,
+        replicas: int = 1,
+        accumulation: str = "reduce-scatter",
+        tp_plan: Any = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    ) -> None:
+        fsdp2()  # this torch has FSDP2, or a clear error now
+        super().__init__(timeout=timeout)
+        self.options = FSDPOptions(
+            reshard=reshard,
+            mixed=mixed,
+            offload=offload,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            tp=tp,
+            replicas=replicas,
+            accumulation=accumulation,
+            tp_plan=tp_plan,
+        )
+        self.mesh: Any = None
+        self.plans: list[ShardPlan] = []
+
+    # -- processes ---------------------------------------------------------------------------
+    def configure(self, devices: list[Device]) -> None:
+        super().configure(devices)
+        o = self.options
+        if self.world_size % (o.tp * o.replicas):
+            raise ConfigError(
+                f"fsdp with tp={o.tp} and replicas={o.replicas} needs a multiple of "
+                f"{o.tp * o.replicas} ranks, but this job has {self.world_size}: change the "
+                "number of devices, tp or replicas"
+            )
+        shard = self.shard_size
+        reshard = o.reshard
+        if not isinstance(reshard, (bool, str)) and (reshard > shard or shard % reshard):
+            raise ConfigError(
+                f"FSDP(reshard={reshard}): reshards to a group of that many ranks, which must "
+                f"divide the {shard} sharding rank(s); give a divisor of {shard}, True or False"
+            )
+        if o.offload and not any(d.type == "cuda" for d in devices):
+            raise ConfigError(
+                "FSDP(offload=True) keeps the sharded weights, gradients and optimizer state in "
+                "CPU memory and copies each group to its GPU when needed, so it needs GPUs: "
+                f"this job trains on {', '.join(map(str, devices))}. Drop offload=True"
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each weight is split across (the rest are replicas and tensor parallel)."""
+        return self.world_size // (self.options.tp * self.options.replicas)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def recovers_out_of_memory(self) -> bool:
+        # Every forward all-gathers the weights from every rank: a rank that runs out of
+        # memory halfway leaves the others waiting in a collective it will never join. One
+        # rank has no one to leave waiting.
+        return self.world_size == 1
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            o = self.options
+            shape, names = [], []
+            for size, name in ((o.replicas, "replicate"), (self.shard_size, "shard"), (o.tp, "tp")):
+                if size > 1 or name == "shard":
+                    shape.append(size)
+                    names.append(name)
+            self.mesh = init_device_mesh(
+                self.device.type, tuple(shape), mesh_dim_names=tuple(names)
+            )
+
+    def sampler_placement(self) -> tuple[int, int]:
+        # Tensor-parallel ranks split one batch's computation: they read the same samples.
+        tp = self.options.tp
+        return self.world_size // tp, self.rank // tp
+
+    # -- the model ---------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        api = fsdp2()
+        module = require_module(module, "rt.setup")
+        if not any(True for _ in module.parameters()):
+            raise ConfigError(
+                "fsdp: the model has no parameters, so there is nothing to shard: use "
+                "strategy='ddp' or 'single'"
+            )
+        refuse_reentrant(module)
+        module = module.to(self.device.torch)
+        o = self.options
+        data_mesh = self._data_mesh()
+        settings: dict[str, Any] = {"mesh": data_mesh}
+        if o.reshard_after_forward is not None:
+            settings["reshard_after_forward"] = o.reshard_after_forward
+        policy = o.mixed_policy()
+        if policy is not None:
+            settings["mp_policy"] = policy
+        if o.offload:
+            settings["offload_policy"] = api.CPUOffloadPolicy()
+        already = [m for m in module.modules() if isinstance(m, api.FSDPModule)]
+        groups = [] if already else find_groups(module)
+        blocks = [b for g in groups for b in g.modules]
+        checkpoint_blocks(blocks, o.activation_checkpointing)
+        if o.tp > 1:
+            self._parallelize(module)
+        if o.compile:
+            for block in blocks:
+                block.compile()
+        for group in groups:
+            target = group.modules[0] if len(group.modules) == 1 else group.modules
+            self._shard(api, target, settings, group.names)
+        if not isinstance(module, api.FSDPModule):
+            # The root keeps its gathered weights after the forward: its backward comes
+            # first, so freeing them would only gather them again at once.
+            root = dict(settings)
+            root.setdefault("reshard_after_forward", o.reshard_after_forward or False)
+            self._shard(api, module, root, ["(root)"])
+        plan = describe_plan(module, groups, self, already=bool(already))
+        self.plans.append(plan)
+        if self.rank == 0:
+            print(plan.render(), flush=True)
+        return module
+
+    def _data_mesh(self) -> Any:
+        names = self.mesh.mesh_dim_names
+        data = tuple(n for n in names if n != "tp")
+        return self.mesh[data] if len(data) < len(names) else self.mesh
+
+    def _parallelize(self, module: nn.Module) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = self.options.tp_plan
+        if callable(plan) and not isinstance(plan, dict):
+            plan = plan(module)
+        if not isinstance(plan, dict) or not plan:
+            raise ConfigError(
+                "FSDP(tp_plan=...): give a non-empty dict of module names (wildcards allowed) "
+                "to ParallelStyles, or a function returning one"
+            )
+        parallelize_module(module, self.mesh["tp"], plan)
+
+    def _shard(self, api: Any, target: Any, settings: dict[str, Any], names: list[str]) -> None:
+        try:
+            api.fully_shard(target, **settings)
+        except (ValueError, AssertionError, RuntimeError) as err:
+            said = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            if "shared with a parameter already managed" in said:
+                raise ConfigError(
+                    f"fsdp: {', '.join(names)} shares a parameter with a module that is "
+                    f"already sharded in another group ({said}). Tied parameters (an output "
+                    "layer tied to its embedding) must be sharded in one group: let gpukit "
+                    "choose the groups (do not call fully_shard yourself on one of them), or "
+                    "call fully_shard([embedding, head]) on both together"
+                ) from None
+            raise ConfigError(f"fsdp could not shard {', '.join(names)}: {said}") from err
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module  # sharded in place: no wrapper around the user's model
+
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+        if not isinstance(module, fsdp2().FSDPModule):
+            return
+        if self.options.accumulation == "no-sync":
+            module.set_requires_gradient_sync(enabled)
+        elif self.options.replicas > 1:
+            # Reduce-scatter within each replica every micro-batch (gradients stay sharded);
+            # the all-reduce across replicas only once, on the last.
+            module.set_requires_all_reduce(enabled)
+
+    def recover_module(self, module: nn.Module) -> None:
+        # A forward or backward that failed halfway leaves groups gathered and hooks armed.
+        for m in module.modules():
+            if isinstance(m, fsdp2().FSDPModule):
+                m.reset_iter_state()
+
+    def check_gradients(self, module: nn.Module) -> None:
+        """fsdp reduce-scatters whole groups: a parameter without a gradient is reduced as
+        zeros, so unused parameters need no check here."""
+
+    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        o = self.options
+        if o.activation_checkpointing != "off" and o.reshard is not False:
+            return None
+        tips = []
+        if o.activation_checkpointing == "off":
+            tips.append(
+                "activation_checkpointing='selective' (or 'full') keeps fewer activations "
+                "(gpukit train --activation-checkpointing selective)"
+            )
+        if o.reshard is False:
+            tips.append("reshard=True frees each group's gathered weights after its forward")
+        return MemoryAdvice(
+            title="recompute activations / reshard",
+            detail="; ".join(tips),
+            freed=None,
+            confidence=0.5,
+        )
+
+    def teardown(self) -> None:
+        self.mesh = None
+        super().teardown()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) was sharded by fsdp."""
+    try:
+        cls = fsdp2().FSDPModule
+    except ConfigError:
+        return False
+    return any(isinstance(m, cls) for m in module.modules())
