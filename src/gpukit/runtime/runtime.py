@@ -189,7 +189,11 @@ class Runtime(RuntimeViews):
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if module is None:
-            before = dict(user.named_parameters(remove_duplicate=False))
+            before = (
+                dict(user.named_parameters(remove_duplicate=False))
+                if isinstance(user, nn.Module)
+                else {}  # refused by the strategy, with the reason
+            )
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
             module = self.strategy.setup_module(self.precision.setup_module(user))
