@@ -28,6 +28,7 @@ from gpukit.errors import (
     NonFiniteError,
     OutOfMemory,
     Preempted,
+    ShardedTensorError,
 )
 from gpukit.runtime.runtime import Runtime
 
@@ -53,6 +54,7 @@ __all__ = [
     "PlacementReport",
     "Preempted",
     "Runtime",
+    "ShardedTensorError",
     "Trace",
     "__version__",
     "cpu",

@@ -84,6 +84,10 @@ class DriverTooOldError(GpukitError, RuntimeError):
     """The NVIDIA driver is older than the CUDA version this torch build needs."""
 
 
+class ShardedTensorError(GpukitError, RuntimeError):
+    """A sharded parameter (a DTensor) met a plain tensor outside the module that owns it."""
+
+
 class DistributedError(GpukitError, RuntimeError):
     """A collective failed or timed out in NCCL or gloo, usually because another rank did."""
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import gpukit as gk
 from gpukit.diagnostics.readable import explain_error, reraise_readable
 from gpukit.diagnostics.rules import cuda as cuda_rules
 from gpukit.errors import (
@@ -376,3 +377,28 @@ def test_reraise_readable_keeps_the_raw_error_as_cause() -> None:
     with pytest.raises(ConfigError) as same:
         reraise_readable(readable)
     assert same.value is readable and same.value.__cause__ is None
+
+
+def test_a_sharded_parameter_met_by_a_plain_tensor_is_explained() -> None:
+    raw = RuntimeError(
+        "aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor "
+        "to DTensor before calling distributed operators!"
+    )
+    err = explain_error(raw)
+    assert isinstance(err, gk.ShardedTensorError)
+    text = str(err)
+    assert text.splitlines()[0] == (
+        "a sharded parameter was used outside its module: mm got a DTensor and a plain tensor"
+    )
+    assert "rt.full_state_dict()" in text and "fix:" in text
+
+
+def test_a_real_mixed_use_after_fsdp_setup_is_explained() -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu"], seed=0)
+    model = rt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            _ = torch.randn(2, 4) @ model[1].weight.T
+        assert isinstance(explain_error(caught.value), gk.ShardedTensorError)
+    finally:
+        rt.teardown()

@@ -8,7 +8,7 @@ Text around the message (an exception's type, a C++ frame trace) is ignored.
 :func:`reraise_readable` raises that translation from the original, which stays its
 ``__cause__``. The messages are read by the rules in ``gpukit.diagnostics.rules``, one module
 per family: ``cuda`` (the CUDA stack's own failures), ``devices`` (tensors on different
-devices), ``distributed`` (NCCL, gloo); this module only tries them in order.
+devices), ``distributed`` (NCCL, gloo), ``sharded`` (DTensors met by plain tensors); this module only tries them in order.
 
 >>> from gpukit.diagnostics.readable import explain_error
 >>> err = explain_error(RuntimeError("Expected all tensors to be on the same device, but found "
@@ -28,6 +28,7 @@ from gpukit.diagnostics import oom
 from gpukit.diagnostics.rules.cuda import cudnn, device_assert, driver, no_kernel
 from gpukit.diagnostics.rules.devices import cross_device
 from gpukit.diagnostics.rules.distributed import distributed
+from gpukit.diagnostics.rules.sharded import mixed_dtensor
 from gpukit.errors import ConfigError, GpukitError, OutOfMemory
 
 _LIMIT = 50_000  # a DataLoader worker's message holds a whole traceback; bounds regex work
@@ -39,6 +40,7 @@ _RULES: tuple[Callable[[str, BaseException], GpukitError | None], ...] = (
     lambda text, err: driver(text),
     lambda text, err: cudnn(text),
     lambda text, err: cross_device(text),
+    lambda text, err: mixed_dtensor(text),
     distributed,
 )
 
