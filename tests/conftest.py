@@ -34,6 +34,15 @@ def clean_environment(
     monkeypatch.setenv("GPUKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gpukit-cache"))
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left() -> Iterator[None]:
+    """A test that fails before ``rt.teardown`` must not leave its in-process group (a world
+    of one) behind: the next test's mesh or launch would find a world of the wrong size."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @dataclass
 class FakeCuda:
     """The pretend CUDA machine: which device is current, as a stack of scopes."""

@@ -140,3 +140,27 @@ def test_a_batch_size_that_does_not_divide_the_samples_seen_warns(tmp_path: Path
     _sequential_run(tmp_path, 4, 3, resume=False)  # 12 samples seen
     with pytest.warns(UserWarning, match=r"after 12 samples .* goes on from sample 10, so 2 "):
         assert _sequential_run(tmp_path, 5, 1, resume=True) == list(range(10, 15))
+
+
+def test_a_resume_with_more_accumulation_opens_a_fresh_window(tmp_path: Path) -> None:
+    # Saved after step 3 with accumulate=1 (micro-step 3), resumed with accumulate=2 (fewer
+    # ranks, the same global batch): the next two micro-batches make one optimizer step.
+    def build(accumulate: int) -> tuple[gk.Runtime, nn.Module, torch.optim.Optimizer]:
+        rt = gk.Runtime(devices="cpu", seed=0, accumulate=accumulate)
+        model = nn.Linear(2, 1)
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return rt, model, opt
+
+    rt, model, opt = build(1)
+    for _ in range(3):
+        rt.backward(model(torch.ones(4, 2)).pow(2).mean())
+        rt.step(opt)
+    rt.save(tmp_path)
+    rt, model, opt = build(2)
+    rt.load(tmp_path)
+    assert (rt.global_step, rt.state.micro_step) == (3, 6)
+    stepped = []
+    for _ in range(2):
+        rt.backward(model(torch.ones(4, 2)).pow(2).mean())
+        stepped.append(rt.step(opt))
+    assert stepped == [False, True] and rt.global_step == 4

@@ -8,7 +8,8 @@ Text around the message (an exception's type, a C++ frame trace) is ignored.
 :func:`reraise_readable` raises that translation from the original, which stays its
 ``__cause__``. The messages are read by the rules in ``gpukit.diagnostics.rules``, one module
 per family: ``cuda`` (the CUDA stack's own failures), ``devices`` (tensors on different
-devices), ``distributed`` (NCCL, gloo), ``sharded`` (DTensors met by plain tensors); this module only tries them in order.
+devices), ``distributed`` (NCCL, gloo), ``sharded`` (DTensors met by plain tensors); this
+module only tries them in order.
 
 >>> from gpukit.diagnostics.readable import explain_error
 >>> err = explain_error(RuntimeError("Expected all tensors to be on the same device, but found "

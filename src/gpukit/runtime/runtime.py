@@ -375,8 +375,8 @@ class Runtime(RuntimeViews):
         (default: the Runtime's ``keep``).
 
         Collective: every rank calls it (rank 0 writes the files, every rank gives its random
-        state). Called on some ranks only, it fails within 30 s naming the ranks that did not
-        call it."""
+        state and, under fsdp, writes its shards). Called on some ranks only, it fails within
+        30 s naming the ranks that did not call it."""
         self._ensure_ready()
         folder = _folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
@@ -402,11 +402,27 @@ class Runtime(RuntimeViews):
         folder = _folder("rt.load", directory, self.lifecycle.folder)
         self.lifecycle.beat("load", self.state.global_step)
         self.lifecycle.resumed = True  # an explicit load is the resume
-        progress = checkpoint.load(folder, self.state, self.strategy, self.precision)
+        progress = checkpoint.load(
+            folder, self.state, self.strategy, self.precision, self.config.accumulate
+        )
         self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.saved(self.state.global_step)
         return progress
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The full weights of ``model`` (default: the one model ``setup`` saw) as plain CPU
+        tensors on rank 0, ``{}`` on the other ranks; under fsdp gathered from every rank's
+        shards. Collective: every rank calls it.
+
+        >>> import torch, gpukit as gk
+        >>> rt = gk.Runtime(devices="cpu")
+        >>> sorted(rt.full_state_dict(rt.setup(torch.nn.Linear(2, 1))))
+        ['bias', 'weight']
+        """
+        self._ensure_ready()
+        self.strategy.check_every_rank_calls("rt.full_state_dict")
+        return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""

@@ -7,14 +7,18 @@ A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
   inside its epoch (in batches, with their size, so another batch size resumes at the same
   sample), and the RNG states of every rank, with the state each loader's pass started from
   (the resumed pass redoes that start's draws: its order and its workers' seeds);
+- under fsdp, ``sharded/``: every rank's shards of the weights and optimizer states, written
+  by torch.distributed.checkpoint (loadable onto any number of ranks; ``state.pt`` then holds
+  no optimizer state; see :mod:`~gpukit.runtime.checkpoint.sharded`);
 - ``manifest.json``, written last: the format, the step, whether every value was finite, and
   each file's size and sha256.
 
-Saving (:func:`save`, rank 0 writes): into a temporary folder, every file fsynced, renamed into
-place, then the file ``latest`` is pointed at it (written the same way) and the checkpoints
-beyond the newest ``keep`` are removed, never the one just written. A checkpoint whose
-weights, optimizer or scaler state hold NaN or Inf is written, marked bad in its manifest,
-with a warning; ``latest`` stays on the last good one and nothing is pruned.
+Saving (:func:`save`; rank 0 writes, and under fsdp every rank its shards): into a temporary
+folder, every file fsynced, renamed into place, then the file ``latest`` is pointed at it
+(written the same way) and the checkpoints beyond the newest ``keep`` are removed, never the
+one just written. A checkpoint whose weights, optimizer or scaler state hold NaN or Inf is
+written, marked bad in its manifest, with a warning; ``latest`` stays on the last good one
+and nothing is pruned.
 
 Loading (:func:`load`) is all or nothing: it verifies every file against the manifest, reads
 ``state.pt`` with ``weights_only=True`` (a checkpoint holds tensors and plain values and can
@@ -41,12 +45,14 @@ from gpukit.runtime.checkpoint.files import (
     resumable,
 )
 from gpukit.runtime.checkpoint.reader import load
+from gpukit.runtime.checkpoint.sharded import full_state_dict
 from gpukit.runtime.checkpoint.writer import save
 
 __all__ = [
     "FORMAT",
     "LATEST",
     "MANIFEST",
+    "full_state_dict",
     "has_checkpoints",
     "latest",
     "load",

@@ -2,7 +2,8 @@
 and pruning.
 
 A checkpoint folder ``step-NNNNNNNN/`` holds its files and, written last, ``manifest.json``:
-the format, the step, whether every saved value was finite, and each file's size and sha256.
+the format, the step, whether every saved value was finite, and each file's size and sha256
+(files in sub-folders, such as the shards of a sharded checkpoint, by their relative path).
 A folder is *good* when every file matches its manifest and nothing in it was marked bad.
 Folders written before manifests existed (format 1) cannot be verified and count as good when
 their files are there.
@@ -60,10 +61,10 @@ def sha256(path: Path) -> str:
 def write_manifest(folder: Path, step: int, problems: list[str]) -> dict[str, Any]:
     """Write ``folder/manifest.json`` for the files already in ``folder`` (the last file of a
     save); ``problems`` are the non-finite values found, which mark the checkpoint bad."""
-    files = {
-        f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)}
-        for f in sorted(folder.iterdir())
-        if f.is_file() and f.name != MANIFEST
+    files = {  # the files in sub-folders too (every rank's shards): by their relative path
+        f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size, "sha256": sha256(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.relative_to(folder).as_posix() != MANIFEST
     }
     manifest = {
         "format": FORMAT,

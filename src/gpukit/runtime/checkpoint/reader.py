@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.checkpoint import files, finite
+from gpukit.runtime.checkpoint import files, finite, sharded
 from gpukit.runtime.checkpoint.fit import (
     model_mismatches,
     optimizer_entries,
@@ -39,7 +39,11 @@ _TORCH_ADVICE = ("weights_only", "re-running", "weightsunpickler", "file an issu
 
 
 def load(
-    directory: Path, state: TrainState, strategy: Strategy, precision: Precision
+    directory: Path,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    accumulate: int = 1,
 ) -> dict[str, int]:
     """Restore the newest good checkpoint under ``directory`` (or the checkpoint folder
     ``directory``) into ``state`` (after ``setup``); returns its epoch and step. Nothing
@@ -48,11 +52,24 @@ def load(
         rt.load("ckpt")                      # the newest good one: {"epoch": 3, "step": 40}
         rt.load("ckpt/step-00000032")        # that one
     """
-    path = files.latest(directory)  # verified against its manifest
-    saved = _read_state(path)
     models = user_models(state, strategy, precision)
-    weights = _read_weights(path, len(models))
-    _check(path, saved, weights, models, state, precision)
+    shards = sharded.applies(models)
+    if shards:  # every rank reads: the ranks must agree on what, and on any problem
+        path, saved = sharded.agreed(strategy, lambda: _read_checked(directory, precision, True))
+        restore = sharded.prepare(path, models, state.optimizers, strategy)
+    else:
+        path, saved = _read_checked(directory, precision, False)
+        weights = _read_weights(path, len(models))
+        _check(path, saved, weights, models, state, precision)
+
+        def restore() -> None:
+            with torch.no_grad():
+                for model, tensors in zip(models, weights, strict=True):
+                    # Not strict: a tied weight is in the file once and fills both its names.
+                    model.load_state_dict(tensors, strict=False)
+            for optimizer, kept in zip(state.optimizers, saved["optimizers"], strict=True):
+                optimizer.load_state_dict(kept)
+
     ranks = saved["rng"]
     if len(ranks) != strategy.world_size:
         warn_user(
@@ -62,7 +79,8 @@ def load(
     mine = ranks[strategy.rank % len(ranks)]
     resumes = _resumes(path, saved, state.loaders, mine, len(ranks) == strategy.world_size)
     try:
-        _commit(saved, weights, models, state, precision, strategy, mine, resumes)
+        restore()
+        _commit(saved, state, precision, strategy, mine, resumes, accumulate)
     except Exception as err:
         raise ConfigError(
             f"restoring checkpoint {path} failed part-way, after every check passed "
@@ -70,6 +88,30 @@ def load(
             "partly restored; load it again, or start the process afresh"
         ) from err
     return {"epoch": saved["epoch"], "step": saved["step"]}
+
+
+def _read_checked(
+    directory: Path, precision: Precision, shards: bool
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to load, verified, and its ``state.pt``: ConfigError when it was written
+    sharded and this run is not, or the other way round."""
+    path = files.latest(directory)  # verified against its manifest
+    saved = _read_state(path)
+    mismatch = sharded.layout_mismatch(path, saved, shards)
+    if mismatch is not None:
+        raise ConfigError(mismatch)
+    if shards:  # what the plain load checks in _check besides the weights and optimizers
+        found = precision_mismatches(saved["precision"], precision) + _progress_mismatches(saved)
+        if found:
+            raise ConfigError(
+                f"checkpoint {path} does not fit what setup got ({'; '.join(found[:_SHOWN])}). "
+                "Nothing was changed: build the run as it was when it was saved, or start "
+                "without resuming"
+            )
+        bad = finite.problems(finite.state_entries(files.STATE, "precision", saved["precision"]))
+        if bad:
+            raise ConfigError(files.damaged_message(path, f"holds non-finite values ({bad[0]})"))
+    return path, saved
 
 
 def _check(
@@ -123,23 +165,22 @@ def _resumes(
 
 def _commit(
     saved: dict[str, Any],
-    weights: list[dict[str, torch.Tensor]],
-    models: list[torch.nn.Module],
     state: TrainState,
     precision: Precision,
     strategy: Strategy,
     rng: dict[str, Any],
     resumes: list[tuple[DeviceLoader, int, int, dict[str, Any] | None]],
+    accumulate: int,
 ) -> None:
-    """Change the live objects, in the order least likely to fail first."""
-    with torch.no_grad():
-        for model, tensors in zip(models, weights, strict=True):
-            # Not strict: a tied weight is in the file once and fills both its names.
-            model.load_state_dict(tensors, strict=False)
-    for optimizer, kept in zip(state.optimizers, saved["optimizers"], strict=True):
-        optimizer.load_state_dict(kept)
+    """Change the live progress (after the models and optimizers), in the order least likely
+    to fail first."""
     precision.load_state_dict(saved["precision"])
     state.global_step, state.micro_step = saved["step"], saved["micro_step"]
+    kept = saved.get("accumulate")
+    if isinstance(kept, int) and kept > 0 and state.micro_step % kept == 0:
+        # Saved between optimizer steps: the next micro-batch opens a window under this
+        # run's accumulation, which may differ (fewer ranks, more micro-batches each).
+        state.micro_step = state.global_step * accumulate
     state.stepped_at = state.micro_step
     state.oom_split = int(saved.get("oom_split", 1))
     for loader, epoch, position, start in resumes:

@@ -1,9 +1,11 @@
 """Writing a checkpoint so that a crash, a kill or a bad value never costs the last good one.
 
-Rank 0 checks every saved value is finite, writes the files into ``.tmp-step-N/``, fsyncs
-them, writes ``manifest.json`` last, renames the folder into place and only then points
-``latest`` at it and prunes. A checkpoint holding NaN or Inf is written for inspection but
-marked bad in its manifest: ``latest`` keeps naming the last good one and nothing is pruned.
+Rank 0 checks every saved value is finite, writes the files into ``.tmp-step-N/`` (under
+fsdp every rank first writes its shards into its ``sharded/`` folder, checking its own, see
+``sharded``), fsyncs them, writes ``manifest.json`` last, renames the folder into place and
+only then points ``latest`` at it and prunes. A checkpoint holding NaN or Inf is written for
+inspection but marked bad in its manifest: ``latest`` keeps naming the last good one and
+nothing is pruned.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import save_model
 
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.checkpoint import files, finite
+from gpukit.runtime.checkpoint import files, finite, sharded
 from gpukit.runtime.checkpoint.fit import (
     optimizer_entries,
     parameter_names,
@@ -43,7 +45,8 @@ def save(
 ) -> Path:
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
-    Collective: every rank calls it (rank 0 writes). See :mod:`gpukit.runtime.checkpoint`.
+    Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
+    too). See :mod:`gpukit.runtime.checkpoint`.
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -59,18 +62,34 @@ def save(
     # Every rank takes part: its RNG states, and where its loaders' passes started.
     rng = strategy.all_gather_object(_rng_state(strategy.device.torch, state.loaders))
     final = directory / files.folder_name(state.global_step)
+    tmp = directory / f".tmp-{final.name}"
+    models = user_models(state, strategy, precision)
+    shards = sharded.applies(models)
     if strategy.rank == 0:
-        models = user_models(state, strategy, precision)
-        progress = _progress(state, strategy, precision, rng)
-        bad = finite.problems(_entries(models, state, progress))
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for i, model in enumerate(models):
-            save_model(model, str(tmp / weights_name(i, len(models))))
+    bad: list[str] = []
+    weights: list[dict[str, torch.Tensor]] = []
+    if shards:  # every rank writes its own shards, then gives its part of the full weights
+        strategy.barrier()  # the folder exists
+        bad = sharded.save(tmp, models, state.optimizers, strategy)
+        weights = [sharded.full_weights(m, strategy) for m in models]
+    if strategy.rank == 0:
+        progress = _progress(state, strategy, precision, rng, shards, accumulate)
+        if shards:
+            bad += finite.problems(_sharded_entries(models, weights, progress))
+            for i, (model, full) in enumerate(zip(models, weights, strict=True)):
+                sharded.save_weights(full, model, tmp / weights_name(i, len(models)))
+        else:
+            bad = finite.problems(_entries(models, state, progress))
+            for i, model in enumerate(models):
+                save_model(model, str(tmp / weights_name(i, len(models))))
         torch.save(progress, tmp / files.STATE)
-        for f in tmp.iterdir():
+    if shards:
+        strategy.barrier()  # every rank's shards are on disk before the manifest lists them
+    if strategy.rank == 0:
+        for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders holding them
             files.fsync(f)
         files.write_manifest(tmp, state.global_step, bad)  # last: its presence means complete
         files.fsync(tmp)
@@ -142,8 +161,24 @@ def _entries(models: list[Any], state: TrainState, progress: dict[str, Any]) -> 
     return entries
 
 
+def _sharded_entries(
+    models: list[Any], weights: list[dict[str, torch.Tensor]], progress: dict[str, Any]
+) -> list[finite.Entry]:
+    """The full weights and the precision state (each rank checked its optimizer shards)."""
+    entries: list[finite.Entry] = []
+    for i, (model, full) in enumerate(zip(models, weights, strict=True)):
+        entries += finite.model_entries(weights_name(i, len(models)), full, model)
+    entries += finite.state_entries(files.STATE, "precision", progress["precision"])
+    return entries
+
+
 def _progress(
-    state: TrainState, strategy: Strategy, precision: Precision, rng: list[dict[str, Any]]
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    rng: list[dict[str, Any]],
+    shards: bool,
+    accumulate: int,
 ) -> dict[str, Any]:
     loaders = [lo.state_dict() for lo in state.loaders]
     return {
@@ -151,10 +186,15 @@ def _progress(
         "epoch": loaders[0]["epoch"] if loaders else 0,
         "step": state.global_step,
         "micro_step": state.micro_step,
+        "accumulate": accumulate,
         "oom_split": state.oom_split,  # the split recovery found: not to be found again
         "world_size": strategy.world_size,
         "loaders": loaders,
-        "optimizers": [o.state_dict() for o in state.optimizers],
+        "layout": sharded.LAYOUT if shards else "full",
+        # Sharded: the optimizers' state is in the shards; here only how many there are.
+        "optimizers": [sharded.LAYOUT] * len(state.optimizers)
+        if shards
+        else [o.state_dict() for o in state.optimizers],
         "precision": precision.state_dict(),
         "rng": rng,
     }
