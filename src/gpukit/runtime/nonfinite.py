@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from gpukit.errors import ConfigError, NonFiniteError
+from gpukit.strategies._fsdp_api import is_dtensor
 
 NonFinitePolicy = Literal["skip", "raise"]
 MAX_SKIPS_IN_A_ROW = 10
@@ -86,6 +87,11 @@ class NonFiniteGuard:
                 norm = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
             else:
                 norm = torch.zeros(())
+        if is_dtensor(norm):
+            # Sharded gradients (fsdp): each rank's norm covers its shards only. The full norm
+            # (one small all-reduce, no read) makes every rank skip the same steps, and gives
+            # fused optimizers the plain tensor they take as ``found_inf``.
+            norm = norm.full_tensor()  # type: ignore[union-attr]
         self._flag = (~torch.isfinite(norm)).to(torch.float32)
         return self._flag
 

@@ -45,7 +45,9 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(container.children())
+        # Every entry, a module listed twice included (children() lists it once), so that
+        # an entry's position is its name.
+        children = [c for c in container._modules.values() if c is not None]
         kinds = {type(c) for c in children}
         if len(children) < 2 or len(kinds) != 1:
             continue
@@ -66,7 +68,9 @@ def find_groups(model: nn.Module) -> list[Group]:
     if found is None:
         return []
     prefix, blocks = found
-    names = [f"{prefix}.{i}" if prefix else str(i) for i in range(len(blocks))]
+    container = model.get_submodule(prefix) if prefix else model
+    keys = [k for k, c in container._modules.items() if c is not None]
+    names = [f"{prefix}.{k}" if prefix else k for k in keys]
     # A block listed twice (one layer applied several times) is one module: one group.
     unique: dict[int, int] = {}
     for i, block in enumerate(blocks):

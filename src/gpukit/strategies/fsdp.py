@@ -33,7 +33,7 @@ from torch import nn
 from gpukit._util.checks import require_module
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
-from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies._fsdp_api import fsdp2, is_dtensor
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._groups import find_groups
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
@@ -169,6 +169,8 @@ class FSDP(DDP):
         if o.offload:
             settings["offload_policy"] = api.CPUOffloadPolicy()
         already = [m for m in module.modules() if isinstance(m, api.FSDPModule)]
+        if already:
+            _refuse_split_ties(module)
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
@@ -216,13 +218,7 @@ class FSDP(DDP):
         except (ValueError, AssertionError, RuntimeError) as err:
             said = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             if "shared with a parameter already managed" in said:
-                raise ConfigError(
-                    f"fsdp: {', '.join(names)} shares a parameter with a module that is "
-                    f"already sharded in another group ({said}). Tied parameters (an output "
-                    "layer tied to its embedding) must be sharded in one group: let gpukit "
-                    "choose the groups (do not call fully_shard yourself on one of them), or "
-                    "call fully_shard([embedding, head]) on both together"
-                ) from None
+                raise _split_tie(", ".join(names), said) from None
             raise ConfigError(f"fsdp could not shard {', '.join(names)}: {said}") from err
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -240,9 +236,9 @@ class FSDP(DDP):
 
     def recover_module(self, module: nn.Module) -> None:
         # A forward or backward that failed halfway leaves groups gathered and hooks armed.
-        for m in module.modules():
-            if isinstance(m, fsdp2().FSDPModule):
-                m.reset_iter_state()
+        # The root resets every group under it (torch refuses the call on any other group).
+        for root in _outermost(module, fsdp2().FSDPModule):
+            root.reset_iter_state()
 
     def check_gradients(self, module: nn.Module) -> None:
         """fsdp reduce-scatters whole groups: a parameter without a gradient is reduced as
@@ -279,3 +275,33 @@ def is_sharded(module: nn.Module) -> bool:
     except ConfigError:
         return False
     return any(isinstance(m, cls) for m in module.modules())
+
+
+def _outermost(module: nn.Module, cls: type) -> list[Any]:
+    """The modules of class ``cls`` in ``module`` that no other one of them contains."""
+    if isinstance(module, cls):
+        return [module]
+    return [found for child in module.children() for found in _outermost(child, cls)]
+
+
+def _refuse_split_ties(module: nn.Module) -> None:
+    """A model the user sharded in part: a parameter that a sharded group took over but a
+    module outside it still holds was tied across groups. ``fully_shard`` replaced it only in
+    the group's module, so the tie is already broken, and torch would say so only at the first
+    forward (or, with a tie it cannot see, train the two copies apart)."""
+    split = [
+        name
+        for name, p in module.named_parameters()
+        if not is_dtensor(p) and hasattr(p, "_fsdp_orig_uid")  # torch marks what it sharded
+    ]
+    if split:
+        raise _split_tie(", ".join(split), "its other user was sharded by fully_shard")
+
+
+def _split_tie(names: str, said: str) -> ConfigError:
+    return ConfigError(
+        f"fsdp: {names} shares a parameter with a module that is already sharded in another "
+        f"group ({said}). Tied parameters (an output layer tied to its embedding) must be "
+        "sharded in one group: let gpukit choose the groups (do not call fully_shard yourself "
+        "on one of them), or call fully_shard([embedding, head]) on both together"
+    )
