@@ -122,3 +122,36 @@ def test_fsdp_times_tensor_parallel_equals_one_process() -> None:
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_as_the_plain_program_does() -> None:
+    # torch.compile fuses the blocks' element-wise work, so the last bits may move: the same
+    # result to float64 rounding, every block compiled, and the model's names unchanged.
+    from tests.strategies import test_fsdp_fidelity as fidelity
+
+    rt = gk.Runtime(
+        strategy=gk.strategies.FSDP(compile="blocks", activation_checkpointing="selective"),
+        devices=["cpu", "cpu"],
+        seed=0,
+    )
+    got = rt.launch(fidelity._train, "tied", 2)
+    want = fidelity._reference("tied", 2, ranks=2, accumulate=1)
+    assert got["state"].keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-10, atol=1e-12)
+    assert "compile: blocks" in got["printed"]
+
+
+def test_bf16_gathering_trains_close_to_float32() -> None:
+    # MixedPrecisionPolicy(bf16, reduce fp32): weights gathered in bfloat16, so the result
+    # moves by bfloat16's rounding, not more; the sharded weights themselves stay float32.
+    from tests.strategies import test_fsdp_fidelity as fidelity
+
+    torch.manual_seed(0)
+    rt = gk.Runtime(strategy=gk.strategies.FSDP(mixed="bf16"), devices=["cpu", "cpu"], seed=0)
+    got = rt.launch(fidelity._train, "tied", 2)
+    want = fidelity._reference("tied", 2, ranks=2, accumulate=1)
+    worst = max((got["state"][k] - want[k]).abs().max().item() for k in want)
+    assert 0 < worst < 0.05
+    assert all(v.dtype == want[k].dtype for k, v in got["state"].items())
