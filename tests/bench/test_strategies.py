@@ -113,7 +113,27 @@ def test_plan_on_gpus_runs_each_strategy_on_each_count() -> None:
     for p in found:
         counts.setdefault(p.strategy, []).append(p.count)
         assert p.reason is None and p.devices == tuple(f"cuda:{i}" for i in range(p.count))
-    assert counts == {"single": [1], "dp": [1, 2, 3], "dp-balanced": [1, 2, 3], "ddp": [1, 2, 3]}
+    several = [1, 2, 3]
+    assert counts == {
+        "single": [1], "dp": several, "dp-balanced": several, "ddp": several, "fsdp": several
+    }  # fmt: skip
+
+
+def test_fsdp_runs_beside_ddp_and_holds_about_half_the_state_per_rank(quick: BenchResult) -> None:
+    rows = by_config(quick)
+    ddp, fsdp = rows[("gpt", "ddp", 2)], rows[("gpt", "fsdp", 2)]
+    assert fsdp["status"] == "ran" and fsdp["samples_per_s"] > 0 and fsdp["peak_first"] > 0
+    assert fsdp["imbalance"] > 0 and fsdp["peak_others"] > 0  # both ranks' memory came back
+    # After the last step (gradients set to None): the weights and AdamW's two moments,
+    # whole on every ddp rank (plus a 4-byte step counter per parameter).
+    from gpukit.workloads import load_workload
+
+    weights = sum(p.numel() * p.element_size() for p in load_workload("gpt").model.parameters())
+    assert ddp["state_rank"] * experiment.MiB == pytest.approx(3 * weights, rel=1e-3)
+    # fsdp: each rank holds its shards, half of each tensor (the first rank's rounded up).
+    assert 1.5 * weights <= fsdp["state_rank"] * experiment.MiB < 0.55 * 3 * weights
+    runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}
+    assert len(runs[("fsdp", 2)]["model_state"]) == 2 and not runs[("fsdp", 2)]["in_process"]
 
 
 def test_a_strategy_added_to_the_registry_joins_by_itself(monkeypatch) -> None:

@@ -349,3 +349,59 @@ def test_all_ranks_gathers_every_ranks_rows_over_two_gloo_processes(tmp_path: Pa
         assert gathered["imbalance"] is not None
         assert [(r["device"], r["rank"]) for r in local["devices"]] == [("cpu", rank)]
         assert text.splitlines()[-1].startswith("imbalance (max/min peak): ")
+
+
+# -- sharded models (fsdp): this rank's shards, and the full size -------------------------
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 6 rows split 3/3 over two ranks; 3 rows split 2/1: an uneven shard as well.
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def _one_adamw_step(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+def _breakdown_on_rank(rank: int, port: int, outbox: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = _small_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        b = breakdown(model, _one_adamw_step(model))
+        Path(outbox, f"{rank}.pkl").write_bytes(pickle.dumps((b.to_dict(), str(b))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_breakdown_of_an_fsdp_model_counts_this_ranks_shards_and_the_full_size(
+    tmp_path: Path,
+) -> None:
+    model = _small_model()
+    plain = breakdown(model, _one_adamw_step(model))  # the same model and step, unsharded
+    assert plain.unsharded is None
+    mp.start_processes(
+        _breakdown_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    ranks = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (0, 1)]
+    for got, text in ranks:
+        # The full size is what one process holds without sharding...
+        assert got["unsharded"] == {c: getattr(plain, c) for c in mem.CATEGORIES}
+        # ...and each rank holds less: its shards (and a scalar step per parameter).
+        assert got["parameters"] < plain.parameters
+        assert "this rank" in text and "unsharded (full size)" in text
+    # Rank 0 holds rows 0-2 and 0-1 of the two layers, rank 1 the rest: (3*4+3 + 2*6+2) floats
+    # and (3*4+3 + 1*6+1). Together: every parameter and gradient once.
+    assert [got["parameters"] for got, _ in ranks] == [29 * 4, 22 * 4]
+    assert sum(got["parameters"] for got, _ in ranks) == plain.parameters
+    assert sum(got["gradients"] for got, _ in ranks) == plain.gradients
+    steps = 4 * 4  # AdamW's step counter: one float32 per parameter, on every rank
+    states = sum(got["optimizer_state"] for got, _ in ranks)
+    assert states == plain.optimizer_state + steps

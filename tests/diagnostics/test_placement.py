@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 import gpukit as gk
@@ -82,3 +85,46 @@ def test_tensors_in_a_dataclass_batch_are_found() -> None:
 def test_placement_of_something_without_tensors_is_an_error() -> None:
     with pytest.raises(gk.GpukitError, match=r"got a str: pass an nn\.Module, a tensor"):
         gk.placement("model.pt")
+
+
+def _placement_on_rank(rank: int, port: int, outbox: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        report = gk.placement(model)
+        Path(outbox, f"{rank}.pkl").write_bytes(pickle.dumps((report.to_dict(), str(report))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_placement_of_an_fsdp_model_shows_each_shard_over_two_gloo_ranks(tmp_path: Path) -> None:
+    from gpukit.runtime.launch import free_port
+
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    whole = {name: tuple(p.shape) for name, p in plain.named_parameters()}
+    mp.start_processes(
+        _placement_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    got = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (0, 1)]
+    for rank, (d, text) in enumerate(got):
+        sharded = {t["name"]: t for t in d["sharded"]}
+        assert {n: tuple(t["global_shape"]) for n, t in sharded.items()} == whole
+        assert all(t["placements"] == "Shard(0)" and t["mesh"] == [2] for t in sharded.values())
+        # Dim 0 split in order, the first rank taking the larger part: 6 -> 3/3, 3 -> 2/1.
+        assert sharded["0.weight"]["local_shape"] == [3, 4]
+        assert sharded["2.weight"]["local_shape"] == [[2, 6], [1, 6]][rank]
+        assert sharded["2.bias"]["local_bytes"] == [2, 1][rank] * 4
+        assert sharded["2.bias"]["global_bytes"] == 3 * 4
+        # The counts are this rank's: what its shards hold, not the whole tensors.
+        local = sum(t["local_bytes"] for t in sharded.values())
+        assert d["devices"]["cpu"]["parameters"]["bytes"] == local
+        assert d["devices"]["cpu"]["buffers"]["count"] == 3  # buffers stay whole, unsharded
+        assert "Shard(0) over 2 ranks" in text and "(6, 4)" in text and "(3, 4)" in text
+    total = sum(p.numel() * 4 for p in plain.parameters())
+    assert sum(d["devices"]["cpu"]["parameters"]["bytes"] for d, _ in got) == total

@@ -19,7 +19,10 @@ Method:
   process follow one untimed run (some first-use costs are paid once per process); each
   launch of DDP starts fresh processes, so both of its runs pay the same start.
 - **Memory**: the memory report of the longer run (gathered from every rank under DDP), peaks
-  reset before each run, memory freed after it.
+  reset before each run, memory freed after it. Beside it, the model state per rank: the
+  bytes of weights, gradients and optimizer state the fullest rank holds (``gk.memory
+  .breakdown`` on each rank: under fsdp its shards, about 1/N), which the process peak of a
+  CPU run (torch itself included) hides for small models.
 - **GPU utilisation**: NVML sampled from this process (it sees DDP's processes too), kept over
   the span of the training loop.
 
@@ -70,6 +73,7 @@ COLUMNS = (
     Column("efficiency", "scaling", "", 2),
     Column("gpu_util", "GPU util", "%", 0),
     Column("peak_first", "peak 1st", "MiB", 0),
+    Column("state_rank", "state/rank", "MiB", 2),
     Column("imbalance", "1st/others", "", 2),
     Column("status"),
 )
@@ -216,6 +220,7 @@ def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, A
         peak_first=peaks[0] / MiB,
         peak_others=sum(peaks[1:]) / len(peaks[1:]) / MiB if peaks[1:] else None,
         imbalance=_imbalance(last["memory"]),
+        state_rank=max(last["model_state"]) / MiB if last.get("model_state") else None,
         status="ran",
     )
     raw.update(status="ran", rounds=rounds, **last)
@@ -282,6 +287,7 @@ def _launch(
         "seconds": seconds,
         "fit_rate": metrics["samples_per_s"],
         "memory": metrics["memory"]["devices"],
+        "model_state": metrics.get("model_state"),
         "utilization": {
             k: v.to_dict() if v else None for k, v in util.stats(end - seconds, end).items()
         },
@@ -353,7 +359,10 @@ def _notes(gpus: bool) -> list[str]:
         "a CPU the process's peak resident memory, torch itself included); 1st/others: the "
         "first device's peak over the mean of the others'. Under dp the first GPU also holds "
         "the gathered outputs, the loss and their gradients; under dp-balanced only the master "
-        "weights, gradients and optimizer state set it apart; under ddp about 1.0.",
+        "weights, gradients and optimizer state set it apart; under ddp and fsdp about 1.0.",
+        "state/rank: weights, gradients and optimizer state held by the fullest rank; every "
+        "rank holds them whole under ddp and the others, about 1/k of them under fsdp (its "
+        "shards; it gathers a block's weights only while computing with it).",
         "GPU util: NVML's share of time a kernel was running (not the share of compute used), "
         "sampled every 75 ms over each run's training loop, mean over the devices.",
     ]

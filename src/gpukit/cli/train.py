@@ -2,13 +2,14 @@
 
 Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
 or package.module:function returning a Workload or (model, dataset, loss). With more than one
-device, one DDP process per device is started (or, with --strategy dp or dp-balanced, one
-process drives them all). Rank 0 shows a progress bar (loss, samples/s, ETA); when stdout is
-not a terminal (CI, a pipe, a file) it prints a plain line instead (steps, epoch, loss,
-samples/s, ETA) every --progress-every SECONDS (default 30; 0: after every step) and at the
-start and end of each epoch. The loss shown is the last one read back (--log-every): showing
-progress never makes the host wait for the device. At the end: a summary with throughput, MFU
-on GPUs, and memory per device with the imbalance between devices (max/min peak).
+device, one DDP process per device is started (--strategy fsdp: one sharded process per
+device; dp or dp-balanced: one process drives them all). Rank 0 shows a progress bar (loss,
+samples/s, ETA); when stdout is not a terminal (CI, a pipe, a file) it prints a plain line
+instead (steps, epoch, loss, samples/s, ETA) every --progress-every SECONDS (default 30; 0:
+after every step) and at the start and end of each epoch. The loss shown is the last one read
+back (--log-every): showing progress never makes the host wait for the device. At the end: a
+summary with throughput, MFU on GPUs, and memory per device with the imbalance between devices
+(max/min peak).
 
 When a device runs out of memory in a single-process run, the step is redone with the batch cut
 into more micro-batches (--oom auto, the default: recovery costs nothing per step there); under
@@ -30,6 +31,11 @@ run whose processes stop making progress for S seconds, naming the stuck rank an
 SIGTERM or Ctrl-C finishes the current step on every rank, saves, and exits 143 (a second one
 exits at once); --nonfinite skip|raise guards against NaN/Inf gradients.
 
+--strategy fsdp shards every weight, gradient and optimizer state over the processes (each
+repeated block is one group, gathered only while it computes; the plan is printed at the
+start); --activation-checkpointing full|selective recomputes each block's activations in the
+backward instead of keeping them, and --compile compiles each block (both need --strategy fsdp).
+
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
 
@@ -44,6 +50,7 @@ Example:
     gpukit train --workload mymod:make            # mymod.py in the current folder
     gpukit train --workload mlp --progress-every 60 | tee train.log
     gpukit train --devices 2 --out runs/gpt --save-every 10m --max-restarts 3
+    gpukit train --devices 2 --strategy fsdp --activation-checkpointing selective
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
-from gpukit._util.text import make_table
+from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, console
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.errors import ConfigError
@@ -63,6 +70,7 @@ from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
 from gpukit.runtime.outdir import check_out
 from gpukit.runtime.runtime import Runtime
+from gpukit.strategies import FSDP
 from gpukit.workloads.loop import (
     DEFAULT_PROGRESS_EVERY,
     RUNTIME_DEFAULTS,
@@ -81,7 +89,20 @@ def register(sub: Any) -> None:
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
     default = RUNTIME_DEFAULTS
     parser.add_argument(
-        "--strategy", default=default["strategy"], help="auto, single, dp, dp-balanced or ddp"
+        "--strategy",
+        default=default["strategy"],
+        help="auto, single, dp, dp-balanced, ddp or fsdp",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("off", "full", "selective"),
+        default=None,
+        help="fsdp only: recompute each block's activations in the backward (default off)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="fsdp only: torch.compile each repeated block before sharding it",
     )
     parser.add_argument(
         "--precision", default=default["precision"], help="auto, 32, bf16-mixed or 16-mixed"
@@ -173,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
     rt = Runtime(
-        strategy=args.strategy,
+        strategy=_strategy(args),
         precision=args.precision,
         devices=devices,
         accumulate=args.accumulate,
@@ -223,6 +244,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _strategy(args: argparse.Namespace) -> Any:
+    """``--strategy``, with fsdp's own flags; a usage error when they come with another one."""
+    fsdp_flags = [
+        flag
+        for flag, given in (
+            ("--activation-checkpointing", args.activation_checkpointing is not None),
+            ("--compile", args.compile),
+        )
+        if given
+    ]
+    if args.strategy != FSDP.name:
+        if fsdp_flags:
+            raise ConfigError(
+                f"{' and '.join(fsdp_flags)}: only --strategy fsdp recomputes or compiles its "
+                f"blocks, but --strategy is {args.strategy!r}: add --strategy fsdp, or drop "
+                f"{' and '.join(fsdp_flags)}"
+            )
+        return args.strategy
+    return FSDP(
+        activation_checkpointing=args.activation_checkpointing or "off",
+        compile=bool(args.compile),
+    )
+
+
 def _devices(text: str) -> Any:
     """``--devices``: a count (ASCII digits only: int() would read other scripts' digits too)
     or a spec for the Runtime."""
@@ -248,6 +293,10 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]
+    if args.activation_checkpointing is not None:
+        command += ["--activation-checkpointing", args.activation_checkpointing]
+    if args.compile:
+        command.append("--compile")
     return command + (["--resume"] if args.resume else [])
 
 
@@ -262,6 +311,9 @@ def _summary(m: dict[str, Any]) -> None:
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
     ]
+    if m.get("model_state"):  # weights + gradients + optimizer state, as each rank holds them
+        held = ", ".join(format_bytes(b) for b in m["model_state"])
+        rows.append(["model state per rank", held])
     if m.get("oom_retries"):
         rows.append(
             [

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from gpukit.devices import hw as _hw
 from gpukit.devices import nvml as _nvml
 from gpukit.devices.device import Device, device
 from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import is_dtensor
 
 DeviceList = Sequence[str | int | torch.device | Device]
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "buffers")
@@ -175,10 +176,14 @@ def reset_peaks(devices: DeviceList | None = None) -> None:
 class MemoryBreakdown:
     """Bytes of a model's parameters, gradients, optimizer state and buffers, per device.
 
+    The counts are what this process holds. When tensors are sharded over ranks (DTensors,
+    under fsdp), ``unsharded`` gives each category's size with every sharded tensor counted
+    whole, as one process would hold it without sharding; it is None when nothing is sharded.
+
     >>> b = MemoryBreakdown(40, 40, 84, 0, {"cpu": dict(parameters=40, gradients=40,
     ...                     optimizer_state=84, buffers=0)})
-    >>> b.total
-    164
+    >>> b.total, b.unsharded
+    (164, None)
     """
 
     parameters: int
@@ -186,6 +191,7 @@ class MemoryBreakdown:
     optimizer_state: int
     buffers: int
     by_device: dict[str, dict[str, int]]
+    unsharded: dict[str, int] | None = None
 
     @property
     def total(self) -> int:
@@ -193,7 +199,7 @@ class MemoryBreakdown:
         return self.parameters + self.gradients + self.optimizer_state + self.buffers
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the four totals, ``total`` and ``by_device``."""
+        """JSON-ready: the four totals, ``total``, ``by_device`` and ``unsharded``."""
         return {**dataclasses.asdict(self), "total": self.total}
 
     def __str__(self) -> str:
@@ -201,11 +207,16 @@ class MemoryBreakdown:
         items = list(self.by_device.items())
         if len(items) != 1:  # one device: its row is already the total
             items.append(("total", {c: getattr(self, c) for c in CATEGORIES}))
+        title = "Memory breakdown"
+        if self.unsharded is not None:
+            items = [(f"{name} (this rank)", v) for name, v in items]
+            items.append(("unsharded (full size)", self.unsharded))
+            title += ": this rank's shards, and the full size without sharding"
         rows = [
             [name, *(format_bytes(v[c]) for c in CATEGORIES), format_bytes(sum(v.values()))]
             for name, v in items
         ]
-        return render_plain(make_table("Memory breakdown", header, rows))
+        return render_plain(make_table(title, header, rows))
 
 
 def breakdown(model: nn.Module, optimizer: Optimizer | None = None) -> MemoryBreakdown:
@@ -214,6 +225,9 @@ def breakdown(model: nn.Module, optimizer: Optimizer | None = None) -> MemoryBre
     Each piece of memory counts once: tied weights, and tensors that share memory, under
     the first category that holds them (parameters, gradients, buffers, optimizer state).
     Meta tensors count the bytes they would take, which sizes a model without allocating it.
+    A sharded tensor (a DTensor, as fsdp makes parameters, gradients and optimizer state)
+    counts the shard this rank holds; ``unsharded`` adds up their full sizes. Each rank
+    calls it for its own numbers (no collective).
 
     >>> import torch
     >>> with torch.device("meta"):
@@ -239,16 +253,27 @@ def breakdown(model: nn.Module, optimizer: Optimizer | None = None) -> MemoryBre
     }
     seen: set[tuple[str, int, int]] = set()
     by_device: dict[str, dict[str, int]] = {}
+    unsharded = dict.fromkeys(CATEGORIES, 0)
+    sharded = False
     for category, tensors in sources.items():
         for t in tensors:
+            full = t.nelement() * t.element_size()  # a DTensor's numel() is the global one
+            if is_dtensor(t):
+                sharded = True
+                t = cast(Any, t).to_local()
             nbytes = t.nelement() * t.element_size()
             # Meta tensors all sit at address 0: only their identity tells them apart.
             key = (str(t.device), id(t) if t.is_meta else t.data_ptr(), nbytes)
             if key not in seen:
                 seen.add(key)
                 by_device.setdefault(key[0], dict.fromkeys(CATEGORIES, 0))[category] += nbytes
+                unsharded[category] += full
     totals = {c: sum(v[c] for v in by_device.values()) for c in CATEGORIES}
-    return MemoryBreakdown(**totals, by_device=dict(sorted(by_device.items())))
+    return MemoryBreakdown(
+        **totals,
+        by_device=dict(sorted(by_device.items())),
+        unsharded=unsharded if sharded else None,
+    )
 
 
 class MemoryTool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from gpukit._util import tree
 from gpukit._util.text import format_bytes, type_name
 from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import is_dtensor
 
 Role = Literal["parameters", "buffers", "tensors"]
 ROLES: tuple[Role, ...] = ("parameters", "buffers", "tensors")
@@ -36,6 +37,42 @@ class _Tally:
 
 
 @dataclass(frozen=True)
+class ShardedTensor:
+    """A parameter or buffer split over ranks (a DTensor, as fsdp makes them): how it is
+    placed over the mesh, the shape this rank holds and the whole one.
+
+    >>> ShardedTensor("fc.weight", "Shard(0)", (2,), (3, 4), (6, 4), 48, 96).layout
+    'Shard(0) over 2 ranks'
+    """
+
+    name: str
+    placements: str  # one per mesh dimension, e.g. "Shard(0)" or "Replicate(), Shard(0)"
+    mesh: tuple[int, ...]  # ranks along each mesh dimension
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    local_bytes: int
+    global_bytes: int
+
+    @property
+    def layout(self) -> str:
+        """The placements and the ranks they span, in words."""
+        ranks = " x ".join(map(str, self.mesh))
+        return f"{self.placements} over {ranks} rank{'s' if self.mesh != (1,) else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields by name, shapes as lists."""
+        return {
+            "name": self.name,
+            "placements": self.placements,
+            "mesh": list(self.mesh),
+            "local_shape": list(self.local_shape),
+            "global_shape": list(self.global_shape),
+            "local_bytes": self.local_bytes,
+            "global_bytes": self.global_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class SplitModule:
     """A module whose tensors span devices: where the split happens, and what sits where."""
 
@@ -49,11 +86,14 @@ class SplitModule:
 
 @dataclass
 class PlacementReport:
-    """Per device, how many parameters, buffers and loose tensors, and their bytes."""
+    """Per device, how many parameters, buffers and loose tensors, and their bytes. For
+    sharded tensors (DTensors) the tallies count what this rank holds, and ``sharded`` lists
+    each one with its placement, local and global shape."""
 
     title: str
     tallies: dict[str, dict[Role, _Tally]] = field(default_factory=dict)
     split: list[SplitModule] = field(default_factory=list)
+    sharded: list[ShardedTensor] = field(default_factory=list)
 
     @property
     def devices(self) -> list[str]:
@@ -79,6 +119,7 @@ class PlacementReport:
                 {"module": s.module or "(model)", "devices": s.devices, "parts": s.parts}
                 for s in self.split
             ],
+            "sharded": [t.to_dict() for t in self.sharded],
         }
 
     def __str__(self) -> str:
@@ -100,6 +141,21 @@ class PlacementReport:
         for s in self.split:
             where = "; ".join(f"{dev}: {', '.join(names)}" for dev, names in s.parts.items())
             text += f"\nsplit across devices: {s.module or '(model)'} -> {where}"
+        if self.sharded:
+            header = ["tensor", "placement", "this rank", "whole", "this rank bytes", "whole bytes"]
+            rows = [
+                [
+                    t.name,
+                    t.layout,
+                    _shape(t.local_shape),
+                    _shape(t.global_shape),
+                    format_bytes(t.local_bytes),
+                    format_bytes(t.global_bytes),
+                ]
+                for t in self.sharded
+            ]
+            text += "\n" + render_table("Sharded tensors (the counts above are this rank's)",
+                                        header, rows)  # fmt: skip
         return text
 
 
@@ -116,10 +172,10 @@ def placement(obj: nn.Module | torch.Tensor | Any) -> PlacementReport:
     """
     if isinstance(obj, nn.Module):
         report = PlacementReport(type(obj).__name__)
-        for _, p in obj.named_parameters():
-            _tally(report, "parameters", p)
-        for _, b in obj.named_buffers():
-            _tally(report, "buffers", b)
+        for name, p in obj.named_parameters():
+            _tally(report, "parameters", p, name)
+        for name, b in obj.named_buffers():
+            _tally(report, "buffers", b, name)
         report.split = _split_modules(obj)
         if report.split:
             warnings.warn(
@@ -140,11 +196,39 @@ def placement(obj: nn.Module | torch.Tensor | Any) -> PlacementReport:
     return report
 
 
-def _tally(report: PlacementReport, role: Role, t: torch.Tensor) -> None:
+def _tally(report: PlacementReport, role: Role, t: torch.Tensor, name: str = "") -> None:
+    if is_dtensor(t):
+        report.sharded.append(_sharded(name or f"{role}[{len(report.sharded)}]", t))
+        # What this rank holds: a DTensor's numel() is the whole tensor's.
+        t = cast(Any, t).to_local()
     dev = str(t.device)
     if dev not in report.tallies:
         report.tallies[dev] = {r: _Tally() for r in ROLES}
     report.tallies[dev][role].add(t)
+
+
+def _sharded(name: str, t: Any) -> ShardedTensor:
+    local = t.to_local()
+    return ShardedTensor(
+        name=name,
+        placements=", ".join(_placement(p) for p in t.placements),
+        mesh=tuple(t.device_mesh.shape),
+        local_shape=tuple(local.shape),
+        global_shape=tuple(t.shape),
+        local_bytes=local.numel() * local.element_size(),
+        global_bytes=t.numel() * t.element_size(),
+    )
+
+
+def _placement(p: Any) -> str:
+    # Spelled as the classes are written in code (this torch prints Shard(0) as "S(0)").
+    if p.is_shard():
+        return f"Shard({p.dim})"
+    return "Replicate()" if p.is_replicate() else "Partial()" if p.is_partial() else str(p)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return str(tuple(shape))
 
 
 def _split_modules(model: nn.Module) -> list[SplitModule]:

@@ -32,6 +32,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpukit import _env
+from gpukit.diagnostics.memory import breakdown
+from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
@@ -139,6 +141,18 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
     memory = run_memory(rt)  # every rank takes part: it gathers under DDP
+    # Weights, gradients and optimizer state each rank holds (its shards under fsdp): a
+    # collective too. float64: exact for any size a device holds.
+    with untraced():  # gpukit's own reads, once per run: not the user's to see in a trace
+        held = breakdown(rt.unwrap(model), optimizer).total
+        model_state = [int(b) for b in rt.all_gather(torch.tensor(held, dtype=torch.float64))]
+    # Every rank writes the sample: under fsdp each forward gathers the weights from all of
+    # them, so rank 0 alone would wait forever. Same weights, same generator: the same text.
+    sample = (
+        workload.sample(rt.unwrap(model), rt.device)
+        if workload.sample is not None and config.sample
+        else None
+    )
     if not rt.is_global_zero:
         return {}
     history = rt.history
@@ -156,10 +170,11 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         history=history,
         resumed_from_step=resumed,
     )
+    summary["model_state"] = model_state
     if rt.nonfinite is not None:
         summary["skipped_steps"] = rt.skipped_steps()
-    if workload.sample is not None and config.sample:
-        summary["sample"] = workload.sample(rt.unwrap(model), rt.device)
+    if sample is not None:
+        summary["sample"] = sample
     if config.out:
         write_outputs(Path(config.out), summary, history, resumed)
     return summary

@@ -1,0 +1,113 @@
+"""`gpukit train --strategy fsdp`: its flags, and a sharded run over two gloo processes from
+the command line to its summary, metrics, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpukit.cli.__main__ import build_parser, main
+from gpukit.cli.train import _strategy, _worker_command
+
+
+def parse(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["train", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--strategy", "ddp", "--compile"], "--compile"),
+        (["--activation-checkpointing", "full"], "--activation-checkpointing"),
+        (
+            ["--strategy", "single", "--activation-checkpointing", "off"],
+            "--activation-checkpointing",
+        ),
+    ],
+)
+def test_fsdp_flags_with_another_strategy_are_a_usage_error(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--max-steps", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "--strategy fsdp" in err
+    assert "Traceback" not in err
+
+
+def test_the_fsdp_flags_reach_the_strategy_and_every_rank() -> None:
+    args = parse("--strategy", "fsdp", "--activation-checkpointing", "selective", "--compile")
+    strategy = _strategy(args)
+    assert strategy.name == "fsdp"
+    assert strategy.options.activation_checkpointing == "selective"
+    assert strategy.options.compile is True
+    command = _worker_command(args, "fsdp")
+    assert command[command.index("--activation-checkpointing") + 1] == "selective"
+    assert "--compile" in command
+    plain = _worker_command(parse("--strategy", "fsdp"), "fsdp")
+    assert "--activation-checkpointing" not in plain and "--compile" not in plain
+    assert _strategy(parse("--strategy", "fsdp")).options.activation_checkpointing == "off"
+
+
+def test_an_unknown_checkpointing_mode_is_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse("--strategy", "fsdp", "--activation-checkpointing", "some")
+    assert exit_.value.code == 2
+    assert "off, full, selective" in capsys.readouterr().err.replace("'", "")
+
+
+def test_the_help_names_fsdp_and_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = capsys.readouterr().out
+    assert "ddp or fsdp" in text
+    assert "--activation-checkpointing {off,full,selective}" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def train(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpukit", "train", "--workload", "gpt", "--devices", "2", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) -> None:
+    # The same run under ddp is the reference: same weights, same batches on each rank, so
+    # the losses agree up to float32 reduction order. The text sample needs every rank under
+    # fsdp (each forward gathers the weights): a run that sampled on rank 0 alone would hang.
+    common = ["--max-steps", "4", "--log-every", "1", "--hang-timeout", "120"]
+    ddp = train("--strategy", "ddp", *common, "--out", str(tmp_path / "ddp"))
+    assert ddp.returncode == 0, ddp.stderr
+    run = tmp_path / "fsdp"
+    fsdp = train("--strategy", "fsdp", *common, "--out", str(run))
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "Training summary" in fsdp.stdout and "fsdp x2" in fsdp.stdout
+    assert "activation checkpointing: off" in fsdp.stdout  # the shard plan, printed once
+    assert fsdp.stdout.count("(root: the rest)") == 1
+    assert "model state per rank" in fsdp.stdout
+    got = json.loads((run / "metrics.json").read_text())
+    want = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert got["strategy"] == "fsdp" and got["steps"] == 4 and got["world_size"] == 2
+    assert math.isfinite(got["final_loss"])
+    assert got["final_loss"] == pytest.approx(want["final_loss"], rel=1e-4)
+    assert len(got["sample"]) == 200
+    assert [r["rank"] for r in got["memory"]["devices"]] == [0, 1]
+    assert any((run / "checkpoints").iterdir()), "no checkpoint written"
+
+    more = train("--strategy", "fsdp", "--max-steps", "6", "--log-every", "1", "--out", str(run),
+                 "--resume", "--hang-timeout", "120")  # fmt: skip
+    assert more.returncode == 0, more.stderr[-3000:]
+    resumed = json.loads((run / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 6
+    steps = [line.split(",")[0] for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == ["1", "2", "3", "4", "5", "6"]
