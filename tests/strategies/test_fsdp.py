@@ -258,3 +258,30 @@ def test_an_optimizer_setup_never_saw_is_refused_at_its_first_step(
 ) -> None:
     with pytest.raises(ConfigError, match=r"holds 7 parameter.*Pass the optimizer to rt.setup"):
         one_rank(_stale)
+
+
+@pytest.mark.parametrize("accumulation", ["reduce-scatter", "no-sync"])
+def test_under_mixed_precision_the_users_model_is_the_sharded_root(accumulation: str) -> None:
+    # bf16-mixed puts the model inside an autocast module; fsdp shards the model itself as the
+    # root, so a call on the model alone (a sample, an evaluation) gathers the root's weights.
+    rt = gk.Runtime(
+        strategy=gk.strategies.FSDP(accumulation=accumulation),
+        devices=["cpu"],
+        precision="bf16-mixed",
+        accumulate=2,
+        seed=0,
+    )
+    try:
+        model = Tied()
+        model, opt = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+        x = torch.randint(0, 11, (4, 5))
+        for _ in range(2):
+            rt.backward(F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()))
+            rt.step(opt)
+        assert rt.global_step == 1
+        user = rt.unwrap(model)
+        assert is_sharded(user) and type(user).__name__.startswith("FSDP")
+        with torch.no_grad():
+            assert user(x).shape == (4, 5, 11)  # no ShardedTensorError at the embedding
+    finally:
+        rt.teardown()

@@ -131,6 +131,8 @@ def plan(workloads: Sequence[str], gpus: Sequence[str], counts: Sequence[int]) -
     dp-balanced 2 None needs 2+ CUDA GPUs
     ddp 1 ('cpu',) None
     ddp 2 ('cpu', 'cpu') None
+    fsdp 1 ('cpu',) None
+    fsdp 2 ('cpu', 'cpu') None
     >>> [(p.strategy, p.count, p.reason) for p in plan(["cnn"], ["cuda:0"], (1, 2))][1:3]
     [('dp', 1, None), ('dp', 2, 'needs 2 CUDA GPUs; 1 given')]
     """

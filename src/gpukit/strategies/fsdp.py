@@ -86,6 +86,7 @@ class FSDP(DDP):
         )
         self.mesh: Any = None
         self.plans: list[ShardPlan] = []
+        self._roots: dict[int, list[Any]] = {}  # id(set-up module) -> its sharded roots
 
     # -- processes ---------------------------------------------------------------------------
     def configure(self, devices: list[Device]) -> None:
@@ -182,12 +183,13 @@ class FSDP(DDP):
         for group in groups:
             target = group.modules[0] if len(group.modules) == 1 else group.modules
             self._shard(api, target, settings, group.names)
-        if not isinstance(module, api.FSDPModule):
+        root = _inside_wrappers(module)
+        if not isinstance(root, api.FSDPModule):
             # The root keeps its gathered weights after the forward: its backward comes
             # first, so freeing them would only gather them again at once.
-            root = dict(settings)
-            root.setdefault("reshard_after_forward", o.reshard_after_forward or False)
-            self._shard(api, module, root, ["(root)"])
+            options = dict(settings)
+            options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
+            self._shard(api, root, options, ["(root)"])
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
         if self.rank == 0:
@@ -225,14 +227,19 @@ class FSDP(DDP):
         return module  # sharded in place: no wrapper around the user's model
 
     def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
-        if not isinstance(module, fsdp2().FSDPModule):
-            return
-        if self.options.accumulation == "no-sync":
-            module.set_requires_gradient_sync(enabled)
-        elif self.options.replicas > 1:
-            # Reduce-scatter within each replica every micro-batch (gradients stay sharded);
-            # the all-reduce across replicas only once, on the last.
-            module.set_requires_all_reduce(enabled)
+        no_sync, replicas = self.options.accumulation == "no-sync", self.options.replicas > 1
+        if not (no_sync or replicas):
+            return  # reduce-scatter every micro-batch: nothing to switch
+        roots = self._roots.get(id(module))
+        if roots is None:  # looked up once per model: this runs before every backward
+            roots = self._roots[id(module)] = _outermost(module, fsdp2().FSDPModule)
+        for root in roots:
+            if no_sync:
+                root.set_requires_gradient_sync(enabled)
+            else:
+                # Reduce-scatter within each replica every micro-batch (gradients stay
+                # sharded); the all-reduce across replicas only once, on the last.
+                root.set_requires_all_reduce(enabled)
 
     def recover_module(self, module: nn.Module) -> None:
         # A forward or backward that failed halfway leaves groups gathered and hooks armed.
@@ -265,6 +272,7 @@ class FSDP(DDP):
 
     def teardown(self) -> None:
         self.mesh = None
+        self._roots.clear()
         super().teardown()
 
 
@@ -275,6 +283,18 @@ def is_sharded(module: nn.Module) -> bool:
     except ConfigError:
         return False
     return any(isinstance(m, cls) for m in module.modules())
+
+
+def _inside_wrappers(module: nn.Module) -> nn.Module:
+    """The user's model inside thin wrappers (mixed precision's autocast module: one child,
+    no tensors of its own). It is the root that fsdp shards, so that calling it directly (a
+    sample, an evaluation through ``rt.unwrap(model)``) gathers the root's weights too."""
+    while True:
+        children = list(module.children())
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if len(children) != 1 or own:
+            return module
+        module = children[0]
 
 
 def _outermost(module: nn.Module, cls: type) -> list[Any]:

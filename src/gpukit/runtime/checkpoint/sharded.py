@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gpukit._util.text import described
+from gpukit._util.tree import map_tensors
 from gpukit.errors import ConfigError
 from gpukit.runtime.checkpoint import finite
 from gpukit.runtime.precision import Precision
@@ -299,13 +300,7 @@ def _local(value: Any) -> Any:
 def _fresh(tree: Any) -> Any:
     """``tree`` with every tensor replaced by a new one laid out alike (a DTensor's shards
     placed as its), for DCP to read into without touching the live ones."""
-    if isinstance(tree, torch.Tensor):
-        return torch.empty_like(tree)
-    if isinstance(tree, dict):
-        return {k: _fresh(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_fresh(v) for v in tree]
-    return tree
+    return map_tensors(tree, torch.empty_like)
 
 
 def _first_line(err: Exception) -> str:
