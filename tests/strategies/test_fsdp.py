@@ -285,3 +285,17 @@ def test_under_mixed_precision_the_users_model_is_the_sharded_root(accumulation:
             assert user(x).shape == (4, 5, 11)  # no ShardedTensorError at the embedding
     finally:
         rt.teardown()
+
+
+def test_a_parameter_with_no_dimension_is_named(one_rank: Callable[..., Any]) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(2.0))
+            self.tiny = nn.Linear(3, 1)  # fewer rows than ranks would be fine: padded
+
+    def setup(rt: gk.Runtime) -> None:
+        rt.setup(Scaled())
+
+    with pytest.raises(ConfigError, match=r"no dimension \(scale\).*1-element tensor"):
+        one_rank(setup)

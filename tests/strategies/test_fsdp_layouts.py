@@ -155,3 +155,49 @@ def test_bf16_gathering_trains_close_to_float32() -> None:
     worst = max((got["state"][k] - want[k]).abs().max().item() for k in want)
     assert 0 < worst < 0.05
     assert all(v.dtype == want[k].dtype for k, v in got["state"].items())
+
+
+def _train_accumulating(rt: gk.Runtime, steps: int) -> dict[str, object]:
+    """As ``_train`` with each rank's piece cut into ``rt.accumulate`` micro-batches; also
+    counts the all-reduces (across replicas) the steps make."""
+    import torch.distributed as dist
+
+    calls = [0]
+    original = dist.all_reduce
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = rt.setup(model, optimizer)
+    shards, shard = rt.strategy.sampler_placement()
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        for step in range(steps):
+            x, y = _piece(step, shard, shards)
+            for xm, ym in zip(x.chunk(rt.accumulate), y.chunk(rt.accumulate), strict=True):
+                rt.backward(F.mse_loss(model(xm), ym))
+                rt.step(optimizer)
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+    state = rt.unwrap(model).state_dict()
+    full = {k: v.full_tensor().detach().clone() for k, v in state.items()}  # type: ignore[operator]
+    return {"state": full, "all_reduces": calls[0]}
+
+
+def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_batch() -> None:
+    def run(accumulate: int) -> dict[str, object]:
+        strategy = gk.strategies.FSDP(replicas=2)
+        rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, accumulate=accumulate)
+        return rt.launch(_train_accumulating, 2)
+
+    once, twice = run(1), run(2)
+    # As many all-reduces per optimizer step with two micro-batches as with one.
+    assert once["all_reduces"] == twice["all_reduces"] > 0
+    want = _reference(2, ranks=4)
+    got = twice["state"]
+    assert isinstance(got, dict) and got.keys() == want.keys()
+    for k in want:  # the micro-batches' gradients are summed before the replicas' average
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)

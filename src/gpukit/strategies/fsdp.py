@@ -158,6 +158,14 @@ class FSDP(DDP):
                 "strategy='ddp' or 'single'"
             )
         refuse_reentrant(module)
+        scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
+        if scalars:
+            raise ConfigError(
+                f"fsdp cannot shard a parameter with no dimension ({', '.join(scalars[:5])}): "
+                "sharding splits dimension 0 across the ranks. Make each a 1-element tensor "
+                "(nn.Parameter(torch.tensor([2.0])) instead of torch.tensor(2.0); it "
+                "broadcasts the same), or use strategy='ddp'"
+            )
         module = module.to(self.device.torch)
         o = self.options
         data_mesh = self._data_mesh()
