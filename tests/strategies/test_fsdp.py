@@ -299,3 +299,70 @@ def test_a_parameter_with_no_dimension_is_named(one_rank: Callable[..., Any]) ->
 
     with pytest.raises(ConfigError, match=r"no dimension \(scale\).*1-element tensor"):
         one_rank(setup)
+
+
+def test_the_layers_win_over_the_heads_listed_inside_one_layer() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+
+    model = nn.Sequential(nn.Embedding(5, 4), nn.ModuleList(Layer() for _ in range(3)))
+    found = find_blocks(model)
+    assert found is not None and found[0] == "1" and len(found[1]) == 3
+
+
+def _weights_loaded_on_rank_zero(rt: gk.Runtime) -> list[bool]:
+    model = Tied()
+    if rt.rank == 0:  # the habit DDP allows: load on rank 0, let the strategy share it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.5)
+    model = rt.setup(model)
+    full = rt.full_state_dict()
+    return [bool((v == 0.5).all()) for v in full.values()]
+
+
+def test_rank_zeros_weights_become_every_ranks_before_sharding() -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], seed=None)
+    loaded = rt.launch(_weights_loaded_on_rank_zero)
+    assert loaded and all(loaded)
+
+
+def test_a_model_the_user_sharded_refuses_settings_for_blocks_gpukit_did_not_choose(
+    one_rank: Callable[..., Any],
+) -> None:
+    def setup(rt: gk.Runtime) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        rt.barrier()  # the process group exists: fully_shard needs it
+        model = Tied()
+        for block in model.blocks:
+            fully_shard(block)
+        rt.setup(model)
+
+    with pytest.raises(ConfigError, match=r"already sharded with fully_shard.*cannot recompute"):
+        one_rank(setup, activation_checkpointing="full")
+
+
+def test_a_tp_plan_without_tp_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"tp_plan=.*tp=1"):
+        gk.strategies.FSDP(tp_plan={"blocks.*": object()})
+
+
+def test_only_gpukits_own_wrapper_is_looked_inside(one_rank: Callable[..., Any]) -> None:
+    # A user's module with one child and no tensors of its own is the root itself: calling a
+    # method of the child through it still works (the root gathers for its own forward).
+    class Task(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = Tied()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lm.head(self.lm.emb(x))
+
+    def run(rt: gk.Runtime) -> tuple[int, ...]:
+        model = rt.setup(Task())
+        return tuple(model(torch.randint(0, 11, (2, 3))).shape)
+
+    assert one_rank(run) == (2, 3, 11)

@@ -43,7 +43,8 @@ def adopt(
         return []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+            # In place: an optimizer may hold this very list (LBFGS keeps it as _params).
+            group["params"][:] = [moved.get(id(p), p) for p in group["params"]]
         for param in list(optimizer.state):
             new = moved.get(id(param))
             if new is not None:

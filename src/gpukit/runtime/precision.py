@@ -203,6 +203,8 @@ class MixedPrecision(nn.Module):
     (torch.float32, 2, ['weight', 'bias'])
     """
 
+    gpukit_thin_wrapper = True  # holds only the model: fsdp shards the model inside it
+
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.module = module

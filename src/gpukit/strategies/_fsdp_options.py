@@ -74,6 +74,12 @@ class FSDPOptions:
                 "(gradients stay sharded; one reduce-scatter per micro-batch) or 'no-sync' "
                 "(one reduce-scatter per step; full-size gradients kept until then)"
             )
+        if self.tp == 1 and self.tp_plan is not None:
+            raise ConfigError(
+                "FSDP(tp_plan=...) was given with tp=1, so nothing would be split: give the "
+                "number of tensor-parallel ranks too, e.g. FSDP(tp=2, tp_plan=...), or drop "
+                "tp_plan"
+            )
         if self.tp > 1 and self.tp_plan is None:
             raise ConfigError(
                 f"FSDP(tp={self.tp}) needs tp_plan: which layers to split across the "

@@ -39,8 +39,8 @@ class Group:
 
 def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
     """The repeated blocks: the ``ModuleList``/``Sequential`` (or the model itself) whose
-    children are at least two modules of one class holding parameters, the longest such list
-    (the one holding more parameters on a tie); None when there is none."""
+    children are at least two modules of one class holding parameters, the one holding the
+    most parameters (the longest on a tie); None when there is none."""
     best: tuple[int, int, str, list[nn.Module]] | None = None
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -51,11 +51,15 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
         kinds = {type(c) for c in children}
         if len(children) < 2 or len(kinds) != 1:
             continue
+        if issubclass(next(iter(kinds)), (nn.ModuleList, nn.ModuleDict)):
+            continue  # never called, so never gathered: a list of lists is no list of blocks
         if not all(any(True for _ in c.parameters()) for c in children):
             continue
         size = sum(p.numel() for p in container.parameters())
-        if best is None or (len(children), size) > (best[0], best[1]):
-            best = (len(children), size, name, children)
+        # The list holding the most parameters, then the longest: a model's layers, not the
+        # attention heads listed inside one layer.
+        if best is None or (size, len(children)) > (best[0], best[1]):
+            best = (size, len(children), name, children)
     if best is None:
         return None
     return best[2], best[3]

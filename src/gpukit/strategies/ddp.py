@@ -244,11 +244,16 @@ class DDP(Strategy):
                 # What DDP's own first forward after a synchronised step would do (rank 0's
                 # buffers, BatchNorm's statistics say, are everyone's), at a point every rank
                 # reaches: before any forward of the attempt.
-                buffers = [b for b in self.unwrap(module).buffers() if b.numel()]
-                for bucket in _buckets(buffers, _BUCKET_BYTES):
-                    flat = torch.cat([b.reshape(-1) for b in bucket])
-                    dist.broadcast(flat, src=0)
-                    _scatter_back(flat, bucket)
+                self.broadcast_state(self.unwrap(module), parameters=False)
+
+    def broadcast_state(self, module: nn.Module, parameters: bool = True) -> None:
+        """Make rank 0's buffers (and parameters) ``module``'s on every rank, in buckets."""
+        tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
+        with torch.no_grad():
+            for bucket in _buckets([t for t in tensors if t.numel()], _BUCKET_BYTES):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.broadcast(flat, src=0)
+                _scatter_back(flat, bucket)
 
     def held_flags(self, module: nn.Module) -> list[bool]:
         # Which parameters got a gradient here: one used only on another rank must still join

@@ -1,10 +1,10 @@
 """Fully sharded data parallel (torch's FSDP2): each rank keeps 1/N of every weight, gradient
 and optimizer state, and gathers a group's full weights only while it computes with them.
 
-Without a wrapping policy: the model's repeated blocks (the longest list of same-class
-modules) are sharded one group each, then the root holds the rest; parameters tied across
-modules never span two groups (see ``_groups``). Each block may first be checkpointed (its
-activations recomputed in the backward, ``_recompute``), compiled (``torch.compile`` per
+Without a wrapping policy: the model's repeated blocks (the list of same-class modules holding
+the most parameters) are sharded one group each, then the root holds the rest; parameters tied
+across modules never span two groups (see ``_groups``). Each block may first be checkpointed
+(its activations recomputed in the backward, ``_recompute``), compiled (``torch.compile`` per
 block) and split across tensor-parallel ranks (``tp``, with a plan). ``replicas`` > 1 shards
 within groups of ranks and replicates across them (HSDP: all-gathers stay inside a group).
 
@@ -151,22 +151,13 @@ class FSDP(DDP):
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         api = fsdp2()
-        module = require_module(module, "rt.setup")
-        if not any(True for _ in module.parameters()):
-            raise ConfigError(
-                "fsdp: the model has no parameters, so there is nothing to shard: use "
-                "strategy='ddp' or 'single'"
-            )
-        refuse_reentrant(module)
-        scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
-        if scalars:
-            raise ConfigError(
-                f"fsdp cannot shard a parameter with no dimension ({', '.join(scalars[:5])}): "
-                "sharding splits dimension 0 across the ranks. Make each a 1-element tensor "
-                "(nn.Parameter(torch.tensor([2.0])) instead of torch.tensor(2.0); it "
-                "broadcasts the same), or use strategy='ddp'"
-            )
+        module = _shardable(require_module(module, "rt.setup"))
         module = module.to(self.device.torch)
+        if self.world_size > 1:
+            # Every rank shards its own copy: rank 0's weights must be everyone's first, as
+            # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
+            # model would be made of shards of different models.
+            self.broadcast_state(module)
         o = self.options
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
@@ -180,6 +171,12 @@ class FSDP(DDP):
         already = [m for m in module.modules() if isinstance(m, api.FSDPModule)]
         if already:
             _refuse_split_ties(module)
+            if o.activation_checkpointing != "off" or o.compile:
+                raise ConfigError(
+                    "fsdp: the model was already sharded with fully_shard, so gpukit keeps "
+                    "its groups and cannot recompute or compile blocks it did not choose: drop "
+                    "activation_checkpointing/compile, or let gpukit shard the model"
+                )
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
@@ -294,15 +291,31 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def _inside_wrappers(module: nn.Module) -> nn.Module:
-    """The user's model inside thin wrappers (mixed precision's autocast module: one child,
-    no tensors of its own). It is the root that fsdp shards, so that calling it directly (a
-    sample, an evaluation through ``rt.unwrap(model)``) gathers the root's weights too."""
-    while True:
-        children = list(module.children())
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if len(children) != 1 or own:
-            return module
-        module = children[0]
+    """The user's model inside gpukit's own thin wrappers (mixed precision's autocast module).
+    It is the root that fsdp shards, so that calling it directly (a sample, an evaluation
+    through ``rt.unwrap(model)``) gathers the root's weights too."""
+    while getattr(module, "gpukit_thin_wrapper", False):
+        module = next(module.children())
+    return module
+
+
+def _shardable(module: nn.Module) -> nn.Module:
+    """``module``, or the error that says why fsdp cannot shard it."""
+    if not any(True for _ in module.parameters()):
+        raise ConfigError(
+            "fsdp: the model has no parameters, so there is nothing to shard: use "
+            "strategy='ddp' or 'single'"
+        )
+    refuse_reentrant(module)
+    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ConfigError(
+            f"fsdp cannot shard a parameter with no dimension ({', '.join(scalars[:5])}): "
+            "sharding splits dimension 0 across the ranks. Make each a 1-element tensor "
+            "(nn.Parameter(torch.tensor([2.0])) instead of torch.tensor(2.0); it "
+            "broadcasts the same), or use strategy='ddp'"
+        )
+    return module
 
 
 def _outermost(module: nn.Module, cls: type) -> list[Any]:
