@@ -256,3 +256,35 @@ def test_full_state_dict_refuses_what_is_not_a_model(tmp_path: Path) -> None:
     model = rt.setup(nn.Linear(2, 1))
     full = rt.full_state_dict()
     assert set(full) == {"weight", "bias"} and torch.equal(full["weight"], model.weight)
+
+
+def _save_before_training(rt: gk.Runtime, folder: str, stop: int, resume: bool) -> Any:
+    """A save (or a resume from it) before the first step, then ``stop`` steps."""
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = rt.setup(model, optimizer)
+    if resume:
+        rt.load(folder)
+    else:
+        rt.save(folder)
+    stateless = not optimizer.state
+    n = BATCH // rt.world_size
+    while rt.global_step < stop:
+        x, y = _batch(rt.global_step)
+        logits = model(x[rt.rank * n : (rt.rank + 1) * n])
+        rt.backward(
+            F.cross_entropy(logits.flatten(0, 1), y[rt.rank * n : (rt.rank + 1) * n].flatten())
+        )
+        rt.step(optimizer)
+    return {"weights": _full(model), "stateless": stateless}
+
+
+def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
+    # Laying out a fresh optimizer's state for the shards steps it once at learning rate 0
+    # (AdamW's step count 1): neither the run that saved nor one resumed from it may keep that.
+    straight = _runtime(2).launch(_train, str(tmp_path / "none"), 3, None, False)
+    saving = _runtime(2).launch(_save_before_training, str(tmp_path / "ck"), 3, False)
+    resumed = _runtime(2).launch(_save_before_training, str(tmp_path / "ck"), 3, True)
+    assert saving["stateless"] and resumed["stateless"]
+    _assert_equal(straight["weights"], saving["weights"])
+    _assert_equal(straight["weights"], resumed["weights"])

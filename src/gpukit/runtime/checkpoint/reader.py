@@ -56,7 +56,12 @@ def load(
     shards = sharded.applies(models)
     if shards:  # every rank reads: the ranks must agree on what, and on any problem
         path, saved = sharded.agreed(strategy, lambda: _read_checked(directory, precision, True))
-        restore = sharded.prepare(path, models, state.optimizers, strategy)
+        restore_shards = sharded.prepare(path, models, state.optimizers, strategy)
+
+        def restore() -> None:
+            restore_shards()
+            for i in saved.get("fresh_optimizers", []):  # saved before their first step
+                state.optimizers[i].state.clear()
     else:
         path, saved = _read_checked(directory, precision, False)
         weights = _read_weights(path, len(models))

@@ -71,12 +71,20 @@ def save(
         tmp.mkdir()
     bad: list[str] = []
     weights: list[dict[str, torch.Tensor]] = []
+    # Optimizers that have not stepped yet: laying out their state for the shards gives them
+    # one (a step at learning rate 0, AdamW's step count 1), which must not outlive the save.
+    fresh = [i for i, o in enumerate(state.optimizers) if not o.state] if shards else []
     if shards:  # every rank writes its own shards, then gives its part of the full weights
         strategy.barrier()  # the folder exists
-        bad = sharded.save(tmp, models, state.optimizers, strategy)
+        try:
+            bad = sharded.save(tmp, models, state.optimizers, strategy)
+        finally:
+            for i in fresh:
+                state.optimizers[i].state.clear()
         weights = [sharded.full_weights(m, strategy) for m in models]
     if strategy.rank == 0:
         progress = _progress(state, strategy, precision, rng, shards, accumulate)
+        progress["fresh_optimizers"] = fresh  # a resume leaves them stateless too
         if shards:
             bad += finite.problems(_sharded_entries(models, weights, progress))
             for i, (model, full) in enumerate(zip(models, weights, strict=True)):
