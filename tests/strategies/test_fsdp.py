@@ -366,3 +366,8 @@ def test_only_gpukits_own_wrapper_is_looked_inside(one_rank: Callable[..., Any])
         return tuple(model(torch.randint(0, 11, (2, 3))).shape)
 
     assert one_rank(run) == (2, 3, 11)
+
+
+def test_fp16_gathering_without_a_scaler_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"mixed='fp16'.*precision='16-mixed'"):
+        gk.Runtime(strategy=gk.strategies.FSDP(mixed="fp16"), devices=["cpu"], precision="32")

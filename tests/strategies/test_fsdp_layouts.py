@@ -201,3 +201,36 @@ def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_ba
     assert isinstance(got, dict) and got.keys() == want.keys()
     for k in want:  # the micro-batches' gradients are summed before the replicas' average
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
+
+
+def _reference_clipped(steps: int, max_norm: float) -> dict[str, torch.Tensor]:
+    """``_reference`` over 2 data-parallel ranks, clipped as torch's clip_grad_norm_ does."""
+    model = _model()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    for step in range(steps):
+        grads = [
+            torch.autograd.grad(F.mse_loss(model(x), y), params)
+            for x, y in (_piece(step, r, 2) for r in range(2))
+        ]
+        for p, a, b in zip(params, *grads, strict=True):
+            p.grad = a / 2 + b / 2
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fsdp_times_tensor_parallel_clips_by_the_norm_over_both_meshes() -> None:
+    # The split layers' gradients live on the 2-D mesh, the head's on the data-parallel one:
+    # torch's clip_grad_norm_ refuses to stack them; the norm is completed per mesh instead.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"blocks.*.0": ColwiseParallel(), "blocks.*.2": RowwiseParallel()}
+    strategy = gk.strategies.FSDP(tp=2, tp_plan=plan)
+    rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, clip=0.05, nonfinite="raise")
+    got, want = rt.launch(_train, 3), _reference_clipped(3, 0.05)
+    unclipped = _reference(3, ranks=2)
+    assert any(not torch.allclose(want[k], unclipped[k]) for k in want)  # clipping bit
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)

@@ -122,6 +122,7 @@ class Runtime(RuntimeViews):
         launched = _env.launched() is not None
         self.strategy = choose(strategy, resolve_devices(devices, launched), launched)
         self.precision = make_precision(precision, self.strategy.device.torch)
+        self.strategy.check_precision(self.precision.name)
         self.state = TrainState()
         guard = None
         if nonfinite is not None:

@@ -162,11 +162,11 @@ class Stepper:
             if self.config.clip is not None:
                 self.precision.unscale(optimizer)
                 # No read-back: the norm and the scaling stay on the device.
-                norm = torch.nn.utils.clip_grad_norm_(self._params(optimizer), self.config.clip)
+                norm = self.strategy.clip_gradients(self._params(optimizer), self.config.clip)
             if guard is not None:
                 guard.check_optimizer(optimizer)
                 grads = [p.grad for p in self._params(optimizer) if p.grad is not None]
-                guard.found(grads, norm)
+                guard.found(grads, self.strategy.gradient_norm(grads) if norm is None else norm)
                 skipping = guard.skip_step(optimizer)
             try:
                 stepped = self.precision.step(optimizer)

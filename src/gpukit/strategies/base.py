@@ -80,6 +80,9 @@ class Strategy:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index)
 
+    def check_precision(self, precision: str) -> None:
+        """Refuse a run ``precision`` (its name) this strategy's own settings cannot go with."""
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the model; return what the training loop should call."""
         return require_module(module, "rt.setup").to(self.device.torch)
@@ -116,6 +119,16 @@ class Strategy:
 
     def recover_module(self, module: nn.Module) -> None:
         """Put ``module`` back in order after a forward or backward failed halfway."""
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of ``params`` to a total norm of at most ``max_norm``; the
+        total norm before, on the device (no read)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """The total norm of ``grads`` where this strategy must compute it itself (gradients
+        on several device meshes); None: the plain norm of the tensors is right."""
+        return None
 
     def check_gradients(self, module: nn.Module) -> None:
         """Called once after the first backward, to catch setups that fail a step later."""

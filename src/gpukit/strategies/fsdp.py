@@ -28,6 +28,7 @@ import datetime
 import logging
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from gpukit._util.checks import require_module
@@ -36,6 +37,7 @@ from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import fsdp2, is_dtensor
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._groups import find_groups
+from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan
 from gpukit.strategies.base import MemoryAdvice
@@ -110,6 +112,16 @@ class FSDP(DDP):
                 "FSDP(offload=True) keeps the sharded weights, gradients and optimizer state in "
                 "CPU memory and copies each group to its GPU when needed, so it needs GPUs: "
                 f"this job trains on {', '.join(map(str, devices))}. Drop offload=True"
+            )
+
+    def check_precision(self, precision: str) -> None:
+        policy = self.options.mixed_policy()
+        if policy is not None and policy.param_dtype == torch.float16 and precision != "16-mixed":
+            raise ConfigError(
+                f"FSDP(mixed='fp16') computes in float16, whose small gradients round to zero "
+                f"without loss scaling, and this run's precision is {precision!r}, which has no "
+                "scaler: use precision='16-mixed' with it (its gradient scaler scales the "
+                "loss), or mixed='bf16'"
             )
 
     @property
@@ -251,6 +263,14 @@ class FSDP(DDP):
         # The root resets every group under it (torch refuses the call on any other group).
         for root in _outermost(module, fsdp2().FSDPModule):
             root.reset_iter_state()
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        if self.options.tp == 1:  # one mesh: torch's own clipping, as a plain program has it
+            return super().clip_gradients(params, max_norm)
+        return clip([p.grad for p in params if p.grad is not None], max_norm)
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        return None if self.options.tp == 1 else total_norm(grads)
 
     def check_gradients(self, module: nn.Module) -> None:
         """fsdp reduce-scatters whole groups: a parameter without a gradient is reduced as
