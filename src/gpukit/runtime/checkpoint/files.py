@@ -58,13 +58,27 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path, step: int, problems: list[str]) -> dict[str, Any]:
+def describe(folder: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Manifest entries (size, sha256) of ``paths`` inside ``folder``, by relative path; each
+    file fsynced first."""
+    entries = {}
+    for f in paths:
+        fsync(f)
+        entries[f.relative_to(folder).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+    return entries
+
+
+def write_manifest(
+    folder: Path, step: int, problems: list[str], known: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Write ``folder/manifest.json`` for the files already in ``folder`` (the last file of a
-    save); ``problems`` are the non-finite values found, which mark the checkpoint bad."""
+    save); ``problems`` are the non-finite values found, which mark the checkpoint bad.
+    ``known``: entries already made (each rank describes the shards it wrote)."""
+    known = known or {}
     files = {  # the files in sub-folders too (every rank's shards): by their relative path
-        f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size, "sha256": sha256(f)}
+        name: known[name] if name in known else describe(folder, [f])[name]
         for f in sorted(folder.rglob("*"))
-        if f.is_file() and f.relative_to(folder).as_posix() != MANIFEST
+        if f.is_file() and (name := f.relative_to(folder).as_posix()) != MANIFEST
     }
     manifest = {
         "format": FORMAT,

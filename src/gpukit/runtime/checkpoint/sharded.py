@@ -140,6 +140,12 @@ def save(
     return sorted({line for rank in strategy.all_gather_object(mine) for line in rank})
 
 
+def written_by(folder: Path, rank: int) -> list[Path]:
+    """The shard files rank ``rank`` wrote into ``folder/sharded`` (DCP names them
+    ``__<rank>_<n>.distcp``)."""
+    return sorted((folder / SHARDED).glob(f"__{rank}_*.distcp"))
+
+
 def prepare(
     path: Path, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], strategy: Strategy
 ) -> Callable[[], None]:

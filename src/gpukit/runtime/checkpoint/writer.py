@@ -94,12 +94,18 @@ def save(
             for i, model in enumerate(models):
                 save_model(model, str(tmp / weights_name(i, len(models))))
         torch.save(progress, tmp / files.STATE)
+    known: dict[str, Any] = {}
     if shards:
-        strategy.barrier()  # every rank's shards are on disk before the manifest lists them
+        # Each rank flushes and hashes the shard files it wrote, all at once, instead of rank
+        # 0 reading everyone's while they wait: the whole model's bytes, at scale.
+        mine = sharded.written_by(tmp, strategy.rank)
+        for part in strategy.all_gather_object(files.describe(tmp, mine)):
+            known.update(part)
     if strategy.rank == 0:
         for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders holding them
-            files.fsync(f)
-        files.write_manifest(tmp, state.global_step, bad)  # last: its presence means complete
+            if f.relative_to(tmp).as_posix() not in known:
+                files.fsync(f)
+        files.write_manifest(tmp, state.global_step, bad, known)  # last: means complete
         files.fsync(tmp)
         if bad:
             _keep_bad(directory, tmp, final, bad)
