@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpukit.cli.__main__ import build_parser, main
 from gpukit.cli.train import _strategy, _worker_command
@@ -111,3 +112,27 @@ def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) 
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 6
     steps = [line.split(",")[0] for line in (run / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == ["1", "2", "3", "4", "5", "6"]
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_rank_is_restarted_and_the_run_ends_bitwise_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 is killed at step 6; the launcher restarts both ranks on a fresh port, they
+    # resume from the sharded checkpoint of step 4 and finish as the uninterrupted run did.
+    from safetensors.torch import load_file
+
+    common = ["--max-steps", "12", "--log-every", "2", "--save-every", "4", "--hang-timeout", "120"]
+    straight = train("--strategy", "fsdp", *common, "--out", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    monkeypatch.setenv("GPUKIT_FAULT", "sigkill:1:6")
+    faulted = train(
+        "--strategy", "fsdp", *common, "--max-restarts", "2", "--out", str(tmp_path / "b")
+    )
+    assert faulted.returncode == 0, faulted.stderr[-3000:]
+    said = faulted.stdout + faulted.stderr
+    assert "restart 1/2 after rank 1 was killed by SIGKILL" in said
+    want = load_file(tmp_path / "a" / "checkpoints" / "step-00000012" / "model.safetensors")
+    got = load_file(tmp_path / "b" / "checkpoints" / "step-00000012" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
