@@ -73,8 +73,9 @@ def _train(rt: gk.Runtime, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in state.items()}  # type: ignore[operator]
 
 
-def _reference(steps: int, ranks: int) -> dict[str, torch.Tensor]:
-    """``ranks`` data-parallel ranks in pairs: each pair reduced first, then the pairs."""
+def _reference(steps: int, ranks: int, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """``ranks`` data-parallel ranks in pairs: each pair reduced first, then the pairs;
+    ``clip``: torch's clip_grad_norm_ over the combined gradients."""
     model = _model()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=LR)
@@ -92,6 +93,8 @@ def _reference(steps: int, ranks: int) -> dict[str, torch.Tensor]:
             total = [a / 2 + b / 2 for a, b in zip(*grads, strict=True)]
         for p, g in zip(params, total, strict=True):
             p.grad = g
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -203,24 +206,6 @@ def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_ba
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
 
 
-def _reference_clipped(steps: int, max_norm: float) -> dict[str, torch.Tensor]:
-    """``_reference`` over 2 data-parallel ranks, clipped as torch's clip_grad_norm_ does."""
-    model = _model()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=LR)
-    for step in range(steps):
-        grads = [
-            torch.autograd.grad(F.mse_loss(model(x), y), params)
-            for x, y in (_piece(step, r, 2) for r in range(2))
-        ]
-        for p, a, b in zip(params, *grads, strict=True):
-            p.grad = a / 2 + b / 2
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def test_fsdp_times_tensor_parallel_clips_by_the_norm_over_both_meshes() -> None:
     # The split layers' gradients live on the 2-D mesh, the head's on the data-parallel one:
     # torch's clip_grad_norm_ refuses to stack them; the norm is completed per mesh instead.
@@ -229,7 +214,7 @@ def test_fsdp_times_tensor_parallel_clips_by_the_norm_over_both_meshes() -> None
     plan = {"blocks.*.0": ColwiseParallel(), "blocks.*.2": RowwiseParallel()}
     strategy = gk.strategies.FSDP(tp=2, tp_plan=plan)
     rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, clip=0.05, nonfinite="raise")
-    got, want = rt.launch(_train, 3), _reference_clipped(3, 0.05)
+    got, want = rt.launch(_train, 3), _reference(3, ranks=2, clip=0.05)
     unclipped = _reference(3, ranks=2)
     assert any(not torch.allclose(want[k], unclipped[k]) for k in want)  # clipping bit
     for k in want:
