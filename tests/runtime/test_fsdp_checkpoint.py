@@ -23,35 +23,15 @@ from safetensors.torch import load_model
 from torch import nn
 
 import gpukit as gk
+from tests.fsdp_models import VOCAB, TiedLM, assert_bit_identical
 
-VOCAB = 67  # does not divide by 2 or 4: the tied embedding's rows split unevenly
 BATCH = 8  # samples per optimizer step, over all ranks and micro-batches
-
-
-class TiedLM(nn.Module):
-    """Embedding, residual blocks (fsdp shards each), an output layer tied to the embedding."""
-
-    def __init__(self, vocab: int = VOCAB, width: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
-            for _ in range(2)
-        )
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
 
 
 def _model(vocab: int = VOCAB) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return TiedLM(vocab).double()
+        return TiedLM(vocab, depth=2).double()
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,12 +82,6 @@ def _runtime(ranks: int, accumulate: int = 1, **kwargs: Any) -> gk.Runtime:
     )
 
 
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 @pytest.fixture(autouse=True)
 def no_process_group_left() -> Any:
     """One-rank runs join a process group in the test process: none may outlive its test
@@ -129,7 +103,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_resumed_on_two_ranks_equals_the_uninterrupted_run(saved: dict[str, Any]) -> None:
     resumed = _runtime(2).launch(_train, str(saved["folder"]), 6, None, True)
     assert resumed["resumed_at"] == 3
-    _assert_equal(saved["weights"], resumed["weights"])
+    assert_bit_identical(saved["weights"], resumed["weights"])
     # The optimizer state came back too: without it AdamW's next steps would differ.
     assert not torch.equal(saved["weights"]["emb.weight"], saved["at_save"]["emb.weight"])
 
@@ -140,7 +114,7 @@ def test_resumed_on_one_rank_equals_the_uninterrupted_two_rank_run(tmp_path: Pat
     with pytest.warns(UserWarning, match=r"written by 2 rank\(s\), this run has 1"):
         resumed = _runtime(1, accumulate=2).launch(_train, str(tmp_path / "ck"), 4, None, True)
     assert resumed["resumed_at"] == 2
-    _assert_equal(straight["weights"], resumed["weights"])
+    assert_bit_identical(straight["weights"], resumed["weights"])
 
 
 @pytest.mark.slow
@@ -202,7 +176,7 @@ def test_a_damaged_shard_is_refused_and_nothing_changes(
     before = _full(model)
     with pytest.raises(gk.ConfigError, match=rf"{shard.name} does not match the checksum"):
         rt.load(folder / step)
-    _assert_equal(before, _full(model))
+    assert_bit_identical(before, _full(model))
     assert not optimizer.state and rt.global_step == 0
     rt.teardown()
 
@@ -214,7 +188,7 @@ def test_a_model_of_another_shape_is_refused_and_nothing_changes(
     before = _full(model)
     with pytest.raises(gk.ConfigError, match=r"does not fit.*emb.weight: checkpoint \(67, 16\)"):
         rt.load(saved["folder"])
-    _assert_equal(before, _full(model))
+    assert_bit_identical(before, _full(model))
     assert not optimizer.state and rt.global_step == 0  # reading its layout left no state
     rt.teardown()
 
@@ -286,5 +260,5 @@ def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
     saving = _runtime(2).launch(_save_before_training, str(tmp_path / "ck"), 3, False)
     resumed = _runtime(2).launch(_save_before_training, str(tmp_path / "ck"), 3, True)
     assert saving["stateless"] and resumed["stateless"]
-    _assert_equal(straight["weights"], saving["weights"])
-    _assert_equal(straight["weights"], resumed["weights"])
+    assert_bit_identical(straight["weights"], saving["weights"])
+    assert_bit_identical(straight["weights"], resumed["weights"])

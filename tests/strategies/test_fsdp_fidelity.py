@@ -26,30 +26,10 @@ from torch import nn
 import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.workloads import gpt
+from tests.fsdp_models import VOCAB, TiedLM, assert_bit_identical
 
 LR = 1e-2
 BATCH = 8  # samples per optimizer step, over all ranks and micro-batches
-VOCAB = 67  # does not divide by 2: the tied embedding's rows split unevenly
-
-
-class TiedLM(nn.Module):
-    """Embedding, residual Linear-ReLU-Linear blocks, and an output layer tied to the embedding."""
-
-    def __init__(self, vocab: int = VOCAB, width: int = 16, depth: int = 3) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
-            for _ in range(depth)
-        )
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
 
 
 def _model(name: str) -> nn.Module:
@@ -192,13 +172,6 @@ def _reference(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    unequal = [k for k in want if not torch.equal(got[k], want[k])]
-    worst = {k: (got[k] - want[k]).abs().max().item() for k in unequal}
-    assert not unequal, f"not bit-identical: {worst}"
-
-
 def _fsdp(accumulate: int = 1, runtime: dict[str, Any] | None = None, **options: Any) -> gk.Runtime:
     strategy = gk.strategies.FSDP(**options)
     settings: dict[str, Any] = {"seed": 0, "accumulate": accumulate, **(runtime or {})}
@@ -211,7 +184,7 @@ def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setu
     start = _model("gpt").state_dict()
     moved = max((want[k] - start[k]).abs().max().item() for k in want)
     assert moved > 1e-3  # it trained: an optimizer left on the old parameters moves nothing
-    _assert_equal(got["state"], want)
+    assert_bit_identical(got["state"], want)
     # Each rank keeps about half of every weight (the tied head counted once).
     assert got["global"] / 2 <= got["local"] <= got["global"] / 2 + 64 * 64
     printed = got["printed"]
@@ -222,14 +195,14 @@ def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setu
 def test_tied_head_with_an_uneven_vocabulary_stays_tied_and_exact() -> None:
     got = _fsdp().launch(_train, "tied", 3)
     assert got["tied"]
-    _assert_equal(got["state"], _reference("tied", 3, ranks=2, accumulate=1))
+    assert_bit_identical(got["state"], _reference("tied", 3, ranks=2, accumulate=1))
     assert "tied: emb.weight = head.weight" in got["printed"]
 
 
 @pytest.mark.parametrize("policy", ["reduce-scatter", "no-sync"])
 def test_accumulation_sums_in_the_order_of_its_policy(policy: str) -> None:
     got = _fsdp(accumulate=2, accumulation=policy).launch(_train, "tied", 3)
-    _assert_equal(got["state"], _reference("tied", 3, ranks=2, accumulate=2, policy=policy))
+    assert_bit_identical(got["state"], _reference("tied", 3, ranks=2, accumulate=2, policy=policy))
 
 
 @pytest.mark.parametrize(
@@ -242,7 +215,7 @@ def test_accumulation_sums_in_the_order_of_its_policy(policy: str) -> None:
 )
 def test_recomputing_and_keeping_gathered_weights_change_nothing(options: dict[str, Any]) -> None:
     got = _fsdp(**options).launch(_train, "gpt", 2)
-    _assert_equal(got["state"], _reference("gpt", 2, ranks=2, accumulate=1))
+    assert_bit_identical(got["state"], _reference("gpt", 2, ranks=2, accumulate=1))
 
 
 def test_rank_zero_keeps_half_of_each_group() -> None:
@@ -280,7 +253,7 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank(monkeypatch: pytest.MonkeyPa
     # plain program that never took step 2 (AdamW's step count did not advance either), with
     # the same fused AdamW (its kernel rounds differently from the default one).
     want = _reference("tied", 3, ranks=2, accumulate=1, skip={1}, fused=True)
-    _assert_equal(got[0]["state"], want)
+    assert_bit_identical(got[0]["state"], want)
 
 
 def _train_both(rt: gk.Runtime, name: str, steps: int) -> list[dict[str, Any]]:
@@ -356,7 +329,7 @@ def test_one_fsdp_rank_recovers_from_running_out_of_memory_in_the_backward() -> 
             p.grad = a + b
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    _assert_equal(got["state"], {k: v.detach() for k, v in model.state_dict().items()})
+    assert_bit_identical(got["state"], {k: v.detach() for k, v in model.state_dict().items()})
 
 
 def test_recovering_from_out_of_memory_over_two_fsdp_ranks_is_refused() -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpukit as gk
+from tests.fsdp_models import assert_bit_identical
 
 pytestmark = pytest.mark.slow
 
@@ -100,16 +101,9 @@ def _reference(steps: int, ranks: int, clip: float | None = None) -> dict[str, t
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    unequal = [k for k in want if not torch.equal(got[k], want[k])]
-    worst = {k: (got[k] - want[k]).abs().max().item() for k in unequal}
-    assert not worst, f"not bit-identical: {worst}"
-
-
 def test_hsdp_two_replicas_of_two_shards_equals_one_process() -> None:
     rt = gk.Runtime(strategy=gk.strategies.FSDP(replicas=2), devices=["cpu"] * 4, seed=0)
-    _assert_equal(rt.launch(_train, 3), _reference(3, ranks=4))
+    assert_bit_identical(rt.launch(_train, 3), _reference(3, ranks=4))
 
 
 def test_fsdp_times_tensor_parallel_equals_one_process() -> None:
