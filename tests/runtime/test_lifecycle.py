@@ -266,3 +266,33 @@ def test_the_heartbeat_preemption_and_guard_add_no_read_per_step(
     # The guard reads its counters once per logging window, beside the metrics' flush.
     guarded = gk.Runtime(strategy="single", devices="cpu", log_every=10, nonfinite="skip")
     assert _reads(guarded) == plain * 2
+
+
+def test_stopped_ranks_leave_together_rank_zero_last() -> None:
+    # After the stop's save, rank 1 may exit only once rank 0 has left every collective, and
+    # rank 0 only once rank 1 has answered: no rank resets its sockets under a slower peer.
+    import threading
+
+    import torch.distributed as dist
+
+    from gpukit.runtime.preemption import Preemption
+
+    store = dist.HashStore()
+    order: list[str] = []
+    ranks = [Preemption(r, 2, store=lambda: store, heartbeat=None) for r in (0, 1)]
+
+    def leave(p: Preemption, delay: float) -> None:
+        time.sleep(delay)
+        p.leave_together()
+        order.append(f"rank {p.rank} left")
+
+    threads = [
+        threading.Thread(target=leave, args=(ranks[1], 0.0)),  # the quick one waits
+        threading.Thread(target=leave, args=(ranks[0], 0.3)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert set(order) == {"rank 0 left", "rank 1 left"}
+    assert store.check(["gpukit/preempt/0/left/0", "gpukit/preempt/0/answered/1"])

@@ -164,6 +164,7 @@ class Lifecycle(StepBoundaries):
         preempt = self.preemption
         if preempt is not None and preempt.should_stop(step):
             path = self._save()
+            preempt.leave_together()
             raise Preempted(
                 f"{preempt.requested} received: stopped after step {step} on every rank and "
                 f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "

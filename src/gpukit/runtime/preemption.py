@@ -19,6 +19,7 @@ process ids it reads from their heartbeats), and the launcher does too.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import threading
@@ -30,6 +31,9 @@ from gpukit.runtime.heartbeat import Heartbeat
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Another rank was asked to stop: the same request, passed on (never a "second signal").
 _PEER_SIGNAL = signal.SIGUSR2
+
+
+_LEAVE_SECONDS = 30  # at most this long waiting for the other ranks to leave together
 
 
 class Preemption:
@@ -109,3 +113,27 @@ class Preemption:
         keys = [f"{self._prefix}{r}" for r in range(self.world_size)]
         if store.check(keys):
             self.stop_at = max(int(store.get(k)) for k in keys) + 1
+
+    def leave_together(self) -> None:
+        """After the stop's save, before the ranks exit: rank 0 says it has left every
+        collective, the others answer and only then exit, and rank 0 exits once all have
+        answered. A rank that left the save's last collective and exited at once could reset
+        its sockets while a slower peer still read its last message there, turning a clean
+        stop into a "connection reset" on that peer. Bounded: a rank that is gone by then
+        only shortens the wait."""
+        if self.world_size == 1:
+            return
+        store = self._store()
+        done, ack = f"{self._prefix}left/0", f"{self._prefix}answered/"
+        with contextlib.suppress(Exception):  # the stop goes on whatever the store says
+            previous = store.timeout
+            store.set_timeout(datetime.timedelta(seconds=_LEAVE_SECONDS))
+            try:
+                if self.rank == 0:
+                    store.set(done, "1")
+                    store.wait([f"{ack}{r}" for r in range(1, self.world_size)])
+                else:
+                    store.wait([done])
+                    store.set(f"{ack}{self.rank}", "1")
+            finally:
+                store.set_timeout(previous)
