@@ -177,3 +177,19 @@ def test_a_container_that_raises_is_a_config_error_and_fn_errors_pass_through() 
 
     with pytest.raises(ValueError, match="from fn"):
         tree.map_tensors([torch.ones(1)], fails)
+
+
+def test_mapped_tensors_are_freed_when_dropped_not_at_the_next_collection() -> None:
+    """The walker recurses through itself; its memo must not keep what it mapped alive in a
+    reference cycle (a batch moved to the device would outlive its step until a collection)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        out = tree.map_tensors({"x": torch.ones(3)}, lambda t: t * 2)
+        alive = weakref.ref(out["x"])
+        del out
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -130,6 +130,12 @@ def map_tensors(
         if failed and failed[-1] is err:
             raise
         raise unreadable(obj, err) from err
+    finally:
+        # ``walk`` refers to itself (it recurses), a reference cycle that only the garbage
+        # collector frees: without this the memo would keep every mapped tensor (a batch
+        # moved to the device) alive until a collection runs, at a moment no one chose.
+        memo.clear()
+        walk = None  # type: ignore[assignment]
 
 
 def zip_map(objs: Sequence[Any], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
