@@ -13,8 +13,8 @@ PACKAGE = Path(gpukit.__file__).resolve().parent
 SRC = PACKAGE.parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Packages by concept, as the README's "Architecture" section describes them.
-ROOMS = {"_util", "bench", "cli", "devices", "diagnostics", "doctor", "runtime", "strategies",
-         "workloads"}  # fmt: skip
+ROOMS = {"_util", "bench", "cli", "devices", "diagnostics", "doctor", "plan", "runtime",
+         "strategies", "workloads"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -135,7 +135,8 @@ def test_the_runtime_never_asks_which_strategy_it_holds() -> None:
     found = []
     for path in MODULES:
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] in ("strategies", "cli", "bench"):
+        # The planner models each strategy from outside (its memory and time), by name.
+        if rel.parts[0] in ("strategies", "cli", "bench", "plan"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(

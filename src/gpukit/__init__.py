@@ -30,6 +30,9 @@ from gpukit.errors import (
     Preempted,
     ShardedTensorError,
 )
+
+# After the modules it builds on; the function takes the name of its package here.
+from gpukit.plan.planner import plan
 from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"
@@ -67,6 +70,7 @@ __all__ = [
     "memory",
     "on",
     "placement",
+    "plan",
     "strategies",
     "to",
     "trace",

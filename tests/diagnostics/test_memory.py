@@ -79,6 +79,7 @@ def test_to_dict_str_and_table_without_ranks() -> None:
         "total": 80 * GiB,
         "free": None,
         "other_processes": None,
+        "peak_tensors": None,
     }
     headers = [c.header for c in rep.table().columns]
     assert headers == [

@@ -36,6 +36,7 @@ _MODULES = {
     "precision": "gpukit.bench.precision",
     "overhead": "gpukit.bench.overhead",
     "trace": "gpukit.bench.trace_cost",
+    "plan": "gpukit.bench.plan",
 }
 
 

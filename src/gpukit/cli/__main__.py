@@ -18,12 +18,12 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import bench, devices, doctor, launch, trace, train
+from gpukit.cli import bench, devices, doctor, launch, plan, trace, train
 from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
 
-COMMANDS = (doctor, devices, train, launch, trace, bench)
+COMMANDS = (doctor, devices, train, launch, trace, bench, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,9 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     overhead     the per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain
                  PyTorch, on a tiny MLP, CPU, one thread
     trace        the cost of gk.trace() on gpukit train's loop and on a nanoGPT-style loop
+    plan         the planner's predicted peak tensor memory per rank (simulation and closed
+                 form) against gpukit train's measured one, every built-in workload x single,
+                 ddp, fsdp x 1, 2 ranks; 8 and 64 ranks simulated
 
 Every experiment warms up, synchronises before reading clocks (CUDA events on a GPU), repeats
 and reports the median with its spread, and rotates its inputs. --quick runs sizes a 2-core CI
@@ -59,6 +62,7 @@ _ONE_LINERS = {
     "precision": "fp32 vs mixed precision, channels_last, torch.compile",
     "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
     "trace": "cost of gk.trace() on a training loop (traced / untraced)",
+    "plan": "the planner's predicted peak memory against gpukit train's measured one",
 }
 
 

@@ -45,6 +45,9 @@ AR = ("allocated", "reserved")
 class DeviceMemory:
     """One device as seen by one process, in bytes (see :func:`report` for where each comes from).
 
+    ``peak_tensors`` is the peak of what tensors alone held over a measured stretch (``gpukit
+    train``'s first steps, see :mod:`gpukit.plan.measure`): None where it was not measured.
+
     >>> DeviceMemory("cpu", None, 10, 10, 12, 100, 50, None).to_dict()["peak"]
     12
     """
@@ -57,6 +60,7 @@ class DeviceMemory:
     total: int | None
     free: int | None
     other_processes: int | None
+    peak_tensors: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields by name."""
@@ -88,18 +92,23 @@ class MemoryReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
-        """The report ``to_dict`` wrote (as read back from ``metrics.json``)."""
+        """The report ``to_dict`` wrote (as read back from ``metrics.json``; files written
+        before ``peak_tensors`` existed read as None there)."""
         return cls(tuple(DeviceMemory(**row) for row in data["devices"]))
 
     def table(self, title: str | None = "Memory per device") -> Table:
-        """A rich table; the rank column appears only when some row has a rank."""
+        """A rich table; the rank and "peak tensors" columns appear only when some row has
+        a value there."""
         ranked = any(r.rank is not None for r in self.rows)
+        measured = any(r.peak_tensors is not None for r in self.rows)
         header = ["device", *(["rank"] if ranked else [])]
-        header += ["allocated", "reserved", "peak", "total", "free", "other processes"]
+        header += ["allocated", "reserved", "peak", *(["peak tensors"] if measured else [])]
+        header += ["total", "free", "other processes"]
         rows = [
             [r.device, *([str(r.rank) if r.rank is not None else "-"] if ranked else [])]
-            + [_bytes(v) for v in (r.allocated, r.reserved, r.peak, r.total, r.free)]
-            + [_bytes(r.other_processes)]
+            + [_bytes(v) for v in (r.allocated, r.reserved, r.peak)]
+            + ([_bytes(r.peak_tensors)] if measured else [])
+            + [_bytes(v) for v in (r.total, r.free, r.other_processes)]
             for r in self.rows
         ]
         return make_table(title, header, rows)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gpukit._util.fake import has_values, real_tensors
 from gpukit._util.text import explained as _say
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
@@ -57,16 +58,18 @@ def check_targets(outputs: Any, targets: Any, *, ignore_index: int = -100) -> No
         return
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         return  # regression targets or soft labels: nothing to index with
-    if targets.device.type == "meta":
-        return
+    if not has_values(targets):
+        return  # meta or fake (the planner's) tensors: no values to check
     classes = _class_count(outputs, targets)
     if classes is None or classes < 2:
         return  # one output: a binary or regression head, not class indices
-    t = targets.detach().long()
-    bad = ((t < 0) | (t >= classes)) & (t != ignore_index)
-    kept = torch.where(bad, t, torch.zeros_like(t))
-    with untraced():  # this one read is gpukit's own, not the user's line's
-        count, low, high = torch.stack([bad.sum(), kept.min(), kept.max()]).tolist()
+    # Real targets are checked as real tensors even under the planner's fake tensors.
+    with real_tensors():
+        t = targets.detach().long()
+        bad = ((t < 0) | (t >= classes)) & (t != ignore_index)
+        kept = torch.where(bad, t, torch.zeros_like(t))
+        with untraced():  # this one read is gpukit's own, not the user's line's
+            count, low, high = torch.stack([bad.sum(), kept.min(), kept.max()]).tolist()
     if count == 0:
         return
     # kept holds 0 where a target is fine, so low < 0 and high >= classes only for bad ones.

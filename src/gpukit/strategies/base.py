@@ -85,7 +85,7 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the model; return what the training loop should call."""
-        return require_module(module, "rt.setup").to(self.device.torch)
+        return place(require_module(module, "rt.setup"), self.device.torch)
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
@@ -203,3 +203,19 @@ def check_criterion(fn: object, reduction: object) -> None:
 
 
 _REDUCTIONS = ("mean", "sum")
+
+
+def place(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module.to(device)``, skipped when every parameter and buffer is there already: it
+    would change nothing, and skipping it lets fake tensors (the planner's simulation), which
+    ``.to()`` cannot swap in place, pass through.
+
+    >>> m = nn.Linear(2, 2)
+    >>> place(m, torch.device("cpu")) is m
+    True
+    """
+    held = [*module.parameters(), *module.buffers()]
+    here = all(
+        t.device.type == device.type and (t.device.index or 0) == (device.index or 0) for t in held
+    )
+    return module if held and here else module.to(device)

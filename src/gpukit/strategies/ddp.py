@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gpukit import _env
+from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError, DistributedError, LaunchError
@@ -95,6 +96,10 @@ class DDP(Strategy):
     """
 
     name: ClassVar[str] = "ddp"
+
+    # What wraps the model. The planner's simulation swaps in a stand-in that holds the same
+    # memory: DDP's reducer reads parameter values, which fake tensors do not have.
+    wrapper: ClassVar[type[DistributedDataParallel]] = DistributedDataParallel
 
     def __init__(
         self,
@@ -212,7 +217,10 @@ class DDP(Strategy):
         # A gloo group beside the training one (gloo even when training uses NCCL): its
         # monitored barrier names the ranks that never arrive, within a timeout of our choice.
         # Made here, where every rank passes, because making a group is itself collective.
-        self._guard = dist.new_group(backend="gloo")
+        # A fake group (the planner's simulation, one process standing for all ranks) has no
+        # peers to pair a gloo group with: its guard is fake too.
+        fake = dist.get_backend() == "fake"
+        self._guard = dist.new_group(backend="fake" if fake else "gloo")
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
@@ -223,7 +231,7 @@ class DDP(Strategy):
         if self.bucket_cap_mb is not None:
             options["bucket_cap_mb"] = self.bucket_cap_mb
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **options)
+        return self.wrapper(module, device_ids=device_ids, **options)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
@@ -297,9 +305,10 @@ class DDP(Strategy):
     def any_rank(self, flags: list[bool]) -> list[bool]:
         if not flags:
             return []
-        found = torch.tensor(flags, dtype=torch.float32).to(self.device.torch)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return [v > 0 for v in found.tolist()]  # the one read: every rank decides alike
+        with real_tensors():  # host flags: real values even in the planner's simulation
+            found = torch.tensor(flags, dtype=torch.float32).to(self.device.torch)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            return [v > 0 for v in found.tolist()]  # the one read: every rank decides alike
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         if not isinstance(op, str) or op not in _OPS:

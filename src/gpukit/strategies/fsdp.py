@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from gpukit._util.checks import require_module
+from gpukit._util.fake import real_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import fsdp2, is_dtensor
@@ -40,7 +41,7 @@ from gpukit.strategies._groups import find_groups
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan
-from gpukit.strategies.base import MemoryAdvice
+from gpukit.strategies.base import MemoryAdvice, place
 from gpukit.strategies.ddp import DDP
 
 log = logging.getLogger("gpukit")
@@ -151,9 +152,12 @@ class FSDP(DDP):
                 if size > 1 or name == "shard":
                     shape.append(size)
                     names.append(name)
-            self.mesh = init_device_mesh(
-                self.device.type, tuple(shape), mesh_dim_names=tuple(names)
-            )
+            # A mesh is made of real tensors (its ranks' coordinates): under the planner's fake
+            # tensors, made with them paused.
+            with real_tensors():
+                self.mesh = init_device_mesh(
+                    self.device.type, tuple(shape), mesh_dim_names=tuple(names)
+                )
 
     def sampler_placement(self) -> tuple[int, int]:
         # Tensor-parallel ranks split one batch's computation: they read the same samples.
@@ -164,7 +168,7 @@ class FSDP(DDP):
     def setup_module(self, module: nn.Module) -> nn.Module:
         api = fsdp2()
         module = _shardable(require_module(module, "rt.setup"))
-        module = module.to(self.device.torch)
+        module = place(module, self.device.torch)
         if self.world_size > 1:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the

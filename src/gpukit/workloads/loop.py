@@ -35,9 +35,17 @@ from gpukit import _env
 from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
+from gpukit.plan.measure import PeakTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
-from gpukit.workloads.report import MetricsCsv, metrics, read_history, run_memory, write_outputs
+from gpukit.workloads.report import (
+    MetricsCsv,
+    metrics,
+    read_history,
+    run_memory,
+    with_peak_tensors,
+    write_outputs,
+)
 
 # The Runtime settings `gpukit train` uses when given no option: its command line's defaults,
 # and what the benchmarks time as "gpukit train's default settings". oom "auto": recovery
@@ -77,6 +85,16 @@ class TrainConfig:
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     """Train ``config.workload`` with ``rt``; rank 0 returns the metrics (others an empty dict)."""
+    # Each device's peak of tensor memory over the first steps (gpukit.plan.measure); a run
+    # that fails inside that window takes the counter off too.
+    peaks = PeakTensors([d.torch for d in rt.strategy.driven_devices])
+    try:
+        return _fit(rt, config, peaks)
+    finally:
+        peaks.stop()
+
+
+def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]:
     workload = load_workload(config.workload, seed=config.seed)
     epochs = config.epochs or workload.epochs
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
@@ -91,7 +109,9 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(
         workload.dataset, batch_size=per_rank * rt.accumulate, shuffle=True, drop_last=True
     )
+    peaks.start(model, optimizer)
     model, optimizer, loader = rt.setup(model, optimizer, loader)
+    peaks.after_setup(rt.unwrap(model), optimizer)
     criterion = rt.setup_criterion(workload.loss)
 
     def compute_loss(batch: Any) -> torch.Tensor:
@@ -102,6 +122,8 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     resumed = None
     if config.resume or (checkpoints is not None and _env.attempt() > 0):
         # A restarted attempt goes on from the newest good checkpoint, if the run made one.
+        # Inside the measuring window: its peak also holds what loading makes on the way
+        # (the checkpoint's tensors read before they are copied into the model and optimizer).
         progress = rt.load(_resume_folder(config)) if config.resume else rt.resume()
         resumed = progress["step"] if progress else None
     steps_per_epoch = len(loader)
@@ -127,6 +149,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
             for batch in loader:
                 loss = rt.train_step(optimizer, batch, compute_loss)
                 rt.log(loss=loss)
+                peaks.after_step()
                 bar.advance(rt.global_step, rt.history)
                 if csv_log is not None:
                     csv_log.update(rt.history)
@@ -140,12 +163,14 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
         bar.finish(rt.global_step, rt.history)  # the last line shows the last loss
     seconds = time.perf_counter() - start
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
+    peaks.stop()  # a run shorter than the window
     memory = run_memory(rt)  # every rank takes part: it gathers under DDP
     # Weights, gradients and optimizer state each rank holds (its shards under fsdp): a
     # collective too. float64: exact for any size a device holds.
     with untraced():  # gpukit's own reads, once per run: not the user's to see in a trace
         held = breakdown(rt.unwrap(model), optimizer).total
         model_state = [int(b) for b in rt.all_gather(torch.tensor(held, dtype=torch.float64))]
+        memory = with_peak_tensors(rt, memory, peaks.result())
     # Every rank writes the sample: under fsdp each forward gathers the weights from all of
     # them, so rank 0 alone would wait forever. Same weights, same generator: the same text.
     sample = (

@@ -19,10 +19,14 @@ own, and ``loss.png`` is drawn from all of them.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
 from gpukit.diagnostics.memory import report as memory_report
@@ -110,6 +114,30 @@ def run_memory(rt: Runtime) -> MemoryReport:
     """
     used = [d.torch for d in rt.strategy.driven_devices if d.type == "cuda"]
     return memory_report(used or ["cpu"])
+
+
+def with_peak_tensors(
+    rt: Runtime, memory: MemoryReport, peaks: Mapping[str, int | None]
+) -> MemoryReport:
+    """``memory`` (:func:`run_memory`'s rows, every rank's) with each row's ``peak_tensors``:
+    ``peaks`` is this rank's, by device (:meth:`gpukit.plan.measure.PeakTensors.result`).
+    Every rank's values are gathered in one collective, so **every rank must call it**; each
+    rank sends its own rows' values, in their order, so the gathered values line up with the
+    rows.
+
+    >>> import gpukit as gk
+    >>> rt = gk.Runtime(devices="cpu")
+    >>> [r.peak_tensors for r in with_peak_tensors(rt, run_memory(rt), {"cpu": 4096}).rows]
+    [4096]
+    """
+    own = [r for r in memory.rows if r.rank in (None, rt.rank)]
+    sent = [float(v) if (v := peaks.get(r.device)) is not None else -1.0 for r in own]
+    # float64: exact for any size a device holds; -1: not measured.
+    gathered = rt.all_gather(torch.tensor(sent, dtype=torch.float64)).reshape(-1).tolist()
+    values = [int(v) if v >= 0 else None for v in gathered]
+    # strict: every rank sends as many values as it has rows.
+    pairs = zip(memory.rows, values, strict=True)
+    return MemoryReport(tuple(dataclasses.replace(r, peak_tensors=v) for r, v in pairs))
 
 
 def _row_name(row: DeviceMemory) -> str:

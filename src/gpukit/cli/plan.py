@@ -1,0 +1,93 @@
+"""gpukit plan: each device's peak memory and the step time, per strategy and device count,
+predicted before running, and the plan to run.
+
+For every strategy and device count: the largest device's peak (and the first device's, where
+dp gathers outputs), what it is made of, the step time split into compute, exposed
+communication and host overhead, samples/s, MFU, whether it fits, the largest micro-batch that
+fits, and a recommendation. single, ddp and fsdp are simulated (gpukit's own training code
+over fake tensors, one rank standing for N, in this process: exact on this machine's CPU);
+dp and dp-balanced use the closed form. --target names the GPU to plan for (default: this
+machine's first GPU, else its CPU); --memory overrides its size. --calibrate first measures a
+few real steps on this machine's device (memory overheads, seconds per sample).
+
+Example:
+    gpukit plan --workload gpt --devices 1,2,8 --strategies single,ddp,fsdp
+    gpukit plan --workload gpt --devices 64 --target h100 --batch-size 512 --json
+    gpukit plan --workload mypkg.train:make --devices 4 --target a100-40gb \
+        --activation-checkpointing selective
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpukit.cli._common import add_command, add_json_flag, console, print_json
+from gpukit.errors import ConfigError
+from gpukit.plan.planner import CHECKPOINTING, PRECISIONS, plan
+from gpukit.plan.targets import parse_bytes
+
+NAME = "plan"
+
+
+def register(sub: Any) -> None:
+    parser = add_command(
+        sub, NAME, "predict memory and step time per strategy and GPU count", __doc__
+    )
+    add_json_flag(parser)
+    parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    parser.add_argument("--devices", default="1,2", help="device counts, comma-separated")
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated among single,dp,dp-balanced,ddp,fsdp (default: all that apply)",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS)
+    parser.add_argument("--activation-checkpointing", default="off", choices=CHECKPOINTING)
+    parser.add_argument("--target", default=None, help="a GPU name (h100, a100-40gb), or cpu")
+    parser.add_argument("--memory", default=None, help="memory per device, e.g. 24GiB")
+    parser.add_argument(
+        "--method", default="auto", choices=("auto", "closed-form"),
+        help="auto: simulate where possible; closed-form: instant",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibrate", action="store_true", help="measure a few steps on this machine first"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    calibration = None
+    if args.calibrate:
+        from gpukit.plan.calibrate import calibrate
+
+        calibration = calibrate(args.workload)
+    report = plan(
+        args.workload,
+        batch=args.batch_size,
+        devices=_counts(args.devices),
+        strategies=args.strategies.split(",") if args.strategies else None,
+        precision=args.precision,
+        accumulate=args.accumulate,
+        activation_checkpointing=args.activation_checkpointing,
+        target=args.target,
+        memory=parse_bytes(args.memory) if args.memory is not None else None,
+        method=args.method,
+        calibration=calibration,
+    )
+    if args.json:
+        print_json(report.to_dict())
+        return 0
+    console().print(str(report), highlight=False, soft_wrap=True)
+    return 0
+
+
+def _counts(text: str) -> list[int]:
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(
+            f"--devices {text!r}: give device counts of at least 1, comma-separated (e.g. 1,2,8)"
+        )
+    return [int(p) for p in parts]

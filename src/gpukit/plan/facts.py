@@ -1,0 +1,313 @@
+"""What the planner's closed form needs to know of a model, measured once without its memory.
+
+A model's states (parameters, gradients, optimizer state) follow from its parameters' shapes;
+its activations do not: they depend on what each operation saves for the backward. So
+:func:`model_facts` runs the forward (and the loss, when given) under fake tensors, which have
+shapes and dtypes but no data, at micro-batch 1 and 2, and counts the unique storages that
+autograd saves. The growth from 1 to 2 is the per-sample part, the rest the fixed part. Nothing
+of the user's model changes: the forward runs on fake copies of its parameters.
+
+Under ``activation_checkpointing`` the blocks fsdp would shard (``find_blocks``) keep less:
+``"full"`` only each block's input, plus one block's own saved tensors while it is recomputed
+in the backward; ``"selective"`` also the outputs of matrix products and attention.
+
+>>> import torch
+>>> from torch import nn
+>>> facts = model_facts(nn.Linear(4, 2), (torch.ones(4), torch.tensor(0)))
+>>> facts.trainable_bytes, facts.activation_bytes_per_sample
+(40, 32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpukit._util.tree import map_tensors, tensors
+from gpukit.errors import ConfigError
+from gpukit.strategies._groups import find_blocks, find_groups
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+CHECKPOINTING = ("off", "full", "selective")
+
+# Operations whose outputs selective checkpointing keeps (the strategies' recompute policy).
+_KEPT = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "linear",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A model's memory-relevant facts in bytes (see the module doc). ``parameter_rows`` holds
+    each unique parameter's ``(rows, bytes per row, trains)``, what fsdp's sharding along dim
+    0 needs; ``backward_bytes_*`` the gradients of activations alive at the backward's peak on
+    top of what the forward saved; ``loss_bytes_per_sample`` the part of the activations the
+    loss saved (under ``dp`` it sits on the first device for the whole batch)."""
+
+    trainable_bytes: int
+    frozen_bytes: int
+    buffer_bytes: int
+    trainable_numel: int
+    largest_group_bytes: int
+    activation_bytes_per_sample: int
+    activation_bytes_fixed: int
+    output_bytes_per_sample: int
+    input_bytes_per_sample: int
+    flops_per_sample: float = 0.0
+    target_bytes_per_sample: int = 0
+    loss_bytes_per_sample: int = 0
+    backward_bytes_per_sample: int = 0
+    backward_bytes_fixed: int = 0
+    root_group_bytes: int = 0
+    block_groups: int = 0
+    activation_tensors: int = 0
+    buffer_tensors: int = 0
+    parameter_rows: tuple[tuple[int, int, bool], ...] = ()
+
+    def activations(self, micro_batch: int) -> int:
+        """Bytes saved for the backward at ``micro_batch`` samples."""
+        return max(0, self.activation_bytes_fixed + self.activation_bytes_per_sample * micro_batch)
+
+    def backward_extra(self, micro_batch: int) -> int:
+        """Gradients of activations at the backward's peak, at ``micro_batch`` samples."""
+        return max(0, self.backward_bytes_fixed + self.backward_bytes_per_sample * micro_batch)
+
+
+def model_facts(
+    model: nn.Module,
+    example: Any,
+    *,
+    precision: str = "32",
+    activation_checkpointing: str = "off",
+    flops_per_sample: float = 0.0,
+    loss: Callable[..., Any] | None = None,
+) -> ModelFacts:
+    """Measure ``model``'s facts from one ``(input, target)`` item ``example`` (see the
+    module doc); ``loss(output, target)``, when given, is counted too, else the loss is
+    assumed to keep one output-sized tensor (a cross entropy's log-probabilities)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"precision {precision!r} is not one the planner models: use one of {PRECISIONS}"
+        )
+    if activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(
+            f"activation_checkpointing={activation_checkpointing!r}: use one of {CHECKPOINTING}"
+        )
+    if not isinstance(example, (tuple, list)) or len(example) != 2:
+        raise ConfigError(
+            f"example must be one (input, target) item of the dataset, got {type(example).__name__}"
+        )
+    params = {id(p): p for p in model.parameters()}.values()
+    trainable = [p for p in params if p.requires_grad]
+    groups = find_groups(model)
+    in_blocks = {id(p) for g in groups for p in g.parameters}
+    group_sizes = [sum(_nbytes(p) for p in g.parameters) for g in groups]
+    root = sum(_nbytes(p) for p in params if id(p) not in in_blocks)
+    try:
+        one, two = (_forward(model, example, b, precision, loss) for b in (1, 2))
+    except ConfigError:
+        raise
+    except Exception as err:
+        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"the planner could not model the activations of {type(model).__name__}: its "
+            f"forward failed on fake tensors (tensors without values), most likely because it "
+            f"reads tensor values in Python ({type(err).__name__}: {said}). Only the model's "
+            "states (parameters, gradients, optimizer state) can be predicted; run the "
+            "simulation or measure a real step for the activations"
+        ) from None
+    act1, act2 = (r.activations(activation_checkpointing) for r in (one, two))
+    bwd1, bwd2 = (r.backward_extra(activation_checkpointing) for r in (one, two))
+    return ModelFacts(
+        trainable_bytes=sum(_nbytes(p) for p in trainable),
+        frozen_bytes=sum(_nbytes(p) for p in params if not p.requires_grad),
+        buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
+        trainable_numel=sum(p.numel() for p in trainable),
+        largest_group_bytes=max([*group_sizes, root]),
+        activation_bytes_per_sample=act2 - act1,
+        activation_bytes_fixed=2 * act1 - act2,
+        output_bytes_per_sample=two.output - one.output,
+        input_bytes_per_sample=two.inputs - one.inputs,
+        flops_per_sample=float(flops_per_sample),
+        target_bytes_per_sample=two.targets - one.targets,
+        loss_bytes_per_sample=two.loss - one.loss,
+        backward_bytes_per_sample=bwd2 - bwd1,
+        backward_bytes_fixed=2 * bwd1 - bwd2,
+        root_group_bytes=root,
+        block_groups=len(groups),
+        activation_tensors=len(one.saved),
+        buffer_tensors=sum(1 for _ in model.buffers()),
+        parameter_rows=tuple(_rows(p) for p in params),
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _rows(p: torch.Tensor) -> tuple[int, int, bool]:
+    rows = p.shape[0] if p.dim() else 1
+    return rows, _nbytes(p) // max(rows, 1), p.requires_grad
+
+
+@dataclass
+class _Saved:
+    """One storage autograd saved: its bytes, the block saving it (-1: none), whether a
+    selective policy keeps it, and whether it is a block's input."""
+
+    nbytes: int
+    block: int
+    kept: bool
+    block_input: bool
+
+
+@dataclass
+class _Run:
+    """What one fake forward at one micro-batch saved, in the order it saved it."""
+
+    saved: list[_Saved]
+    output: int
+    inputs: int
+    targets: int
+    loss: int
+
+    def activations(self, mode: str) -> int:
+        if mode == "off":
+            return sum(s.nbytes for s in self.saved)
+        kept = sum(s.nbytes for s in self.saved if s.block < 0 or s.block_input)
+        inside = [s for s in self.saved if s.block >= 0 and not s.block_input]
+        if mode == "selective":
+            kept += sum(s.nbytes for s in inside if s.kept)
+            inside = [s for s in inside if not s.kept]
+        per_block: dict[int, int] = {}
+        for s in inside:
+            per_block[s.block] = per_block.get(s.block, 0) + s.nbytes
+        return kept + max(per_block.values(), default=0)
+
+    def backward_extra(self, mode: str) -> int:
+        # The backward of the op that saved tensor k runs while tensors 0..k are still held
+        # and holds about two tensors of its size (the gradient coming in, the one going out).
+        if not self.saved:
+            return 0
+        if mode != "off":
+            return 2 * max(s.nbytes for s in self.saved)
+        total, held, worst = sum(s.nbytes for s in self.saved), 0, 0
+        for s in self.saved:
+            held += s.nbytes
+            worst = max(worst, held + 2 * s.nbytes)
+        return worst - total
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Notes the storages that selective checkpointing's kept operations produce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: set[int] = set()
+        self.ops = {getattr(torch.ops.aten, n).default for n in _KEPT if hasattr(torch.ops.aten, n)}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            self.kept.update(t.untyped_storage()._cdata for t in tensors(out))
+        return out
+
+
+def _forward(
+    model: nn.Module, example: Any, batch: int, precision: str, loss: Callable[..., Any] | None
+) -> _Run:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    found = find_blocks(model)
+    blocks = found[1] if found else []
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    real = map_tensors(example, lambda t: torch.stack([t] * batch))
+    with mode:
+        fake_state: dict[str, torch.Tensor] = {k: mode.from_tensor(v) for k, v in state.items()}
+        own = {t.untyped_storage()._cdata for t in fake_state.values()}
+        x, y = map_tensors(real, mode.from_tensor)
+        keep: list[Any] = []  # holds counted storages alive, so their ids stay theirs
+        saved: dict[int, _Saved] = {}
+        current = [-1]
+        starts: set[int] = set()
+        kept_outputs = _KeptOutputs()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            key = st._cdata
+            if key not in own and key not in saved:
+                keep.append(st)
+                in_block = current[0]
+                saved[key] = _Saved(st.nbytes(), in_block, key in kept_outputs.kept, key in starts)
+            return t
+
+        def enter(index: int) -> Callable[..., None]:
+            def hook(_module: nn.Module, args: Any) -> None:
+                current[0] = index
+                starts.update(t.untyped_storage()._cdata for t in tensors(args))
+
+            return hook
+
+        def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+            current[0] = -1
+
+        hooks = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+        hooks += [b.register_forward_hook(leave) for b in blocks]
+        cast = (
+            torch.autocast(_device_type(x), dtype=_autocast_dtype(precision, x))
+            if precision != "32"
+            else contextlib.nullcontext()
+        )
+        try:
+            with kept_outputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with cast:
+                    out = torch.func.functional_call(model, dict(fake_state), (x,))
+                before = sum(s.nbytes for s in saved.values())
+                if loss is not None:
+                    with cast:
+                        loss(out, y)
+                loss_bytes = sum(s.nbytes for s in saved.values()) - before
+        finally:
+            for h in hooks:
+                h.remove()
+        output = sum(_nbytes(t) for t in tensors(out))
+        if loss is None:  # a cross entropy keeps its log-probabilities: one output's size
+            saved[-1] = _Saved(output, -1, False, False)
+            loss_bytes = output
+        # The batch lives through the step whether saved or not.
+        for t in tensors((x, y)):
+            key = t.untyped_storage()._cdata
+            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, False, False))
+        return _Run(
+            list(saved.values()),
+            output=output,
+            inputs=sum(_nbytes(t) for t in tensors(x)),
+            targets=sum(_nbytes(t) for t in tensors(y)),
+            loss=loss_bytes,
+        )
+
+
+def _device_type(x: Any) -> str:
+    first = next(iter(tensors(x)), None)
+    return first.device.type if first is not None else "cpu"
+
+
+def _autocast_dtype(precision: str, x: Any) -> torch.dtype:
+    if precision == "16-mixed" and _device_type(x) != "cpu":
+        return torch.float16
+    return torch.bfloat16  # a CPU's autocast computes in bfloat16

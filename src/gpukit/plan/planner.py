@@ -1,0 +1,363 @@
+"""``gk.plan``: predict every (strategy, device count) for a workload before running it.
+
+For each case the simulation (:mod:`gpukit.plan.simulate`: gpukit's own code over fake
+tensors, one rank standing for N) gives each device's peak tensor memory; where it cannot run
+(dp and dp-balanced, a model whose forward needs values) the closed form
+(:mod:`gpukit.plan.closed_form`) does, and the plan says why in its notes. On a GPU target
+the CUDA context and the caching allocator's reserve are added (measured when the plan is
+calibrated on the GPU itself, else the target's documented defaults). The step time comes
+from :mod:`gpukit.plan.timing`. The largest micro-batch that fits is solved from two
+predictions (peak memory grows linearly with the micro-batch), and the recommendation is the
+fastest plan that fits, keeping the global batch (a smaller micro-batch, more accumulation).
+
+>>> report = plan("mlp", devices=[1, 2], strategies=["single", "ddp", "fsdp"], target="cpu")
+>>> [(p.strategy, p.devices) for p in report.plans]
+[('single', 1), ('ddp', 1), ('ddp', 2), ('fsdp', 1), ('fsdp', 2)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpukit.errors import ConfigError, GpukitError
+from gpukit.plan.calibrate import Calibration
+from gpukit.plan.closed_form import STRATEGIES, closed_form, model_facts
+from gpukit.plan.facts import ModelFacts
+from gpukit.plan.report import PlanReport
+from gpukit.plan.result import DevicePeak, Plan
+from gpukit.plan.simulate import SimulationUnsupported, simulate
+from gpukit.plan.targets import Target, with_memory
+from gpukit.plan.targets import target as resolve_target
+from gpukit.plan.timing import step_time
+from gpukit.workloads.base import Workload, load_workload
+
+CHECKPOINTING = ("off", "full", "selective")
+PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
+
+
+@dataclass(frozen=True)
+class _Setting:
+    batch: int  # global; 0: the workload's
+    accumulate: int
+    precision: str
+    activation_checkpointing: str
+    optimizer: str
+    target: Target
+    method: str
+    calibration: Calibration | None
+
+
+def plan(
+    workload: str | Workload | Callable[[], Workload],
+    *,
+    batch: int | None = None,
+    devices: int | Sequence[int] = 1,
+    strategies: Sequence[str] | None = None,
+    precision: str = "auto",
+    accumulate: int = 1,
+    activation_checkpointing: str = "off",
+    optimizer: str = "adamw",
+    target: str | Target | None = None,
+    memory: int | None = None,
+    method: str = "auto",
+    calibration: Calibration | None = None,
+) -> PlanReport:
+    """Plans for ``workload`` (a built-in's name, ``module:function``, a Workload or a function
+    returning one) at global ``batch`` (default: the workload's) on each count in ``devices``
+    with each of ``strategies`` (default: single on 1, ddp and fsdp on every count, dp and
+    dp-balanced on more than 1); see the module doc. ``target``: a GPU name ("h100"), "cpu",
+    or None for this machine; ``memory`` overrides its bytes. ``method``: "auto" (simulate
+    where possible) or "closed-form" (instant). ``calibration``: measured on the target by
+    :func:`gpukit.plan.calibrate.calibrate`."""
+    built = _workload(workload)
+    counts = _counts(devices)
+    chosen = _strategies(strategies, counts)
+    goal = _target(target, memory)
+    setting = _Setting(
+        batch=_positive("batch", batch) if batch is not None else 0,
+        accumulate=_positive("accumulate", accumulate),
+        precision=_precision(precision, goal),
+        activation_checkpointing=_choice(
+            "activation_checkpointing", activation_checkpointing, CHECKPOINTING
+        ),
+        optimizer=optimizer,
+        target=goal,
+        method=_choice("method", method, ("auto", "closed-form")),
+        calibration=calibration,
+    )
+    facts, facts_note = _facts(built, setting)
+    plans: list[Plan] = []
+    skipped: list[str] = []
+    for strategy in chosen:
+        for n in counts:
+            if (strategy == "single") != (n == 1) and strategy not in ("ddp", "fsdp"):
+                continue  # single is one device; dp's on one device is single
+            # No batch given: the workload's, split as far as it goes (one sample per device
+            # at least, so any count can be planned).
+            asked = setting.batch or max(built.batch_size, n * setting.accumulate)
+            micro, left = divmod(asked, n * setting.accumulate)
+            if not setting.batch and left:
+                micro, left = max(1, micro), 0
+            if micro < 1 or left:
+                skipped.append(
+                    f"{strategy} on {n}: batch {setting.batch} does not split into {n} device(s) "
+                    f"x {setting.accumulate} micro-step(s)"
+                )
+                continue
+            plans.append(_plan(workload, built, facts, facts_note, setting, strategy, n, micro))
+    if not plans:
+        raise ConfigError("nothing to plan: " + "; ".join(skipped) + ". Give a batch that divides")
+    return PlanReport(built.name, goal, tuple(plans), tuple(skipped))
+
+
+def _plan(
+    source: Any,
+    built: Workload,
+    facts: ModelFacts | None,
+    facts_note: str | None,
+    s: _Setting,
+    strategy: str,
+    n: int,
+    micro: int,
+) -> Plan:
+    notes = [facts_note] if facts_note else []
+    peaks, method = _peaks(source, built, facts, s, strategy, n, micro, notes)
+    per_device = tuple(_with_overheads(p, s, i) for i, p in enumerate(peaks))
+    base = Plan(
+        strategy=strategy,
+        devices=n,
+        micro_batch=micro,
+        accumulate=s.accumulate,
+        precision=s.precision,
+        activation_checkpointing=s.activation_checkpointing,
+        per_device=per_device,
+        capacity_bytes=s.target.memory_bytes,
+        method=method,  # type: ignore[arg-type]
+    )
+    largest = _largest_micro_batch(source, built, facts, s, strategy, n, micro, base, notes)
+    timed = _timed(base, facts, s, built)
+    return replace(timed, largest_micro_batch=largest, notes=tuple(notes))
+
+
+def _peaks(
+    source: Any,
+    built: Workload,
+    facts: ModelFacts | None,
+    s: _Setting,
+    strategy: str,
+    n: int,
+    micro: int,
+    notes: list[str],
+) -> tuple[tuple[DevicePeak, ...], str]:
+    if s.method == "auto":
+        try:
+            return _simulated(source, built, s, strategy, n, micro), "simulation"
+        except SimulationUnsupported as why:
+            notes.append(f"{strategy}: closed form, since {why}")
+    if facts is None:
+        raise ConfigError(
+            f"{built.name}: neither the simulation nor the closed form can model it "
+            f"({'; '.join(notes)})"
+        )
+    return (
+        closed_form(
+            facts,
+            strategy=strategy,
+            devices=n,
+            micro_batch=micro,
+            accumulate=s.accumulate,
+            optimizer=s.optimizer,
+            precision=s.precision,
+            granularity=_granularity(s.target),
+        ),
+        "closed-form",
+    )
+
+
+def _simulated(
+    source: Any, built: Workload, s: _Setting, strategy: str, n: int, micro: int
+) -> tuple[DevicePeak, ...]:
+    if s.optimizer != "adamw":
+        raise SimulationUnsupported(
+            f"the simulation trains with AdamW, as gpukit train does; {s.optimizer} is modelled "
+            "by the closed form"
+        )
+    return simulate(
+        built if not isinstance(source, str) else source,
+        strategy=strategy,
+        devices=n,
+        micro_batch=micro,
+        accumulate=s.accumulate,
+        precision=_local_precision(s.precision),
+        activation_checkpointing=s.activation_checkpointing,
+        granularity=_granularity(s.target),
+    )
+
+
+def _largest_micro_batch(
+    source: Any,
+    built: Workload,
+    facts: ModelFacts | None,
+    s: _Setting,
+    strategy: str,
+    n: int,
+    micro: int,
+    base: Plan,
+    notes: list[str],
+) -> int | None:
+    """Peak memory is linear in the micro-batch (activations grow with it, the rest does
+    not): a second prediction at twice the micro-batch gives the slope."""
+    capacity = s.target.memory_bytes
+    if capacity is None:
+        return None
+    try:
+        twice, _ = _peaks(source, built, facts, s, strategy, n, 2 * micro, [])
+    except GpukitError as err:
+        notes.append(f"largest micro-batch unknown: {err}")
+        return None
+    first = max(base.per_device, key=lambda d: d.peak_bytes)
+    second = max(
+        (_with_overheads(p, s, i) for i, p in enumerate(twice)), key=lambda d: d.peak_bytes
+    )
+    slope = (second.peak_bytes - first.peak_bytes) / micro
+    fixed = first.peak_bytes - slope * micro
+    if slope <= 0:
+        return None
+    return max(0, int((capacity - fixed) // slope))
+
+
+def _timed(base: Plan, facts: ModelFacts | None, s: _Setting, built: Workload) -> Plan:
+    flops = built.flops_per_sample or (facts.flops_per_sample if facts else 0.0)
+    if facts is None:
+        return base
+    try:
+        time, per_s, mfu = step_time(
+            target=s.target,
+            strategy=base.strategy,
+            devices=base.devices,
+            micro_batch=base.micro_batch,
+            accumulate=base.accumulate,
+            flops_per_sample=flops,
+            trainable_bytes=facts.trainable_bytes,
+            largest_group_bytes=facts.largest_group_bytes,
+            precision=s.precision,
+            calibration=s.calibration,
+            io_bytes_per_sample=facts.input_bytes_per_sample + facts.output_bytes_per_sample,
+        )
+    except GpukitError as err:
+        return replace(base, notes=(*base.notes, f"step time unknown: {err}"))
+    return replace(base, step_time=time, samples_per_s=per_s, mfu=mfu)
+
+
+def _with_overheads(peak: DevicePeak, s: _Setting, index: int) -> DevicePeak:
+    """On a GPU: the CUDA context and the allocator's reserve above the tensors, on the
+    device ``cuda:index``."""
+    if s.target.kind != "cuda":
+        return peak
+    reserve = s.target.allocator_reserve_fraction
+    context = s.target.cuda_context_bytes
+    if s.calibration is not None:
+        reserve, context = s.calibration.reserve_fraction, s.calibration.context_bytes
+    extra = {"cuda_context": context, "allocator_reserve": int(peak.tensor_bytes * reserve)}
+    return DevicePeak(f"cuda:{index}", {**peak.breakdown, **extra})
+
+
+def _facts(built: Workload, s: _Setting) -> tuple[ModelFacts | None, str | None]:
+    try:
+        example = built.dataset[0]
+        with contextlib.redirect_stdout(io.StringIO()):
+            return (
+                model_facts(
+                    built.model,
+                    example,
+                    precision=_local_precision(s.precision),
+                    activation_checkpointing=s.activation_checkpointing,
+                    flops_per_sample=built.flops_per_sample,
+                    loss=built.loss,
+                ),
+                None,
+            )
+    except GpukitError as err:
+        return None, f"no closed form: {err}"
+
+
+def _workload(workload: Any) -> Workload:
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, str):
+        return load_workload(workload, seed=0)
+    if callable(workload):
+        built = workload()
+        if isinstance(built, Workload):
+            return built
+        raise ConfigError(
+            f"the workload function returned {type(built).__name__}: return a gpukit Workload"
+        )
+    raise ConfigError(
+        f"workload={type(workload).__name__}: give a built-in's name (mlp, cnn, gpt), "
+        "'module:function', a Workload or a function returning one"
+    )
+
+
+def _counts(devices: int | Sequence[int]) -> list[int]:
+    values = [devices] if isinstance(devices, int) else list(devices)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ConfigError(
+            f"devices={devices!r}: give a device count of at least 1, or a list of them "
+            "(e.g. [1, 2, 8])"
+        )
+    return sorted(set(values))
+
+
+def _strategies(strategies: Sequence[str] | None, counts: list[int]) -> list[str]:
+    if strategies is None:
+        many = any(n > 1 for n in counts)
+        return ["single", *(["dp", "dp-balanced"] if many else []), "ddp", "fsdp"]
+    chosen = list(strategies)
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown or not chosen:
+        raise ConfigError(f"strategies={chosen!r}: choose among {', '.join(STRATEGIES)}")
+    return [s for s in STRATEGIES if s in chosen]
+
+
+def _target(spec: str | Target | None, memory: int | None) -> Target:
+    goal = spec if isinstance(spec, Target) else resolve_target(spec)
+    if memory is not None:
+        goal = with_memory(goal, memory)
+    return goal
+
+
+def _precision(precision: str, goal: Target) -> str:
+    _choice("precision", precision, PRECISIONS)
+    if precision != "auto":
+        return precision
+    # What gpukit's "auto" picks on that device: bf16 autocast on GPUs that compute bf16.
+    if goal.kind != "cuda":
+        return "32"
+    return "bf16-mixed" if "bf16" in goal.peak_flops else "16-mixed"
+
+
+def _local_precision(precision: str) -> str:
+    # The simulation runs on this CPU: 16-mixed's scaler is the GPU's business; its tensors
+    # are those of bf16 autocast (two bytes each).
+    return "bf16-mixed" if precision == "16-mixed" else precision
+
+
+def _granularity(goal: Target) -> int:
+    return 512 if goal.kind == "cuda" else 1
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
+    return value
+
+
+def _choice(name: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r}: choose among {', '.join(allowed)}")
+    return str(value)

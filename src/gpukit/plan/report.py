@@ -1,0 +1,168 @@
+"""The planner's answer: every plan, and the one to run.
+
+>>> from gpukit.plan.result import DevicePeak, Plan
+>>> from gpukit.plan.targets import target
+>>> gib = 2**30
+>>> small = Plan("fsdp", 2, 8, 1, "32", "off", (DevicePeak("rank 0", {"parameters": gib}),) * 2,
+...              capacity_bytes=2 * gib)
+>>> big = Plan("ddp", 2, 8, 1, "32", "off", (DevicePeak("rank 0", {"parameters": 3 * gib}),) * 2,
+...            capacity_bytes=2 * gib)
+>>> print(PlanReport("mlp", target("cpu"), (small, big)).recommendation)
+fsdp on 2 devices, micro-batch 8, accumulate 1: 1 GiB peak
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.table import Table
+
+from gpukit._util.text import format_bytes, make_table, render_plain
+from gpukit.plan.result import Plan
+from gpukit.plan.targets import Target
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Plans for one workload on one target; ``skipped`` says which cases could not be
+    planned (a batch that does not split) and why."""
+
+    workload: str
+    target: Target
+    plans: tuple[Plan, ...]
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def best(self) -> Plan | None:
+        """The fastest plan that fits as asked, else the fastest that fits with a smaller
+        micro-batch (see :attr:`recommendation`); None when nothing fits."""
+        fitting = [p for p in self.plans if p.fits is not False]
+        if fitting:
+            return max(fitting, key=_speed)
+        shrunk = [s for s in (_shrunk(p) for p in self.plans) if s is not None]
+        return max(shrunk, key=_speed) if shrunk else None
+
+    @property
+    def recommendation(self) -> str:
+        """What to run, in one line: strategy, devices, micro-batch, accumulation, peak and
+        step time; or why nothing fits and what would."""
+        best = self.best
+        if best is None:
+            need = min(self.plans, key=lambda p: p.peak_bytes)
+            return (
+                f"nothing fits in {_bytes(self.target.memory_bytes)}: the smallest peak is "
+                f"{need.strategy} on {need.devices} ({_bytes(need.peak_bytes)} at micro-batch "
+                f"1 would still not fit); use more devices, fsdp, or activation checkpointing"
+            )
+        unit = "GPUs" if self.target.kind == "cuda" else "devices"
+        text = (
+            f"{best.strategy} on {best.devices} {unit if best.devices > 1 else unit[:-1]}, "
+            f"micro-batch {best.micro_batch}, accumulate {best.accumulate}"
+        )
+        if best.activation_checkpointing != "off":
+            text += f", {best.activation_checkpointing} checkpointing"
+        text += f": {_bytes(best.peak_bytes)} peak"
+        if best.step_time is not None:
+            text += f", {best.step_time.total_s:.3g} s/step"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"workload", "target", "plans": [...], "recommendation", "skipped"}``."""
+        t = self.target
+        return {
+            "workload": self.workload,
+            "target": {"name": t.name, "kind": t.kind, "memory_bytes": t.memory_bytes},
+            "plans": [p.to_dict() for p in self.plans],
+            "recommendation": self.recommendation,
+            "best": self.best.to_dict() if self.best is not None else None,
+            "skipped": list(self.skipped),
+        }
+
+    def table(self) -> Table:
+        """One row per plan: peak of the largest device, the first device's, imbalance,
+        step time split, samples/s, MFU, fits, largest micro-batch, how it was predicted."""
+        header = [
+            "strategy", "devices", "micro-batch", "peak/device", "1st/others", "s/step",
+            "comm", "samples/s", "MFU", "fits", "max micro-batch", "method",
+        ]  # fmt: skip
+        rows = []
+        for p in self.plans:
+            st = p.step_time
+            rows.append(
+                [
+                    p.strategy,
+                    str(p.devices),
+                    str(p.micro_batch),
+                    _bytes(p.peak_bytes),
+                    f"{p.first_over_others:.2f}",
+                    "-" if st is None else f"{st.total_s:.3g}",
+                    "-"
+                    if st is None or not st.total_s
+                    else f"{st.communication_s / st.total_s:.0%}",
+                    "-" if p.samples_per_s is None else f"{p.samples_per_s:,.0f}",
+                    "-" if p.mfu is None else f"{p.mfu:.0%}",
+                    {True: "yes", False: "no", None: "?"}[p.fits],
+                    "-" if p.largest_micro_batch is None else f"{p.largest_micro_batch:,}",
+                    p.method,
+                ]
+            )
+        title = f"Plan for {self.workload} on {self.target.name}"
+        if self.target.memory_bytes:
+            title += f" ({_bytes(self.target.memory_bytes)} each)"
+        return make_table(title, header, rows)
+
+    def breakdown_table(self, plan: Plan) -> Table:
+        """The largest device's peak of ``plan``, by category."""
+        device = max(plan.per_device, key=lambda d: d.peak_bytes)
+        rows = [[k, _bytes(v)] for k, v in device.breakdown.items() if v]
+        rows.append(["total", _bytes(device.peak_bytes)])
+        return make_table(f"{plan.strategy} x{plan.devices}: {device.device} at its peak",
+                          ["part", "bytes"], rows)  # fmt: skip
+
+    def __str__(self) -> str:
+        parts = [render_plain(self.table(), width=160)]
+        best = self.best
+        if best is not None:
+            parts.append(render_plain(self.breakdown_table(best)))
+        notes = sorted({n for p in self.plans for n in p.notes})
+        parts += [f"note: {n}" for n in [*notes, *self.skipped]]
+        parts.append(f"recommendation: {self.recommendation}")
+        return "\n".join(parts)
+
+
+def _speed(p: Plan) -> tuple[float, int]:
+    # Fastest first; between equals (or unknown speed), fewer devices.
+    return (p.samples_per_s or 0.0, -p.devices)
+
+
+def _shrunk(p: Plan) -> Plan | None:
+    """``p`` with the largest micro-batch that fits and more accumulation for the same
+    global batch; None if even one sample does not fit."""
+    if not p.largest_micro_batch or p.largest_micro_batch < 1:
+        return None
+    per_device = p.micro_batch * p.accumulate
+    micro = max(
+        m for m in range(1, min(p.largest_micro_batch, per_device) + 1) if per_device % m == 0
+    )
+    scale = micro / p.micro_batch
+    return Plan(
+        p.strategy,
+        p.devices,
+        micro,
+        per_device // micro,
+        p.precision,
+        p.activation_checkpointing,
+        p.per_device,
+        p.step_time,
+        p.samples_per_s,
+        p.mfu,
+        None,  # the shrunk plan's peak is below capacity by construction
+        p.largest_micro_batch,
+        p.method,
+        (*p.notes, f"micro-batch cut from {p.micro_batch} to {micro} to fit ({scale:.2f}x)"),
+    )
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)

@@ -1,0 +1,321 @@
+"""The planner's simulation: gpukit's own training code over fake tensors, one rank standing
+for N, in this CPU process.
+
+Fake tensors have shapes, dtypes and devices but no values, so a forward of a model of any
+size costs no memory and little time. A fake process group of N ranks (torch's, over a
+store that answers every request) lets the real strategy code build what it builds for N
+ranks: FSDP2 shards each parameter 1/N, DDP's buckets, the sampler's 1/N of each batch. The
+simulation then runs the same sequence as ``gpukit train`` (the model, AdamW, the Runtime's
+setup, batches from a DataLoader, ``rt.train_step`` and ``rt.log``) for three optimizer steps
+under :class:`~gpukit.plan.tracker.LiveTensors`, the counter ``gpukit train`` measures with:
+what it predicts is the peak of the same quantity, counted the same way.
+
+What it cannot run, it says (:class:`SimulationUnsupported`) and the planner falls back to the
+closed form: dp and dp-balanced (one process driving N GPUs with threads), a process that
+already joined a process group, a torch without a fake process group, a model whose forward
+needs values (data-dependent Python), more ranks than a Runtime may address here.
+
+Fidelity: the simulation saves and restores the process's random state, and leaves no process
+group, mode or patch behind, so a program that plans and then trains trains as it would have.
+
+>>> peaks = simulate("mlp", strategy="fsdp", devices=2, micro_batch=8)
+>>> len(peaks), peaks[0].peak_bytes > 0
+(2, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpukit._util.fake import real_tensors
+from gpukit.errors import GpukitError
+from gpukit.plan.result import DevicePeak
+from gpukit.plan.tracker import LiveTensors
+from gpukit.workloads.base import Workload, load_workload
+
+# Optimizer steps run: the peak of a steady step is reached by the second, once the
+# optimizer's state exists (gpukit train measures the same window).
+STEPS = 3
+SIMULATED = ("single", "ddp", "fsdp")
+
+
+class SimulationUnsupported(GpukitError):
+    """The simulation cannot run this case; the message says which part and why."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """What to simulate: a strategy on ``devices`` ranks, ``micro_batch`` samples per rank per
+    micro-step, ``accumulate`` micro-steps per optimizer step."""
+
+    strategy: str
+    devices: int
+    micro_batch: int
+    accumulate: int = 1
+    precision: str = "32"
+    activation_checkpointing: str = "off"
+    granularity: int = 1
+    prefetch: bool = False  # the next batch is on the device during a step (CUDA loaders)
+
+
+def simulate(
+    workload: str | Callable[[], Workload] | Workload,
+    *,
+    strategy: str,
+    devices: int,
+    micro_batch: int,
+    accumulate: int = 1,
+    precision: str = "32",
+    activation_checkpointing: str = "off",
+    granularity: int = 1,
+    seed: int = 0,
+) -> tuple[DevicePeak, ...]:
+    """Each rank's peak tensor memory (with its breakdown) for ``workload`` trained as ``gpukit
+    train`` trains it; see the module doc. ``workload``: a built-in's name, ``module:function``,
+    a function returning a Workload, or a Workload (its model is copied as fake tensors)."""
+    case = Case(
+        strategy, devices, micro_batch, accumulate, precision, activation_checkpointing, granularity
+    )
+    _check_supported(case)
+    # The strategies print what they set up (fsdp's plan): planning is not setting up.
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    with quiet, _preserved_random_state(), _fake_world(case), _fake_mode() as mode:
+        built = _fake_workload(workload, mode, seed)
+        breakdown = _run(built, case, seed)
+    return tuple(DevicePeak(_name(case, rank), dict(breakdown)) for rank in range(devices))
+
+
+def _check_supported(case: Case) -> None:
+    if case.strategy not in SIMULATED:
+        raise SimulationUnsupported(
+            f"the simulation runs {', '.join(SIMULATED)}: {case.strategy} drives every GPU from "
+            "one process with threads, which one fake rank cannot stand for"
+        )
+    if case.activation_checkpointing != "off" and case.strategy != "fsdp":
+        raise SimulationUnsupported(
+            f"activation checkpointing is an fsdp setting in gpukit; {case.strategy} has none"
+        )
+    if case.strategy != "single" and dist.is_available() and dist.is_initialized():
+        raise SimulationUnsupported(
+            "this process already joined a process group; the simulation needs its own (fake) "
+            "one: plan before init_process_group or rt.setup, or run `gpukit plan`"
+        )
+    if case.strategy != "single" and _fake_store() is None:
+        raise SimulationUnsupported(
+            f"torch {torch.__version__} has no fake process group to simulate ranks with"
+        )
+
+
+def _fake_store() -> Any:
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return FakeStore
+
+
+@contextlib.contextmanager
+def _fake_world(case: Case) -> Iterator[None]:
+    """A fake process group of ``case.devices`` ranks, this process rank 0 (none for single)."""
+    if case.strategy == "single":
+        yield
+        return
+    dist.init_process_group("fake", store=_fake_store()(), rank=0, world_size=case.devices)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_mode() -> Iterator[Any]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real inputs (the dataset's items) turn into fake ones where they meet fake tensors.
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def _preserved_random_state() -> Iterator[None]:
+    """The Runtime seeds every generator; the program that planned must not notice."""
+    py, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+def _fake_workload(workload: Any, mode: Any, seed: int) -> Workload:
+    """The workload with fake parameters: built inside the fake mode, where its code allows
+    (nothing real allocated); else built for real (fake tensors paused: a dataset made from
+    values) and its model copied into fake tensors (the real one is dropped at once)."""
+    if isinstance(workload, Workload):
+        return dataclasses.replace(workload, model=_fake_copy(workload.model, mode))
+    try:
+        return _built(workload, seed)
+    except GpukitError:
+        raise
+    except Exception:  # the workload's code reads values somewhere: build it for real
+        pass
+    try:
+        with real_tensors():
+            real = _built(workload, seed)
+        return dataclasses.replace(real, model=_fake_copy(real.model, mode))
+    except GpukitError:
+        raise
+    except Exception as err:
+        raise SimulationUnsupported(
+            f"the model could not be copied into fake tensors ({_first_line(err)})"
+        ) from err
+
+
+def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors of the same shapes,
+    dtypes and devices (a tied parameter stays one); the rest is copied as it is."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = mode.from_tensor(b)
+    with real_tensors():
+        return copy.deepcopy(model, memo)
+
+
+def _built(workload: Any, seed: int) -> Workload:
+    if callable(workload) and not isinstance(workload, str):
+        built = workload()
+        if not isinstance(built, Workload):
+            raise SimulationUnsupported(
+                f"the workload function returned {type(built).__name__}, not a Workload"
+            )
+        return built
+    return load_workload(workload, seed=seed)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _runtime(case: Case, seed: int) -> Any:
+    from gpukit.plan.simulated_ddp import SimulatedDDP
+    from gpukit.runtime.runtime import Runtime
+    from gpukit.strategies.ddp import DDP
+    from gpukit.strategies.fsdp import FSDP
+
+    class _SimulatedDDPStrategy(DDP):
+        wrapper = SimulatedDDP
+
+    strategy: Any = case.strategy
+    if case.strategy == "ddp":
+        strategy = _SimulatedDDPStrategy()
+    elif case.strategy == "fsdp" and case.activation_checkpointing != "off":
+        strategy = FSDP(activation_checkpointing=case.activation_checkpointing)
+    devices: Any = "cpu" if case.strategy == "single" else ["cpu"] * case.devices
+    # log_every beyond the steps run: a flush reads values, which fake tensors do not have.
+    return Runtime(
+        strategy=strategy,
+        devices=devices,
+        precision=case.precision,
+        accumulate=case.accumulate,
+        seed=seed,
+        log_every=STEPS + 1,
+    )
+
+
+def _run(workload: Workload, case: Case, seed: int) -> dict[str, int]:
+    size, held = case.micro_batch * case.accumulate, len(workload.dataset)  # type: ignore[arg-type]
+    if held // case.devices < size:
+        raise SimulationUnsupported(
+            f"one optimizer step of one rank needs {size} samples, but the dataset holds "
+            f"{held} for {case.devices} rank(s): give a smaller micro-batch or accumulation"
+        )
+    rt = _runtime(case, seed)
+    model = workload.model
+    live = LiveTensors(case.granularity)
+    try:
+        with live:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+            loader = torch.utils.data.DataLoader(
+                workload.dataset,
+                batch_size=case.micro_batch * case.accumulate,
+                shuffle=True,
+                drop_last=True,
+            )
+            live.watch(model, [optimizer])
+            wrapped, optimizer, loader = rt.setup(model, optimizer, loader)
+            live.watch(rt.unwrap(wrapped), [optimizer])
+            live.file_made("communication")
+            criterion = rt.setup_criterion(workload.loss)
+
+            def compute_loss(batch: Any) -> torch.Tensor:
+                x, y = batch
+                return criterion(wrapped(x), y)
+
+            _train(rt, optimizer, _batches(loader, case), compute_loss, case.prefetch)
+    except SimulationUnsupported:
+        raise
+    except GpukitError:
+        raise
+    except Exception as err:
+        raise SimulationUnsupported(
+            f"the training step could not run on fake tensors ({_first_line(err)})"
+        ) from err
+    finally:
+        rt.teardown()
+    return live.peak_breakdown.get("cpu", {})
+
+
+def _batches(loader: Any, case: Case) -> Iterator[Any]:
+    """One rank's batches from gpukit's own loader, as ``gpukit train`` reads them, drawn
+    with real tensors (a shuffle and the loader's seed are values): real batches, which
+    the fake model takes as fake inputs."""
+    with real_tensors():
+        batches = iter(loader)
+    while True:
+        with real_tensors():
+            batch = next(batches, None)
+        if batch is None:
+            raise SimulationUnsupported(
+                f"one optimizer step of one rank needs {case.micro_batch * case.accumulate} "
+                "samples, more than one pass over the dataset holds: give a smaller "
+                "micro-batch or accumulation"
+            )
+        yield batch
+
+
+def _train(
+    rt: Any,
+    optimizer: Any,
+    batches: Iterator[Any],
+    compute_loss: Callable[[Any], Any],
+    prefetch: bool,
+) -> None:
+    # On a GPU gpukit's loader copies the next batch while this one trains: two are live.
+    following = next(batches) if prefetch else None
+    for _ in range(STEPS):
+        batch = following if prefetch else next(batches)
+        following = next(batches) if prefetch else None
+        loss = rt.train_step(optimizer, batch, compute_loss)
+        rt.log(loss=loss)
+        del batch, loss
+
+
+def _name(case: Case, rank: int) -> str:
+    return "device 0" if case.strategy == "single" else f"rank {rank}"

@@ -1,0 +1,117 @@
+"""gk.plan and `gpukit plan`: every case planned, the layers chosen and said, bad input refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpukit as gk
+from gpukit.cli.__main__ import main
+from gpukit.errors import ConfigError
+from gpukit.plan.simulate import simulate
+
+GiB = 2**30
+
+
+def test_plans_every_strategy_and_count_with_the_simulation_where_it_runs() -> None:
+    report = gk.plan("mlp", devices=[1, 2], target="cpu")
+    got = [(p.strategy, p.devices, p.method) for p in report.plans]
+    assert got == [
+        ("single", 1, "simulation"),
+        ("dp", 2, "closed-form"),
+        ("dp-balanced", 2, "closed-form"),
+        ("ddp", 1, "simulation"),
+        ("ddp", 2, "simulation"),
+        ("fsdp", 1, "simulation"),
+        ("fsdp", 2, "simulation"),
+    ]
+    fsdp2 = report.plans[-1]
+    assert (
+        fsdp2.peak_bytes
+        == simulate("mlp", strategy="fsdp", devices=2, micro_batch=32)[0].peak_bytes
+    )
+    assert any("dp: closed form" in n for n in report.plans[1].notes)
+    assert report.plans[1].per_device[0].peak_bytes > report.plans[1].per_device[1].peak_bytes
+
+
+def test_a_gpu_target_adds_the_context_and_the_reserve_and_rounds_to_512() -> None:
+    cpu = gk.plan("mlp", devices=1, strategies=["single"], target="cpu").plans[0]
+    gpu = gk.plan("mlp", devices=1, strategies=["single"], target="h100", precision="32").plans[0]
+    part = gpu.per_device[0].breakdown
+    assert part["cuda_context"] > 0 and part["allocator_reserve"] > 0
+    assert gpu.per_device[0].tensor_bytes % 512 == 0
+    assert gpu.per_device[0].tensor_bytes >= cpu.per_device[0].tensor_bytes
+    assert (
+        gpu.precision == "32" and gk.plan("mlp", target="h100").plans[0].precision == "bf16-mixed"
+    )
+
+
+def test_largest_micro_batch_fits_and_one_more_would_not() -> None:
+    plan = gk.plan("gpt", devices=1, strategies=["single"], target="cpu", memory=64 * 2**20).plans[
+        0
+    ]
+    largest = plan.largest_micro_batch
+    assert largest is not None and largest > plan.micro_batch
+    fits = simulate("gpt", strategy="single", devices=1, micro_batch=largest)[0].peak_bytes
+    over = simulate("gpt", strategy="single", devices=1, micro_batch=largest + 8)[0].peak_bytes
+    assert fits <= 64 * 2**20 < over
+
+
+def test_when_the_batch_does_not_fit_the_recommendation_accumulates() -> None:
+    report = gk.plan("gpt", devices=[1], strategies=["single"], batch=256, target="cpu",
+                     memory=48 * 2**20)  # fmt: skip
+    plan = report.plans[0]
+    assert plan.fits is False and plan.largest_micro_batch
+    best = report.best
+    assert best is not None and best.micro_batch * best.accumulate == 256
+    assert best.micro_batch <= plan.largest_micro_batch
+    assert f"accumulate {best.accumulate}" in report.recommendation
+
+
+def test_json_lists_the_plans_with_peak_bytes_per_device_and_fits(capsys) -> None:
+    assert main(["plan", "--workload", "mlp", "--devices", "1,2", "--strategies",
+                 "single,ddp,fsdp", "--target", "cpu", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [(p["strategy"], p["devices"]) for p in out["plans"]] == [
+        ("single", 1), ("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)
+    ]  # fmt: skip
+    for p in out["plans"]:
+        assert p["peak_bytes"] == max(d["peak_bytes"] for d in p["per_device"])
+        assert set(p) >= {"micro_batch", "breakdown", "step_time_s", "fits", "per_device"}
+    assert out["recommendation"]
+
+
+def test_the_table_names_the_recommendation(capsys) -> None:
+    assert main(["plan", "--workload", "mlp", "--devices", "2", "--target", "a100"]) == 0
+    text = capsys.readouterr().out
+    assert "Plan for mlp on A100" in text and "recommendation:" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"devices": 0}, "device count"),
+        ({"devices": [1, "2"]}, "device count"),
+        ({"strategies": ["zero3"]}, "choose among"),
+        ({"batch": 0}, "batch=0"),
+        ({"accumulate": -1}, "accumulate=-1"),
+        ({"precision": "fp8"}, "precision"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing"),
+        ({"method": "guess"}, "method"),
+        ({"target": "tpu"}, "unknown target"),
+        ({"batch": 3, "devices": 2, "strategies": ["ddp"]}, "does not split"),
+    ],
+)
+def test_bad_input_is_refused_with_what_is_allowed(kwargs: dict, said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        gk.plan("mlp", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--devices", "two"], ["--devices", ""], ["--memory", "lots"], ["--workload", "nope"]],
+)
+def test_cli_bad_input_exits_2(argv: list[str], capsys) -> None:
+    assert main(["plan", *argv]) == 2
+    assert "error:" in capsys.readouterr().err
