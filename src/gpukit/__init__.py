@@ -29,10 +29,9 @@ from gpukit.errors import (
     OutOfMemory,
     Preempted,
     ShardedTensorError,
+    SimulationUnsupported,
 )
-
-# After the modules it builds on; the function takes the name of its package here.
-from gpukit.plan.planner import plan
+from gpukit.planning.planner import plan
 from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"
@@ -58,6 +57,7 @@ __all__ = [
     "Preempted",
     "Runtime",
     "ShardedTensorError",
+    "SimulationUnsupported",
     "Trace",
     "__version__",
     "cpu",

@@ -30,7 +30,9 @@ torchrun sets for each process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,3 +226,31 @@ def _launch_number(name: str, text: str, low: int, below: int | None, what: str)
         "as one process, or start it with `gpukit launch --nproc N script.py` (or torchrun), "
         "which sets them"
     )
+
+
+# What steers one run of this process and must not steer the planner's simulation of another:
+# injected faults (they would fire in the simulated steps) and this process's place in a
+# launched job (its rank, its heartbeats and fault markers in the job's folder).
+_RUN_ONLY = (
+    "GPUKIT_FAULT_OOM_ABOVE", "GPUKIT_FAULT", "GPUKIT_JOB_DIR", "GPUKIT_ATTEMPT",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def apart_from_this_run() -> Iterator[None]:
+    """The variables of :data:`_RUN_ONLY` unset inside, restored on leaving: the planner's
+    simulation plans a run of its own, whatever job this process belongs to.
+
+    >>> os.environ["RANK"] = "3"
+    >>> with apart_from_this_run():
+    ...     "RANK" in os.environ
+    False
+    >>> os.environ.pop("RANK")
+    '3'
+    """
+    saved = {name: os.environ.pop(name) for name in _RUN_ONLY if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -104,3 +104,8 @@ class Preempted(GpukitError):
 class NonFiniteError(GpukitError, RuntimeError):
     """The loss or the gradients held NaN or Inf (``Runtime(nonfinite="raise")``), or too many
     steps in a row did under ``nonfinite="skip"``; the message names the step and the rank."""
+
+
+class SimulationUnsupported(GpukitError):
+    """The planner's simulation cannot run this case (the message says which part and why);
+    ``gk.plan`` then answers with the closed form and says so in the plan's notes."""

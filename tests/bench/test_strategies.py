@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gpukit._util.text import render_plain
+from gpukit.bench import prediction
 from gpukit.bench import strategies as experiment
 from gpukit.bench.result import BenchResult
 from gpukit.devices import nvml
@@ -19,6 +20,8 @@ from gpukit.errors import ConfigError
 from gpukit.strategies import STRATEGIES, SingleDevice
 
 KEYS = {c.key for c in experiment.COLUMNS}
+TENSOR_KEYS = ("tensors_first", "tensors_others", "predicted_first", "predicted_others",
+               "tensors_error")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +155,11 @@ def test_a_configuration_that_fails_is_a_row_not_a_crash(monkeypatch) -> None:
     result = experiment.run(quick=True, devices=[torch.device("cpu")])
     ran = [r for r in result.rows if r["status"] != "needs 2+ CUDA GPUs"]
     assert ran and all(r["status"] == "failed: RuntimeError: boom" for r in ran)
+    # Nothing measured, nothing predicted: the new columns are empty cells.
+    shown = [c for c in result.columns if c.key in TENSOR_KEYS]
+    assert len(shown) == len(TENSOR_KEYS)
+    assert all(result.cell(r, c) == "-" for r in result.rows for c in shown)
+    assert all("prediction" not in r for r in result.raw["runs"])
     assert all(r["status"] == "RuntimeError: boom: the details" for r in result.raw["runs"]
                if r["status"].startswith("RuntimeError"))  # fmt: skip
 
@@ -192,6 +200,10 @@ def test_quick_run_on_one_gpu() -> None:
     assert single["status"] == "ran" and single["samples_per_s"] > 0 and single["peak_first"] > 0
     if nvml.read().available:  # the sample taken as the run ends lies in its span
         assert single["gpu_util"] is not None
+    # The allocator's max allocated beside the prediction in its 512-byte blocks; no bound on
+    # the error here: CUDA libraries may allocate workspaces through the same allocator.
+    assert single["tensors_first"] > 0 and single["predicted_first"] > 0
+    assert result.raw["runs"][0]["prediction"]["peaks"][0] % 512 == 0
     for name in ("dp", "dp-balanced", "ddp"):
         assert rows[("gpt", name, 1)]["status"] == "ran"
         if torch.cuda.device_count() < 2:
@@ -209,3 +221,59 @@ def test_dp_balanced_holds_less_on_the_first_gpu_than_dp(tmp_path: Path) -> None
     assert balanced["imbalance"] < dp["imbalance"]
     experiment.plot(result, tmp_path / "strategies.png")
     assert (tmp_path / "strategies.png").stat().st_size > 1000
+
+
+def test_peak_tensors_come_back_from_runs_here_and_from_launches(quick: BenchResult) -> None:
+    runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}
+    for key, count in ((("single", 1), 1), (("ddp", 2), 2), (("fsdp", 2), 2)):
+        memory = runs[key]["memory"]
+        assert len(memory) == count and all(m["peak_tensors"] > 0 for m in memory)
+    assert runs[("single", 1)]["in_process"] and not runs[("ddp", 2)]["in_process"]
+
+
+def test_the_prediction_matches_the_measurement_on_the_cpu(quick: BenchResult) -> None:
+    rows = by_config(quick)
+    runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}
+    for strategy, count in (("single", 1), ("ddp", 1), ("ddp", 2)):
+        row = rows[("gpt", strategy, count)]
+        assert row["tensors_first"] > 1 and abs(row["tensors_error"]) <= 1.0
+        assert row["predicted_first"] == pytest.approx(row["tensors_first"], rel=0.01)
+        found = runs[(strategy, count)]["prediction"]
+        # The run's own micro-batch (16 per device in quick mode) and precision.
+        assert found["method"] == "simulation" and found["note"] is None
+        assert (found["micro_batch"], found["precision"]) == (16, "32")
+    ddp2, single = rows[("gpt", "ddp", 2)], rows[("gpt", "single", 1)]
+    assert ddp2["predicted_others"] == pytest.approx(ddp2["tensors_others"], rel=0.01)
+    assert single["tensors_others"] is None and single["predicted_others"] is None
+    # fsdp: gloo's thread may free a gathered block a moment late (see gpukit.bench.plan).
+    fsdp = rows[("gpt", "fsdp", 2)]
+    assert fsdp["tensors_others"] > 0 and abs(fsdp["tensors_error"]) < 5
+    for name in ("dp", "dp-balanced"):
+        assert all(rows[("gpt", name, 2)].get(k) is None for k in TENSOR_KEYS)
+    titles = {c.title for c in quick.columns}
+    assert {"tensors 1st (MiB)", "predicted 1st (MiB)", "error (%)"} <= titles
+    assert "largest prediction error on gpt" in quick.summary
+    assert not [c.key for c in quick.columns if c.key.startswith("predicted") and c.compare]
+
+
+def test_a_prediction_that_fails_keeps_the_measurement(monkeypatch) -> None:
+    seen = {}
+
+    def measured(p: experiment.Planned, s: experiment.Settings) -> tuple[Any, Any]:
+        memory = [{"device": "cpu", "peak": 9 * experiment.MiB, "peak_tensors": 3 * experiment.MiB}]
+        last = {"micro_batch": 5, "precision": "bf16-mixed", "memory": memory,
+                "utilization": {}, "model_state": [1]}  # fmt: skip
+        return [{"samples_per_s": 10.0}], last
+
+    def simulate(workload: str, **shape: Any) -> None:
+        seen.update(shape)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(experiment, "_measure", measured)
+    monkeypatch.setattr(prediction, "simulate", simulate)
+    planned = experiment.Planned("gpt", "single", 1, ("cpu",))
+    row, raw = experiment._configuration(planned, experiment.settings(quick=True, gpus=0))
+    assert (seen["micro_batch"], seen["precision"]) == (5, "bf16-mixed")  # as the run ran
+    assert row["status"] == "ran" and row["tensors_first"] == 3.0
+    assert row["predicted_first"] is None and row["tensors_error"] is None
+    assert raw["prediction"]["error"] == "RuntimeError: boom"

@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import gpukit as gk
 from gpukit.cli.__main__ import main
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
-from gpukit.plan import measure
-from gpukit.plan.measure import MEASURED_STEPS, PeakTensors
-from gpukit.plan.tracker import LiveTensors
+from gpukit.planning import measure
+from gpukit.planning.measure import MEASURED_STEPS, PeakTensors
+from gpukit.planning.tracker import LiveTensors
 from gpukit.workloads import Workload, load_workload
 from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 from gpukit.workloads.report import run_memory, with_peak_tensors

@@ -37,8 +37,8 @@ from gpukit.bench.environment import environment_of
 from gpukit.bench.plotting import figure
 from gpukit.bench.result import BenchResult, Column
 from gpukit.errors import GpukitError
-from gpukit.plan.closed_form import closed_form, model_facts
-from gpukit.plan.simulate import simulate
+from gpukit.planning.closed_form import closed_form, model_facts
+from gpukit.planning.simulate import simulate
 from gpukit.workloads.base import load_workload
 
 TITLE = "Planner vs measurement: predicted and measured peak tensor memory per rank"

@@ -5,7 +5,8 @@ Every strategy of the registry (:data:`gpukit.strategies.STRATEGIES`: one added 
 itself; ``auto`` only picks one of them) trains the ``cnn`` and ``gpt`` workloads through the
 loop behind ``gpukit train`` (:func:`gpukit.workloads.loop.fit`, with that command's default
 Runtime settings) on 1, 2, ... N GPUs. Per configuration: samples/s, scaling efficiency, GPU
-utilisation, peak memory of the first device and of the others, and their ratio.
+utilisation, peak memory of the first device and of the others, and their ratio; the peak of
+live tensors of the first device and of the fullest other, beside the planner's prediction.
 
 Method:
 
@@ -25,6 +26,9 @@ Method:
   CPU run (torch itself included) hides for small models.
 - **GPU utilisation**: NVML sampled from this process (it sees DDP's processes too), kept over
   the span of the training loop.
+- **Planner vs measurement**: ``fit`` records each device's peak of live tensors over its
+  first 3 optimizer steps (``peak_tensors``, any run has it); after the runs, untimed, the
+  planner predicts it at the run's micro-batch and precision (:mod:`gpukit.bench.prediction`).
 
 A configuration that cannot run here is a row whose status says why, never a missing row.
 
@@ -48,6 +52,7 @@ import torch
 from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import check_devices
 from gpukit.bench.plotting import bar_labels, figure
+from gpukit.bench.prediction import predict, tensor_columns
 from gpukit.bench.result import BenchResult, Column
 from gpukit.devices import device as resolve_device
 from gpukit.devices import hw as _hw
@@ -75,6 +80,11 @@ COLUMNS = (
     Column("peak_first", "peak 1st", "MiB", 0),
     Column("state_rank", "state/rank", "MiB", 2),
     Column("imbalance", "1st/others", "", 2),
+    Column("tensors_first", "tensors 1st", "MiB", 2),
+    Column("tensors_others", "tensors others", "MiB", 2, compare=False),
+    Column("predicted_first", "predicted 1st", "MiB", 2, compare=False),
+    Column("predicted_others", "predicted others", "MiB", 2, compare=False),
+    Column("tensors_error", "error", "%", 2),
     Column("status"),
 )
 
@@ -226,6 +236,10 @@ def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, A
         status="ran",
     )
     raw.update(status="ran", rounds=rounds, **last)
+    # Outside the timed runs (a simulation takes about a second); as the run ran.
+    ran_as = {"micro_batch": last["micro_batch"], "precision": last["precision"]}
+    raw["prediction"] = predict(p.workload, p.strategy, p.devices, **ran_as)
+    row.update(tensor_columns(last["memory"], raw["prediction"]["peaks"]))
     return row, raw
 
 
@@ -288,6 +302,9 @@ def _launch(
     return {
         "seconds": seconds,
         "fit_rate": metrics["samples_per_s"],
+        # Per device: dp's one process splits its micro-batch over the devices it drives.
+        "micro_batch": metrics["micro_batch"] * metrics["world_size"] // len(devices),
+        "precision": metrics["precision"],
         "memory": metrics["memory"]["devices"],
         "model_state": metrics.get("model_state"),
         "utilization": {
@@ -345,6 +362,12 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 widest = max(several, key=lambda r: r["devices"])
                 key = f"1st/others peak, {name} x{widest['devices']} on {workload}"
                 summary[key] = widest["imbalance"]
+        predicted = [r for r in ran if r.get("tensors_error") is not None]
+        if predicted:
+            worst = max(predicted, key=lambda r: abs(r["tensors_error"]))
+            summary[f"largest prediction error on {workload}"] = (
+                f"{worst['tensors_error']:+.2f}% ({worst['strategy']} x{worst['devices']})"
+            )
     return summary
 
 
@@ -367,6 +390,10 @@ def _notes(gpus: bool) -> list[str]:
         "shards; it gathers a block's weights only while computing with it).",
         "GPU util: NVML's share of time a kernel was running (not the share of compute used), "
         "sampled every 75 ms over each run's training loop, mean over the devices.",
+        "tensors: peak of live tensors over the first 3 optimizer steps (no CUDA context or "
+        "cached blocks), first device and fullest other; predicted: the planner's, simulated "
+        "(closed form for dp, dp-balanced: raw.runs[].prediction says which and why); error: "
+        "(predicted - measured) / measured, the larger of the two devices'.",
     ]
     if not gpus:
         notes.append(

@@ -11,7 +11,8 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
                  print) vs logging on the device and reading once: the cost of one wait
     multidevice  A^10 + B^10 with A and B on two devices vs one; two streams; CPU + GPU at once
     strategies   samples/s, GPU utilisation and peak memory per device of every strategy on
-                 the cnn and gpt workloads, scaling with the number of devices
+                 the cnn and gpt workloads, scaling with the number of devices, and the
+                 planner's predicted peak of tensors beside the measured one
     precision    fp32 vs bf16-mixed vs 16-mixed, channels_last, torch.compile: samples/s and
                  the final loss after a fixed number of steps
     overhead     the per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain

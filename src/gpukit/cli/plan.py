@@ -24,8 +24,8 @@ from typing import Any
 
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
-from gpukit.plan.planner import CHECKPOINTING, PRECISIONS, plan
-from gpukit.plan.targets import parse_bytes
+from gpukit.planning.planner import CHECKPOINTING, PRECISIONS, plan
+from gpukit.planning.targets import parse_bytes
 
 NAME = "plan"
 
@@ -61,14 +61,14 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     calibration = None
     if args.calibrate:
-        from gpukit.plan.calibrate import calibrate
+        from gpukit.planning.calibrate import calibrate
 
         calibration = calibrate(args.workload)
     report = plan(
         args.workload,
         batch=args.batch_size,
         devices=_counts(args.devices),
-        strategies=args.strategies.split(",") if args.strategies else None,
+        strategies=_names(args.strategies) if args.strategies is not None else None,
         precision=args.precision,
         accumulate=args.accumulate,
         activation_checkpointing=args.activation_checkpointing,
@@ -84,8 +84,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> list[str]:
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(parts):
+        raise ConfigError(
+            f"--strategies {text!r}: give strategy names, comma-separated (e.g. ddp,fsdp), "
+            "or leave it out for all that apply"
+        )
+    return parts
+
+
 def _counts(text: str) -> list[int]:
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    parts = [p.strip() for p in str(text).split(",")]
     if not parts or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
         raise ConfigError(
             f"--devices {text!r}: give device counts of at least 1, comma-separated (e.g. 1,2,8)"

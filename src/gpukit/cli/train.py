@@ -15,7 +15,9 @@ When a device runs out of memory in a single-process run, the step is redone wit
 into more micro-batches (--oom auto, the default: recovery costs nothing per step there); under
 DDP the run stops with an explanation, since recovering there costs DDP its overlap of
 communication with the backward (--oom recover: recover anyway; --oom raise: always stop and
-explain).
+explain). The explanation ends with the planner's figures for this run and for its remedies
+(a smaller micro-batch with more accumulation, bf16, fsdp, activation checkpointing): each
+one's peak per device and whether it fits the device that ran out.
 
 With --out DIR: DIR/metrics.json, DIR/metrics.csv (a row per read-back, written as they come),
 DIR/loss.png and DIR/checkpoints/ (one per epoch, and every --save-every N steps or time such
@@ -65,7 +67,9 @@ from gpukit import _env
 from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, console
 from gpukit.diagnostics.memory import MemoryReport
-from gpukit.errors import ConfigError
+from gpukit.diagnostics.oom import explain, is_oom
+from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
 from gpukit.runtime.outdir import check_out
@@ -218,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         progress_every=args.progress_every,
         nonfinite=args.nonfinite,
     )
+    oom: tuple[BaseException, dict[str, Any] | None] | None = None
     try:
         check(config, rt.world_size, rt.accumulate)
         if not worker:  # the launcher checked it before starting this process
@@ -235,13 +240,49 @@ def run(args: argparse.Namespace) -> int:
                 name="gpukit train",
             )
         metrics = rt.launch(fit, config)
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        # Explained after the teardown: the planner simulates in a process group of its own.
+        oom = (err, _run_settings(args, rt))
     finally:
         # A run in this process (single, dp, or ddp over one device) leaves its models and
         # process group here; the command is done with them.
         rt.teardown()
+    if oom is not None:
+        failed, settings = oom
+        cause = failed.__cause__ if isinstance(failed, OutOfMemory) else failed
+        raise _out_of_memory(failed, settings) from cause
     if metrics:  # rank 0's; the other ranks of a launched job return nothing
         _summary(metrics)
     return 0
+
+
+def _run_settings(args: argparse.Namespace, rt: Runtime) -> dict[str, Any] | None:
+    """The run as the planner is asked about it (read before the Runtime is torn down); None
+    if it cannot be read, which must not hide the error being explained."""
+    try:
+        return {
+            "workload": args.workload,
+            "batch": args.batch_size,
+            # Every device the run used: one per process, or all of them from one process (dp).
+            "devices": max(rt.world_size, len(rt.strategy.driven_devices)),
+            "strategy": rt.strategy.name,
+            "accumulate": rt.accumulate,
+            "precision": rt.precision.name,
+            "activation_checkpointing": args.activation_checkpointing or "off",
+        }
+    except Exception:
+        return None
+
+
+def _out_of_memory(err: BaseException, settings: dict[str, Any] | None) -> OutOfMemory:
+    """The error to stop with: the explanation of ``err`` (the Runtime's, or gpukit.explain's
+    for an error outside a training step), then the planner's figures for what would fit."""
+    explanation = str(err) if isinstance(err, OutOfMemory) else str(explain(err))
+    if settings is None:
+        return OutOfMemory(explanation)
+    return OutOfMemory(with_figures(explanation, err, **settings))
 
 
 def _strategy(args: argparse.Namespace) -> Any:

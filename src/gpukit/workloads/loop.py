@@ -35,7 +35,7 @@ from gpukit import _env
 from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
-from gpukit.plan.measure import PeakTensors
+from gpukit.planning.measure import PeakTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
 from gpukit.workloads.report import (
@@ -85,7 +85,7 @@ class TrainConfig:
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     """Train ``config.workload`` with ``rt``; rank 0 returns the metrics (others an empty dict)."""
-    # Each device's peak of tensor memory over the first steps (gpukit.plan.measure); a run
+    # Each device's peak of tensor memory over the first steps (gpukit.planning.measure); a run
     # that fails inside that window takes the counter off too.
     peaks = PeakTensors([d.torch for d in rt.strategy.driven_devices])
     try:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from gpukit.errors import ConfigError
-from gpukit.plan import calibrate as cal_module
-from gpukit.plan.calibrate import (
+from gpukit.planning import calibrate as cal_module
+from gpukit.planning.calibrate import (
     calibrate,
     cuda_context_bytes,
     cuda_peaks,

@@ -21,7 +21,7 @@ A closed form, so that it answers instantly for every strategy and device count:
 - **Host**: a fixed cost per micro-step (Python, kernel launches; :data:`HOST_SECONDS`, or the
   calibration's fixed seconds); DataParallel's one process launches every replica's kernels.
 
->>> from gpukit.plan.targets import target
+>>> from gpukit.planning.targets import target
 >>> for strategy in ("ddp", "fsdp", "dp"):
 ...     t, per_s, mfu = step_time(target=target("h100"), strategy=strategy, devices=8,
 ...         micro_batch=8, accumulate=1, flops_per_sample=6e12, trainable_bytes=4 * 10**9,
@@ -39,11 +39,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpukit.errors import ConfigError
-from gpukit.plan.result import StepTime
-from gpukit.plan.targets import Target
+from gpukit.planning.result import StepTime
+from gpukit.planning.targets import Target
 
 if TYPE_CHECKING:
-    from gpukit.plan.calibrate import Calibration
+    from gpukit.planning.calibrate import Calibration
 
 # Share of the datasheet peak that training reaches when nothing else limits it: large
 # transformer runs report 40-55% MFU on A100 and H100 (bf16); 0.45 is their middle. A CPU
@@ -112,7 +112,7 @@ def step_time(
     block); ``io_bytes_per_sample`` an input and its output, which DataParallel moves through
     the first GPU. MFU is None where the peak is not a datasheet figure (a CPU).
 
-    >>> from gpukit.plan.targets import target
+    >>> from gpukit.planning.targets import target
     >>> t, per_s, mfu = step_time(target=target("a100"), strategy="single", devices=1,
     ...     micro_batch=4, accumulate=2, flops_per_sample=1e12, trainable_bytes=10**9,
     ...     largest_group_bytes=10**8, precision="32")

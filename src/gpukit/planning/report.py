@@ -1,7 +1,7 @@
 """The planner's answer: every plan, and the one to run.
 
->>> from gpukit.plan.result import DevicePeak, Plan
->>> from gpukit.plan.targets import target
+>>> from gpukit.planning.result import DevicePeak, Plan
+>>> from gpukit.planning.targets import target
 >>> gib = 2**30
 >>> small = Plan("fsdp", 2, 8, 1, "32", "off", (DevicePeak("rank 0", {"parameters": gib}),) * 2,
 ...              capacity_bytes=2 * gib)
@@ -19,8 +19,8 @@ from typing import Any
 from rich.table import Table
 
 from gpukit._util.text import format_bytes, make_table, render_plain
-from gpukit.plan.result import Plan
-from gpukit.plan.targets import Target
+from gpukit.planning.result import Plan
+from gpukit.planning.targets import Target
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,17 @@ class PlanReport:
     target: Target
     plans: tuple[Plan, ...]
     skipped: tuple[str, ...] = ()
+    fitted: tuple[Plan, ...] = ()  # plans that did not fit, again with a micro-batch that does
 
     @property
     def best(self) -> Plan | None:
-        """The fastest plan that fits as asked, else the fastest that fits with a smaller
-        micro-batch (see :attr:`recommendation`); None when nothing fits."""
+        """The fastest plan that fits as asked, else the fastest of :attr:`fitted` (the same
+        global batch in smaller micro-batches); None when nothing fits."""
         fitting = [p for p in self.plans if p.fits is not False]
         if fitting:
             return max(fitting, key=_speed)
-        shrunk = [s for s in (_shrunk(p) for p in self.plans) if s is not None]
-        return max(shrunk, key=_speed) if shrunk else None
+        refitted = [p for p in self.fitted if p.fits is not False]
+        return max(refitted, key=_speed) if refitted else None
 
     @property
     def recommendation(self) -> str:
@@ -53,7 +54,8 @@ class PlanReport:
             return (
                 f"nothing fits in {_bytes(self.target.memory_bytes)}: the smallest peak is "
                 f"{need.strategy} on {need.devices} ({_bytes(need.peak_bytes)} at micro-batch "
-                f"1 would still not fit); use more devices, fsdp, or activation checkpointing"
+                f"{need.micro_batch}, and fewer samples per micro-batch do not fit either); "
+                "use more devices, fsdp, or activation checkpointing"
             )
         unit = "GPUs" if self.target.kind == "cuda" else "devices"
         text = (
@@ -76,6 +78,7 @@ class PlanReport:
             "plans": [p.to_dict() for p in self.plans],
             "recommendation": self.recommendation,
             "best": self.best.to_dict() if self.best is not None else None,
+            "fitted": [p.to_dict() for p in self.fitted],
             "skipped": list(self.skipped),
         }
 
@@ -134,34 +137,6 @@ class PlanReport:
 def _speed(p: Plan) -> tuple[float, int]:
     # Fastest first; between equals (or unknown speed), fewer devices.
     return (p.samples_per_s or 0.0, -p.devices)
-
-
-def _shrunk(p: Plan) -> Plan | None:
-    """``p`` with the largest micro-batch that fits and more accumulation for the same
-    global batch; None if even one sample does not fit."""
-    if not p.largest_micro_batch or p.largest_micro_batch < 1:
-        return None
-    per_device = p.micro_batch * p.accumulate
-    micro = max(
-        m for m in range(1, min(p.largest_micro_batch, per_device) + 1) if per_device % m == 0
-    )
-    scale = micro / p.micro_batch
-    return Plan(
-        p.strategy,
-        p.devices,
-        micro,
-        per_device // micro,
-        p.precision,
-        p.activation_checkpointing,
-        p.per_device,
-        p.step_time,
-        p.samples_per_s,
-        p.mfu,
-        None,  # the shrunk plan's peak is below capacity by construction
-        p.largest_micro_batch,
-        p.method,
-        (*p.notes, f"micro-batch cut from {p.micro_batch} to {micro} to fit ({scale:.2f}x)"),
-    )
 
 
 def _bytes(n: int | None) -> str:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpukit.plan.tracker import CATEGORIES
+from gpukit.planning.tracker import CATEGORIES
 
-# What a device's peak is made of: the tensors the counter files (see gpukit.plan.tracker),
+# What a device's peak is made of: the tensors the counter files (see gpukit.planning.tracker),
 # and on a GPU what no tensor accounts for: the CUDA context (the driver's, per process) and
 # the caching allocator's reserve above what tensors hold (rounding, fragmentation).
 BREAKDOWN = (*CATEGORIES, "cuda_context", "allocator_reserve")

@@ -169,9 +169,9 @@ class LiveTensors(TorchDispatchMode):
         self._hooks.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # DTensor first lowers itself to ops on its local shards, which come back here.
-        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
-            return NotImplemented
+        # A DTensor op runs whole (its outputs' local shards are counted below): the ops it
+        # lowers to reach this mode only while its sharding is not cached yet, so following
+        # them would count a step differently the first time it runs.
         out = func(*args, **(kwargs or {}))
         if func.namespace in _COLLECTIVE_NAMESPACES:
             for t in tensors((args, out)):

@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 # DDP's default bucket size (its bucket_cap_mb=25); its first bucket is 1 MiB.
 _DEFAULT_BUCKET_MB = 25.0
+# What DDP's constructor broadcasts at once (its broadcast_bucket_size).
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 class SimulatedDDP(DistributedDataParallel):
@@ -42,11 +44,29 @@ class SimulatedDDP(DistributedDataParallel):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.broadcast_buffers = True
+        _broadcast_copies([*module.parameters(), *module.buffers()])
         cap = int((bucket_cap_mb or _DEFAULT_BUCKET_MB) * 1024 * 1024)
         self.buckets = _buckets([p for p in module.parameters() if p.requires_grad], cap)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)
+
+
+def _broadcast_copies(tensors: list[torch.Tensor]) -> None:
+    """What DDP's constructor makes while it broadcasts rank 0's parameters and buffers: one
+    flat copy of each bucket of up to 250 MiB of one dtype, made and freed in turn (the peak
+    of a model that trains few of its weights can be there)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        chunks = groups.setdefault((t.dtype, t.device), [[]])
+        if chunks[-1] and sum(c.nbytes for c in chunks[-1]) + t.nbytes > _BROADCAST_BUCKET_BYTES:
+            chunks.append([])
+        chunks[-1].append(t)
+    with torch.no_grad():
+        for chunks in groups.values():
+            for chunk in chunks:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                del flat
 
 
 def _buckets(params: list[nn.Parameter], cap: int) -> list[torch.Tensor]:

@@ -1,12 +1,12 @@
 """``gk.plan``: predict every (strategy, device count) for a workload before running it.
 
-For each case the simulation (:mod:`gpukit.plan.simulate`: gpukit's own code over fake
+For each case the simulation (:mod:`gpukit.planning.simulate`: gpukit's own code over fake
 tensors, one rank standing for N) gives each device's peak tensor memory; where it cannot run
 (dp and dp-balanced, a model whose forward needs values) the closed form
-(:mod:`gpukit.plan.closed_form`) does, and the plan says why in its notes. On a GPU target
+(:mod:`gpukit.planning.closed_form`) does, and the plan says why in its notes. On a GPU target
 the CUDA context and the caching allocator's reserve are added (measured when the plan is
 calibrated on the GPU itself, else the target's documented defaults). The step time comes
-from :mod:`gpukit.plan.timing`. The largest micro-batch that fits is solved from two
+from :mod:`gpukit.planning.timing`. The largest micro-batch that fits is solved from two
 predictions (peak memory grows linearly with the micro-batch), and the recommendation is the
 fastest plan that fits, keeping the global batch (a smaller micro-batch, more accumulation).
 
@@ -24,15 +24,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpukit.errors import ConfigError, GpukitError
-from gpukit.plan.calibrate import Calibration
-from gpukit.plan.closed_form import STRATEGIES, closed_form, model_facts
-from gpukit.plan.facts import ModelFacts
-from gpukit.plan.report import PlanReport
-from gpukit.plan.result import DevicePeak, Plan
-from gpukit.plan.simulate import SimulationUnsupported, simulate
-from gpukit.plan.targets import Target, with_memory
-from gpukit.plan.targets import target as resolve_target
-from gpukit.plan.timing import step_time
+from gpukit.planning.calibrate import Calibration
+from gpukit.planning.closed_form import STRATEGIES, closed_form, model_facts
+from gpukit.planning.facts import ModelFacts
+from gpukit.planning.report import PlanReport
+from gpukit.planning.result import DevicePeak, Plan
+from gpukit.planning.simulate import SimulationUnsupported, simulate
+from gpukit.planning.targets import Target, with_memory
+from gpukit.planning.targets import target as resolve_target
+from gpukit.planning.timing import step_time
 from gpukit.workloads.base import Workload, load_workload
 
 CHECKPOINTING = ("off", "full", "selective")
@@ -72,10 +72,16 @@ def plan(
     dp-balanced on more than 1); see the module doc. ``target``: a GPU name ("h100"), "cpu",
     or None for this machine; ``memory`` overrides its bytes. ``method``: "auto" (simulate
     where possible) or "closed-form" (instant). ``calibration``: measured on the target by
-    :func:`gpukit.plan.calibrate.calibrate`."""
+    :func:`gpukit.planning.calibrate.calibrate`."""
     built = _workload(workload)
     counts = _counts(devices)
-    chosen = _strategies(strategies, counts)
+    _choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
+    chosen = _strategies(strategies, counts, activation_checkpointing)
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ConfigError(
+            f"calibration={type(calibration).__name__}: give what "
+            "gpukit.planning.calibrate.calibrate(...) returns, or None"
+        )
     goal = _target(target, memory)
     setting = _Setting(
         batch=_positive("batch", batch) if batch is not None else 0,
@@ -111,7 +117,36 @@ def plan(
             plans.append(_plan(workload, built, facts, facts_note, setting, strategy, n, micro))
     if not plans:
         raise ConfigError("nothing to plan: " + "; ".join(skipped) + ". Give a batch that divides")
-    return PlanReport(built.name, goal, tuple(plans), tuple(skipped))
+    fitted = [
+        f
+        for f in (_fitted(workload, built, facts, facts_note, setting, p) for p in plans)
+        if f is not None
+    ]
+    return PlanReport(built.name, goal, tuple(plans), tuple(skipped), tuple(fitted))
+
+
+def _fitted(
+    source: Any,
+    built: Workload,
+    facts: ModelFacts | None,
+    facts_note: str | None,
+    s: _Setting,
+    p: Plan,
+) -> Plan | None:
+    """For a plan that does not fit: the same global batch with the largest micro-batch
+    that fits (and divides this device's samples per step) and more accumulation, planned
+    again; None when it fits already or not even one sample fits."""
+    if p.fits is not False or not p.largest_micro_batch:
+        return None
+    per_device = p.micro_batch * p.accumulate
+    micro = max(
+        m for m in range(1, min(p.largest_micro_batch, per_device) + 1) if not per_device % m
+    )
+    again = replace(s, accumulate=per_device // micro)
+    try:
+        return _plan(source, built, facts, facts_note, again, p.strategy, p.devices, micro)
+    except GpukitError:
+        return None
 
 
 def _plan(
@@ -198,6 +233,10 @@ def _simulated(
     )
 
 
+# Predictions the search for the largest micro-batch may make beyond the plan's own.
+SEARCH_STEPS = 8
+
+
 def _largest_micro_batch(
     source: Any,
     built: Workload,
@@ -209,25 +248,45 @@ def _largest_micro_batch(
     base: Plan,
     notes: list[str],
 ) -> int | None:
-    """Peak memory is linear in the micro-batch (activations grow with it, the rest does
-    not): a second prediction at twice the micro-batch gives the slope."""
+    """The largest micro-batch whose predicted peak fits, searched with predictions: the
+    peak grows with the micro-batch along a few straight pieces (which moment of the step
+    peaks can change), so each guess follows the line through the last two predictions and
+    stays between the largest micro-batch known to fit and the smallest known not to; 0 when
+    not even one sample fits, None when unknown (no capacity, or the peak does not grow)."""
     capacity = s.target.memory_bytes
     if capacity is None:
         return None
+
+    def peak(m: int) -> int:
+        peaks, _ = _peaks(source, built, facts, s, strategy, n, m, [])
+        return max(_with_overheads(p, s, i).peak_bytes for i, p in enumerate(peaks))
+
+    seen = {micro: base.peak_bytes}
     try:
-        twice, _ = _peaks(source, built, facts, s, strategy, n, 2 * micro, [])
+        seen[2 * micro] = peak(2 * micro)
+        if seen[2 * micro] <= seen[micro]:
+            return None
+        last = [micro, 2 * micro]
+        for _ in range(SEARCH_STEPS):
+            lo = max((m for m, p in seen.items() if p <= capacity), default=0)
+            hi = min((m for m, p in seen.items() if p > capacity), default=None)
+            if hi is not None and hi - lo <= 1:
+                return lo
+            (x1, y1), (x2, y2) = ((m, seen[m]) for m in last)
+            slope = (y2 - y1) / (x2 - x1) if x2 != x1 else 0.0
+            guess = int(x2 + (capacity - y2) // slope) if slope > 0 else 2 * max(lo, 1)
+            if not lo < guess < (hi if hi is not None else guess + 1) or guess in seen:
+                guess = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
+            if guess < 1 or guess in seen:
+                return lo
+            seen[guess] = peak(guess)
+            last = [last[-1], guess]
     except GpukitError as err:
         notes.append(f"largest micro-batch unknown: {err}")
         return None
-    first = max(base.per_device, key=lambda d: d.peak_bytes)
-    second = max(
-        (_with_overheads(p, s, i) for i, p in enumerate(twice)), key=lambda d: d.peak_bytes
-    )
-    slope = (second.peak_bytes - first.peak_bytes) / micro
-    fixed = first.peak_bytes - slope * micro
-    if slope <= 0:
-        return None
-    return max(0, int((capacity - fixed) // slope))
+    lo = max((m for m, p in seen.items() if p <= capacity), default=0)
+    notes.append(f"largest micro-batch: at least {lo} (the search stopped)")
+    return lo
 
 
 def _timed(base: Plan, facts: ModelFacts | None, s: _Setting, built: Workload) -> Plan:
@@ -313,11 +372,25 @@ def _counts(devices: int | Sequence[int]) -> list[int]:
     return sorted(set(values))
 
 
-def _strategies(strategies: Sequence[str] | None, counts: list[int]) -> list[str]:
+def _strategies(
+    strategies: Sequence[str] | None, counts: list[int], checkpointing: str
+) -> list[str]:
     if strategies is None:
+        if checkpointing != "off":
+            return ["fsdp"]  # checkpointing is an fsdp setting
         many = any(n > 1 for n in counts)
         return ["single", *(["dp", "dp-balanced"] if many else []), "ddp", "fsdp"]
+    if isinstance(strategies, str):
+        strategies = [strategies]
     chosen = list(strategies)
+    others = [c for c in chosen if c != "fsdp"]
+    if checkpointing != "off" and others:
+        raise ConfigError(
+            f"activation_checkpointing={checkpointing!r} with {', '.join(map(str, others))}: "
+            "activation checkpointing is an fsdp setting in gpukit (gpukit train --strategy "
+            "fsdp --activation-checkpointing ...); plan strategies=['fsdp'], or leave "
+            "activation_checkpointing='off' for the others"
+        )
     unknown = [s for s in chosen if s not in STRATEGIES]
     if unknown or not chosen:
         raise ConfigError(f"strategies={chosen!r}: choose among {', '.join(STRATEGIES)}")

@@ -5,7 +5,7 @@ reserve).
 A plan can be made for this machine (``target(None)``: its first GPU, read through
 :mod:`gpukit.devices.hw`, or its CPU) or for a GPU it does not have (``target("h100")``), so
 that "will it fit on an A100 40GB?" has an answer on a laptop. Figures that are not measured
-are documented constants; :mod:`gpukit.plan.calibrate` replaces them with measurements.
+are documented constants; :mod:`gpukit.planning.calibrate` replaces them with measurements.
 
 >>> t = target("h100")
 >>> t.name, t.kind, t.memory_bytes // 2**20, t.link_bytes_per_s / 1e9
@@ -192,7 +192,7 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.fullmatch(text) if isinstance(text, str) else None
     unit = _UNIT_BYTES.get(m.group(2).upper()) if m else None
     value = float(m.group(1)) * unit if m and unit is not None else 0.0
-    if value < 1:
+    if not 1 <= value < 2**63:  # also refuses inf and nan
         raise ConfigError(
             f"size {text!r}: give a number above 0 with a unit such as '80GiB', '24GB' or "
             "'512MiB' (B, KB, MB, GB, TB are powers of 10; KiB, MiB, GiB, TiB of 2)"

@@ -7,7 +7,7 @@ store that answers every request) lets the real strategy code build what it buil
 ranks: FSDP2 shards each parameter 1/N, DDP's buckets, the sampler's 1/N of each batch. The
 simulation then runs the same sequence as ``gpukit train`` (the model, AdamW, the Runtime's
 setup, batches from a DataLoader, ``rt.train_step`` and ``rt.log``) for three optimizer steps
-under :class:`~gpukit.plan.tracker.LiveTensors`, the counter ``gpukit train`` measures with:
+under :class:`~gpukit.planning.tracker.LiveTensors`, the counter ``gpukit train`` measures with:
 what it predicts is the peak of the same quantity, counted the same way.
 
 What it cannot run, it says (:class:`SimulationUnsupported`) and the planner falls back to the
@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import io
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,20 +40,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpukit import _env
 from gpukit._util.fake import real_tensors
-from gpukit.errors import GpukitError
-from gpukit.plan.result import DevicePeak
-from gpukit.plan.tracker import LiveTensors
+from gpukit._util.tree import zip_map
+from gpukit.diagnostics.trace import untraced
+from gpukit.errors import GpukitError, SimulationUnsupported
+from gpukit.planning.result import DevicePeak
+from gpukit.planning.tracker import LiveTensors
 from gpukit.workloads.base import Workload, load_workload
 
 # Optimizer steps run: the peak of a steady step is reached by the second, once the
 # optimizer's state exists (gpukit train measures the same window).
 STEPS = 3
 SIMULATED = ("single", "ddp", "fsdp")
-
-
-class SimulationUnsupported(GpukitError):
-    """The simulation cannot run this case; the message says which part and why."""
+# Samples per step of one rank the simulation reads through the loader (one index and one
+# item reference each); beyond, the closed form answers.
+MAX_SAMPLES = 2**20
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,20 @@ def simulate(
     _check_supported(case)
     # The strategies print what they set up (fsdp's plan): planning is not setting up.
     quiet = contextlib.redirect_stdout(io.StringIO())
-    with quiet, _preserved_random_state(), _fake_world(case), _fake_mode() as mode:
+    with (
+        quiet,
+        _env.apart_from_this_run(),
+        warnings.catch_warnings(),  # the simulated setup's warnings are not the user's
+        _preserved_random_state(),
+        _fake_world(case),
+        untraced(),  # the simulation's reads are not the program's (under gk.trace)
+        torch.inference_mode(False),
+        torch.enable_grad(),  # a plan made under no_grad still trains
+        _fake_mode() as mode,
+    ):
+        warnings.simplefilter("ignore")
         built = _fake_workload(workload, mode, seed)
-        breakdown = _run(built, case, seed)
+        breakdown = _run(built, case, mode)
     return tuple(DevicePeak(_name(case, rank), dict(breakdown)) for rank in range(devices))
 
 
@@ -151,14 +165,27 @@ def _fake_mode() -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _preserved_random_state() -> Iterator[None]:
-    """The Runtime seeds every generator; the program that planned must not notice."""
+    """Building a workload seeds torch's generators and the loader draws from them; the
+    program that planned must not notice: Python's, numpy's and torch's CPU state are
+    restored, and so are the GPUs' where CUDA has started. Where it has not, seeding the GPUs
+    is left out: torch would queue it for when CUDA starts, after the program's own seed."""
     py, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        try:
+    cuda_started = torch.cuda.is_available() and torch.cuda.is_initialized()
+    gpus = list(range(torch.cuda.device_count())) if cuda_started else []
+    seed_gpus = torch.cuda.manual_seed_all
+    try:
+        if not cuda_started:
+            torch.cuda.manual_seed_all = _no_gpu_seed
+        with torch.random.fork_rng(devices=gpus):
             yield
-        finally:
-            random.setstate(py)
-            np.random.set_state(np_state)
+    finally:
+        torch.cuda.manual_seed_all = seed_gpus
+        random.setstate(py)
+        np.random.set_state(np_state)
+
+
+def _no_gpu_seed(seed: int) -> None:
+    """Seeding GPUs that have not started, left out while simulating (see above)."""
 
 
 def _fake_workload(workload: Any, mode: Any, seed: int) -> Workload:
@@ -213,8 +240,8 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-def _runtime(case: Case, seed: int) -> Any:
-    from gpukit.plan.simulated_ddp import SimulatedDDP
+def _runtime(case: Case) -> Any:
+    from gpukit.planning.simulated_ddp import SimulatedDDP
     from gpukit.runtime.runtime import Runtime
     from gpukit.strategies.ddp import DDP
     from gpukit.strategies.fsdp import FSDP
@@ -229,34 +256,39 @@ def _runtime(case: Case, seed: int) -> Any:
         strategy = FSDP(activation_checkpointing=case.activation_checkpointing)
     devices: Any = "cpu" if case.strategy == "single" else ["cpu"] * case.devices
     # log_every beyond the steps run: a flush reads values, which fake tensors do not have.
+    # No seed: seeding would reset every generator of the program that plans (CUDA's too),
+    # and values do not matter to memory.
     return Runtime(
         strategy=strategy,
         devices=devices,
         precision=case.precision,
         accumulate=case.accumulate,
-        seed=seed,
         log_every=STEPS + 1,
     )
 
 
-def _run(workload: Workload, case: Case, seed: int) -> dict[str, int]:
-    size, held = case.micro_batch * case.accumulate, len(workload.dataset)  # type: ignore[arg-type]
-    if held // case.devices < size:
+def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
+    size = case.micro_batch * case.accumulate
+    if size > MAX_SAMPLES:
         raise SimulationUnsupported(
-            f"one optimizer step of one rank needs {size} samples, but the dataset holds "
-            f"{held} for {case.devices} rank(s): give a smaller micro-batch or accumulation"
+            f"{size:,} samples per step of one rank: the loader would list every one of them; "
+            f"the simulation reads at most {MAX_SAMPLES:,}"
         )
-    rt = _runtime(case, seed)
+    dataset = _Repeated(workload.dataset, (STEPS + 1) * size * case.devices)
+    rt = _runtime(case)
     model = workload.model
     live = LiveTensors(case.granularity)
     try:
         with live:
             optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+            # In order: a shuffle's permutation is a transient of the dataset's length, which
+            # here is the repeated one (at the start of a pass, far below any step's peak).
             loader = torch.utils.data.DataLoader(
-                workload.dataset,
+                dataset,
                 batch_size=case.micro_batch * case.accumulate,
-                shuffle=True,
+                shuffle=False,
                 drop_last=True,
+                collate_fn=_FakeCollate(mode),
             )
             live.watch(model, [optimizer])
             wrapped, optimizer, loader = rt.setup(model, optimizer, loader)
@@ -282,10 +314,54 @@ def _run(workload: Workload, case: Case, seed: int) -> dict[str, int]:
     return live.peak_breakdown.get("cpu", {})
 
 
+class _Repeated(torch.utils.data.Dataset):
+    """``length`` items, each the dataset's first: batches are stacked from items of one
+    shape (gpukit train's default collation needs that too), and only shapes matter to
+    memory. Long enough that every simulated step reads a full batch within one pass (a
+    pass's end reads the logged values), and one item read however large the batch."""
+
+    def __init__(self, dataset: Any, length: int) -> None:
+        try:
+            size = len(dataset)
+        except TypeError:
+            raise SimulationUnsupported(
+                "the dataset has no length (an iterable dataset): the simulation reads its "
+                "items by index"
+            ) from None
+        if size == 0:
+            raise SimulationUnsupported("the dataset is empty: there is no batch to simulate")
+        self.item, self.length = dataset[0], max(size, length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.item
+
+
+class _FakeCollate:
+    """The default collation's result as fake tensors: for each tensor of an item, one new
+    tensor of the items stacked, as ``torch.stack`` makes, without reading the items (a batch
+    of any size costs no memory or time here; the loader itself runs with real tensors, see
+    :func:`_batches`)."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+
+    def __call__(self, items: list[Any]) -> Any:
+        with self.mode:
+            return zip_map(items, _stacked)
+
+
+def _stacked(column: list[torch.Tensor]) -> torch.Tensor:
+    first = column[0]
+    return torch.empty((len(column), *first.shape), dtype=first.dtype, device=first.device)
+
+
 def _batches(loader: Any, case: Case) -> Iterator[Any]:
-    """One rank's batches from gpukit's own loader, as ``gpukit train`` reads them, drawn
-    with real tensors (a shuffle and the loader's seed are values): real batches, which
-    the fake model takes as fake inputs."""
+    """One rank's batches from gpukit's own loader, as ``gpukit train`` reads them: the
+    shuffle, the sampler's shard and the loader's seed are values, drawn with real tensors;
+    the batches themselves are collated into fake ones."""
     with real_tensors():
         batches = iter(loader)
     while True:

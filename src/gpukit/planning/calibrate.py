@@ -31,7 +31,7 @@ from gpukit.bench.timing import synchronizer, time_once
 from gpukit.devices import hw
 from gpukit.devices.move import to
 from gpukit.errors import ConfigError
-from gpukit.plan.tracker import LiveTensors
+from gpukit.planning.tracker import LiveTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload, load_workload
 

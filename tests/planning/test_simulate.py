@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from gpukit.errors import GpukitError
-from gpukit.plan.simulate import STEPS, SimulationUnsupported, simulate
-from gpukit.plan.tracker import LiveTensors
+from gpukit.planning.simulate import STEPS, SimulationUnsupported, simulate
+from gpukit.planning.tracker import LiveTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
 
@@ -94,7 +94,7 @@ def test_it_leaves_random_state_process_group_and_patches_as_they_were() -> None
     [
         ({"strategy": "dp", "devices": 2}, "threads"),
         ({"strategy": "ddp", "devices": 2, "activation_checkpointing": "full"}, "fsdp setting"),
-        ({"strategy": "single", "devices": 1, "micro_batch": 10**9}, "dataset holds"),
+        ({"strategy": "single", "devices": 1, "micro_batch": 10**9}, "at most"),
     ],
 )
 def test_what_it_cannot_run_it_says(kwargs: dict, said: str) -> None:
@@ -130,3 +130,58 @@ def test_a_model_that_reads_values_in_its_forward_is_refused_with_the_reason() -
     with pytest.raises(SimulationUnsupported, match="could not run on fake tensors"):
         simulate(workload, strategy="single", devices=1, micro_batch=4)
     assert isinstance(SimulationUnsupported("x"), GpukitError)
+
+
+def test_the_same_case_twice_gives_the_same_peak() -> None:
+    """Nothing the first simulation leaves cached (DTensor's sharding, the optimizer's
+    choices) changes the next one's count."""
+    first = [
+        simulate("mlp", strategy="fsdp", devices=n, micro_batch=8)[0].peak_bytes for n in (1, 2)
+    ]
+    again = [
+        simulate("mlp", strategy="fsdp", devices=n, micro_batch=8)[0].peak_bytes for n in (1, 2)
+    ]
+    assert first == again
+
+
+def test_a_program_under_no_grad_or_a_trace_can_plan() -> None:
+    import gpukit as gk
+
+    expected = simulate("mlp", strategy="single", devices=1, micro_batch=8)[0].peak_bytes
+    with torch.no_grad():
+        assert (
+            simulate("mlp", strategy="single", devices=1, micro_batch=8)[0].peak_bytes == expected
+        )
+    with torch.inference_mode():
+        assert (
+            simulate("mlp", strategy="single", devices=1, micro_batch=8)[0].peak_bytes == expected
+        )
+    with gk.trace() as t:
+        simulate("mlp", strategy="fsdp", devices=2, micro_batch=8)
+    assert not t.syncs and not t.transfers  # the simulation's own reads are not the program's
+
+
+def test_gpus_that_have_not_started_are_not_seeded(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", calls.append)
+    simulate("gpt", strategy="single", devices=1, micro_batch=4)
+    assert calls == []  # seeding them would be queued for when CUDA starts, after the program's
+    assert torch.cuda.manual_seed_all == calls.append  # and the program's own function is back
+
+
+def test_a_huge_micro_batch_costs_no_memory_and_little_time() -> None:
+    (peak,) = simulate("cnn", strategy="single", devices=1, micro_batch=50_000)
+    assert peak.peak_bytes > 10 * 2**30  # far beyond this machine's 2-core CI box's budget
+
+
+def test_launch_and_fault_variables_of_this_process_do_not_steer_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    expected = simulate("mlp", strategy="ddp", devices=2, micro_batch=8)[0].peak_bytes
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert simulate("mlp", strategy="ddp", devices=2, micro_batch=8)[0].peak_bytes == expected
+    import os
+
+    assert os.environ["RANK"] == "1" and os.environ["GPUKIT_FAULT_OOM_ABOVE"] == "1"

@@ -9,7 +9,7 @@ import pytest
 import gpukit as gk
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
-from gpukit.plan.simulate import simulate
+from gpukit.planning.simulate import simulate
 
 GiB = 2**30
 
@@ -115,3 +115,54 @@ def test_bad_input_is_refused_with_what_is_allowed(kwargs: dict, said: str) -> N
 def test_cli_bad_input_exits_2(argv: list[str], capsys) -> None:
     assert main(["plan", *argv]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_largest_micro_batch_is_exact_for_fsdp_on_two() -> None:
+    cap = 2**30
+    plan = gk.plan("gpt", devices=2, strategies=["fsdp"], target="cpu", memory=cap).plans[0]
+    largest = plan.largest_micro_batch
+    at = simulate("gpt", strategy="fsdp", devices=2, micro_batch=largest)[0].peak_bytes
+    above = simulate("gpt", strategy="fsdp", devices=2, micro_batch=largest + 1)[0].peak_bytes
+    assert at <= cap < above
+
+
+def test_a_batch_that_does_not_fit_is_planned_again_in_smaller_micro_batches() -> None:
+    report = gk.plan("gpt", batch=4096, devices=1, strategies=["single"], target="cpu",
+                     memory=2**30)  # fmt: skip
+    (asked,) = report.plans
+    (again,) = report.fitted
+    assert asked.fits is False and again.fits is True
+    assert again.micro_batch * again.accumulate == 4096
+    twice = simulate("gpt", strategy="single", devices=1, micro_batch=again.micro_batch,
+                     accumulate=again.accumulate)  # fmt: skip
+    assert again.peak_bytes == twice[0].peak_bytes <= 2**30
+    assert report.best == again
+    assert (
+        f"micro-batch {again.micro_batch}, accumulate {again.accumulate}" in report.recommendation
+    )
+
+
+def test_checkpointing_is_planned_for_fsdp_only() -> None:
+    assert [p.strategy for p in gk.plan("mlp", devices=2, activation_checkpointing="full",
+                                        target="cpu").plans] == ["fsdp"]  # fmt: skip
+    with pytest.raises(ConfigError, match="fsdp setting"):
+        gk.plan("mlp", devices=2, strategies=["ddp"], activation_checkpointing="full")
+
+
+def test_a_calibration_of_the_wrong_kind_is_refused() -> None:
+    with pytest.raises(ConfigError, match="calibrate"):
+        gk.plan("mlp", calibration="fast")  # type: ignore[arg-type]
+
+
+def test_nothing_fits_says_so_with_the_smallest_peak() -> None:
+    report = gk.plan("mlp", target="cpu", memory=1000, method="closed-form")
+    assert report.best is None
+    assert report.recommendation.startswith("nothing fits in 1000 B")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--devices", "1,,2"], ["--strategies", ""], ["--memory", "1e400"]]
+)
+def test_more_cli_bad_input_exits_2(argv: list[str], capsys) -> None:
+    assert main(["plan", "--target", "cpu", "--method", "closed-form", *argv]) == 2
+    assert "Traceback" not in capsys.readouterr().err

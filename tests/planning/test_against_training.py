@@ -12,8 +12,8 @@ import pytest
 
 from gpukit.bench.plan import STEPS, measured_peaks
 from gpukit.cli.__main__ import main
-from gpukit.plan.closed_form import closed_form, model_facts
-from gpukit.plan.simulate import simulate
+from gpukit.planning.closed_form import closed_form, model_facts
+from gpukit.planning.simulate import simulate
 from gpukit.workloads.base import load_workload
 
 WORKLOADS = ("mlp", "cnn", "gpt")
@@ -68,3 +68,35 @@ def test_two_gloo_ranks_prediction_equals_each_ranks_measured_peak(
     assert min(peaks) == pytest.approx(sim, rel=1e-4)
     assert max(peaks) <= sim * 1.2
     assert form == pytest.approx(min(peaks), rel=0.15)
+
+
+FROZEN = """
+import torch
+from torch import nn
+from gpukit.workloads import Workload
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))
+    for layer in (model[0], model[2]):  # mostly frozen: the peak is in DDP's setup
+        layer.requires_grad_(False)
+    x = torch.randn(256, 64)
+    data = torch.utils.data.TensorDataset(x, torch.randint(0, 10, (256,)))
+    return Workload("frozen", model, data, nn.CrossEntropyLoss(), 32, 1e-3, 1, 0.0)
+"""
+
+
+def test_a_mostly_frozen_model_under_ddp_peaks_in_ddp_setup_and_is_predicted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "frozen_wl.py").write_text(FROZEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["train", "--workload", "frozen_wl:make", "--max-steps", str(STEPS), "--precision", "32"]
+    assert main([*argv, "--strategy", "ddp", "--devices", "1", "--out", str(tmp_path / "o")]) == 0
+    (row,) = json.loads((tmp_path / "o" / "metrics.json").read_text())["memory"]["devices"]
+    import frozen_wl
+
+    (sim,) = simulate(frozen_wl.make, strategy="ddp", devices=1, micro_batch=32)
+    assert sim.peak_bytes == row["peak_tensors"]

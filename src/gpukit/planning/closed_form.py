@@ -25,8 +25,8 @@ gradients (gpukit autocasts the forward only), so only activations change dtype.
 from __future__ import annotations
 
 from gpukit.errors import ConfigError
-from gpukit.plan.facts import PRECISIONS, ModelFacts, model_facts
-from gpukit.plan.result import BREAKDOWN, DevicePeak
+from gpukit.planning.facts import PRECISIONS, ModelFacts, model_facts
+from gpukit.planning.result import BREAKDOWN, DevicePeak
 
 __all__ = ["OPTIMIZERS", "STRATEGIES", "ModelFacts", "closed_form", "model_facts"]
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from gpukit.errors import ConfigError
-from gpukit.plan.calibrate import Calibration
-from gpukit.plan.targets import Target, target
-from gpukit.plan.timing import HOST_SECONDS, step_time
+from gpukit.planning.calibrate import Calibration
+from gpukit.planning.targets import Target, target
+from gpukit.planning.timing import HOST_SECONDS, step_time
 
 # Round numbers, so the expected values can be worked out by hand.
 ROUND = Target("round", "cuda", 10**10, {"fp32": 1e12}, 1e9, 1e-6, 0, 0.0)

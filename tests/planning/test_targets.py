@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpukit.errors import ConfigError
-from gpukit.plan.targets import (
+from gpukit.planning.targets import (
     ALLOCATOR_RESERVE_FRACTION,
     CUDA_CONTEXT_BYTES,
     known_names,
