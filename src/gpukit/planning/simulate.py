@@ -42,7 +42,7 @@ from torch import nn
 
 from gpukit import _env
 from gpukit._util.fake import real_tensors
-from gpukit._util.tree import zip_map
+from gpukit._util.tree import map_tensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import GpukitError, SimulationUnsupported
 from gpukit.planning.result import DevicePeak
@@ -281,13 +281,12 @@ def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
     try:
         with live:
             optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
-            # In order: a shuffle's permutation is a transient of the dataset's length, which
-            # here is the repeated one (at the start of a pass, far below any step's peak).
+            # Batches of the repeated first item, listed at once: a shuffle's permutation is a
+            # transient at the start of a pass, far below any step's peak, and listing index by
+            # index would cost seconds for a batch of a million samples over 64 ranks.
             loader = torch.utils.data.DataLoader(
                 dataset,
-                batch_size=case.micro_batch * case.accumulate,
-                shuffle=False,
-                drop_last=True,
+                batch_sampler=_SameBatches(size, (STEPS + 1) * case.devices),
                 collate_fn=_FakeCollate(mode),
             )
             live.watch(model, [optimizer])
@@ -338,6 +337,22 @@ class _Repeated(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.item
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [self.item] * len(indices)
+
+
+class _SameBatches:
+    """A batch sampler: ``count`` batches of ``size`` indices (all the repeated item's)."""
+
+    def __init__(self, size: int, count: int) -> None:
+        self.size, self.count = size, count
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return ([0] * self.size for _ in range(self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
 
 class _FakeCollate:
     """The default collation's result as fake tensors: for each tensor of an item, one new
@@ -349,13 +364,12 @@ class _FakeCollate:
         self.mode = mode
 
     def __call__(self, items: list[Any]) -> Any:
+        # Every item is the repeated first one: its tensors, each stacked len(items) times.
         with self.mode:
-            return zip_map(items, _stacked)
-
-
-def _stacked(column: list[torch.Tensor]) -> torch.Tensor:
-    first = column[0]
-    return torch.empty((len(column), *first.shape), dtype=first.dtype, device=first.device)
+            return map_tensors(
+                items[0],
+                lambda t: torch.empty((len(items), *t.shape), dtype=t.dtype, device=t.device),
+            )
 
 
 def _batches(loader: Any, case: Case) -> Iterator[Any]:
