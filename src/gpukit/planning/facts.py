@@ -32,22 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.errors import ConfigError
 from gpukit.strategies._groups import find_blocks, find_groups
+from gpukit.strategies._recompute import kept_ops
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 CHECKPOINTING = ("off", "full", "selective")
-
-# Operations whose outputs selective checkpointing keeps (the strategies' recompute policy).
-_KEPT = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "linear",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_cudnn_attention",
-)
 
 
 @dataclass(frozen=True)
@@ -218,7 +206,7 @@ class _KeptOutputs(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.kept: set[int] = set()
-        self.ops = {getattr(torch.ops.aten, n).default for n in _KEPT if hasattr(torch.ops.aten, n)}
+        self.ops = kept_ops()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -43,6 +43,11 @@ _KEPT_OPS = (
 )
 
 
+def kept_ops() -> set[Any]:
+    """The ops (of this torch) whose outputs selective checkpointing keeps."""
+    return {getattr(torch.ops.aten, n).default for n in _KEPT_OPS if hasattr(torch.ops.aten, n)}
+
+
 def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> None:
     """Make each of ``blocks`` recompute its activations in the backward (``mode`` "full" or
     "selective"; "off" leaves them alone)."""
@@ -73,9 +78,7 @@ def _selective_context() -> Any:
             f"activation_checkpointing='selective' needs torch 2.4 or newer (this is "
             f"{torch.__version__}); use 'full'"
         )
-    kept = {
-        getattr(torch.ops.aten, name).default for name in _KEPT_OPS if hasattr(torch.ops.aten, name)
-    }
+    kept = kept_ops()
 
     def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return policy.MUST_SAVE if op in kept else policy.PREFER_RECOMPUTE
