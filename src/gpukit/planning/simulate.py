@@ -194,12 +194,9 @@ def _fake_workload(workload: Any, mode: Any, seed: int) -> Workload:
     values) and its model copied into fake tensors (the real one is dropped at once)."""
     if isinstance(workload, Workload):
         return dataclasses.replace(workload, model=_fake_copy(workload.model, mode))
-    try:
-        return _built(workload, seed)
-    except GpukitError:
-        raise
-    except Exception:  # the workload's code reads values somewhere: build it for real
-        pass
+    built = _built_with_fake_tensors(workload, seed)
+    if built is not None:
+        return built
     try:
         with real_tensors():
             real = _built(workload, seed)
@@ -222,6 +219,17 @@ def _fake_copy(model: nn.Module, mode: Any) -> nn.Module:
         memo[id(b)] = mode.from_tensor(b)
     with real_tensors():
         return copy.deepcopy(model, memo)
+
+
+def _built_with_fake_tensors(workload: Any, seed: int) -> Workload | None:
+    """The workload built inside the fake mode; None when its code reads values somewhere
+    (a dataset made from data), so that it must be built for real."""
+    try:
+        return _built(workload, seed)
+    except GpukitError:
+        raise
+    except Exception:
+        return None
 
 
 def _built(workload: Any, seed: int) -> Workload:

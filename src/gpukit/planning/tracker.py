@@ -176,16 +176,15 @@ class LiveTensors(TorchDispatchMode):
         if func.namespace in _COLLECTIVE_NAMESPACES:
             for t in tensors((args, out)):
                 self.file(t, "communication")
-        elif getattr(func, "is_view", False):
-            # A view shares its base's storage: counted if the base was; a storage first
-            # seen through a view (a dataset indexed by the loader) existed before counting.
-            pass
-        elif isinstance(out, torch.Tensor):  # most ops: one tensor, no walk
-            self._new(out, self._phase())
-        else:
+        # A view shares its base's storage: counted if the base was; a storage first seen
+        # through a view (a dataset indexed by the loader) existed before counting.
+        elif not getattr(func, "is_view", False):
             category = self._phase()
-            for t in tensors(out):
-                self._new(t, category)
+            if isinstance(out, torch.Tensor):  # most ops: one tensor, no walk
+                self._new(out, category)
+            else:
+                for t in tensors(out):
+                    self._new(t, category)
         return out
 
     # -- bookkeeping ---------------------------------------------------------------------------
