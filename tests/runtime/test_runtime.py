@@ -220,3 +220,24 @@ def test_log_takes_numbers() -> None:
         rt.log(acc=torch.ones(3))
     with pytest.raises(gk.ConfigError, match="got no metrics"):
         rt.log()
+
+
+def test_teardown_collects_garbage_only_when_a_process_group_is_left_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The collection frees DDP's reducer while its group exists; without a group it would
+    # only cost time in proportion to the whole program's objects.
+    import gpukit.runtime.runtime as runtime
+
+    collected: list[str] = []
+    real = runtime.gc.collect
+    monkeypatch.setattr(runtime.gc, "collect", lambda *a: collected.append("gc") or real(*a))
+    for strategy, devices, expected in (("single", "cpu", []), ("ddp", 1, ["gc"])):
+        collected.clear()
+        rt = gk.Runtime(strategy=strategy, devices=devices, seed=0)
+        model, opt = rt.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        rt.backward(model(torch.ones(2, 3)).sum())
+        opt.step()
+        rt.teardown()
+        assert collected == expected, strategy
+        assert not torch.distributed.is_initialized()

@@ -40,3 +40,9 @@ def has_values(t: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover - every supported torch has it
         return True
     return not is_fake(t)
+
+
+def in_real_process_group() -> bool:
+    """Whether this process is in a process group, other than the planner's fake one."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gpukit import _env
+from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.runtime import checkpoint, collectives
 from gpukit.runtime.adopt import adopt
@@ -168,8 +169,7 @@ class Runtime(RuntimeViews):
         run = functools.partial(_then_close_window, fn)
         if not self.strategy.needs_launch:
             return run(self, *args)
-        # Each process builds its own Runtime from the same settings (its rank comes from
-        # the environment the launcher sets).
+        # Each process builds its own Runtime from the same settings (its rank: from its env).
         settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
         lifecycle = self.lifecycle_config
         settings |= {f.name: getattr(lifecycle, f.name) for f in dataclasses.fields(lifecycle)}
@@ -447,12 +447,13 @@ class Runtime(RuntimeViews):
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
-        # DDP's reducer must go while its process group still exists: destroyed later, by the
-        # garbage collector at interpreter exit, it can block the process forever.
+        # DDP's reducer must go while its process group exists (left to the collector at exit,
+        # it can block forever); without a real group a collection is only a cost.
         self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
-        gc.collect()
+        if in_real_process_group():
+            gc.collect()
         self.strategy.teardown()
 
     def _ensure_ready(self) -> None:
