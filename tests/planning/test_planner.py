@@ -48,23 +48,22 @@ def test_a_gpu_target_adds_the_context_and_the_reserve_and_rounds_to_512() -> No
 
 
 def test_largest_micro_batch_fits_and_one_more_would_not() -> None:
-    plan = gk.plan("gpt", devices=1, strategies=["single"], target="cpu", memory=64 * 2**20).plans[
-        0
-    ]
+    cap = 200_000  # the mlp holds ~130 KB of model states, and ~380 bytes more per sample
+    (plan,) = gk.plan("mlp", devices=1, strategies=["single"], target="cpu", memory=cap).plans
     largest = plan.largest_micro_batch
     assert largest is not None and largest > plan.micro_batch
-    fits = simulate("gpt", strategy="single", devices=1, micro_batch=largest)[0].peak_bytes
-    over = simulate("gpt", strategy="single", devices=1, micro_batch=largest + 8)[0].peak_bytes
-    assert fits <= 64 * 2**20 < over
+    fits = simulate("mlp", strategy="single", devices=1, micro_batch=largest)[0].peak_bytes
+    over = simulate("mlp", strategy="single", devices=1, micro_batch=largest + 1)[0].peak_bytes
+    assert fits <= cap < over
 
 
 def test_when_the_batch_does_not_fit_the_recommendation_accumulates() -> None:
-    report = gk.plan("gpt", devices=[1], strategies=["single"], batch=256, target="cpu",
-                     memory=48 * 2**20)  # fmt: skip
+    report = gk.plan("mlp", devices=[1], strategies=["single"], batch=1024, target="cpu",
+                     memory=600_000)  # fmt: skip
     plan = report.plans[0]
     assert plan.fits is False and plan.largest_micro_batch
     best = report.best
-    assert best is not None and best.micro_batch * best.accumulate == 256
+    assert best is not None and best.micro_batch * best.accumulate == 1024
     assert best.micro_batch <= plan.largest_micro_batch
     assert f"accumulate {best.accumulate}" in report.recommendation
 
@@ -127,15 +126,26 @@ def test_largest_micro_batch_is_exact_for_fsdp_on_two() -> None:
 
 
 def test_a_batch_that_does_not_fit_is_planned_again_in_smaller_micro_batches() -> None:
-    report = gk.plan("gpt", batch=4096, devices=1, strategies=["single"], target="cpu",
-                     memory=2**30)  # fmt: skip
+    cap = 2 * 2**20
+    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu",
+                     memory=cap)  # fmt: skip
     (asked,) = report.plans
     (again,) = report.fitted
     assert asked.fits is False and again.fits is True
-    assert again.micro_batch * again.accumulate == 4096
-    twice = simulate("gpt", strategy="single", devices=1, micro_batch=again.micro_batch,
+    assert again.micro_batch * again.accumulate == 4096 and again.accumulate > 1
+    twice = simulate("mlp", strategy="single", devices=1, micro_batch=again.micro_batch,
                      accumulate=again.accumulate)  # fmt: skip
-    assert again.peak_bytes == twice[0].peak_bytes <= 2**30
+    assert again.peak_bytes == twice[0].peak_bytes <= cap
+    # Planned again, its own largest micro-batch is searched at its accumulation (which holds
+    # the gradients between micro-steps): it fits, and one more sample does not.
+    largest = again.largest_micro_batch
+    assert largest is not None and largest >= again.micro_batch
+    at, above = (
+        simulate("mlp", strategy="single", devices=1, micro_batch=m,
+                 accumulate=again.accumulate)[0].peak_bytes
+        for m in (largest, largest + 1)
+    )  # fmt: skip
+    assert at <= cap < above
     assert report.best == again
     assert (
         f"micro-batch {again.micro_batch}, accumulate {again.accumulate}" in report.recommendation
@@ -152,6 +162,24 @@ def test_checkpointing_is_planned_for_fsdp_only() -> None:
 def test_a_calibration_of_the_wrong_kind_is_refused() -> None:
     with pytest.raises(ConfigError, match="calibrate"):
         gk.plan("mlp", calibration="fast")  # type: ignore[arg-type]
+
+
+def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again() -> None:
+    # Accumulating loads the step's whole batch at once, and the mlp's batch of 4096 is 1 MiB
+    # of inputs: at 1 MiB each cut holds more than the line of the one before predicted.
+    cap = 2**20
+    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu",
+                     memory=cap)  # fmt: skip
+    (asked,) = report.plans
+    (again,) = report.fitted
+    assert asked.largest_micro_batch is not None
+    assert again.micro_batch < asked.largest_micro_batch and again.accumulate > 2
+    assert again.micro_batch * again.accumulate == 4096 and again.fits is False
+    assert report.best is None
+    assert (
+        f"at micro-batch {again.micro_batch}, accumulate {again.accumulate}, and fewer"
+        in report.recommendation
+    )
 
 
 def test_nothing_fits_says_so_with_the_smallest_peak() -> None:

@@ -18,6 +18,7 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.planning import remedies
 from gpukit.planning.remedies import oom_capacity, plan_remedies, with_figures
 from gpukit.planning.result import Plan
+from gpukit.planning.simulate import simulate
 from gpukit.planning.targets import target, with_memory
 
 MiB = 2**20
@@ -117,20 +118,32 @@ def test_single_on_one_that_does_not_fit_shows_what_would() -> None:
         "fsdp on 1 + selective checkpointing",
     ]  # no "fsdp on 1": one device shards nothing
     as_run = figures.figures[0].plan
-    want = expected("gpt", capacity, devices=1, strategies=["single"], precision="32")
-    assert as_run is not None and as_run.peak_bytes == want.peak_bytes and as_run.fits is False
-    assert want.largest_micro_batch is not None and 16 <= want.largest_micro_batch < 32
-    smaller = by_label["micro-batch 16, accumulate 2"].plan
-    want_smaller = expected(
-        "gpt", None, batch=32, devices=1, strategies=["single"], precision="32", accumulate=2
+
+    def simulated(micro: int, **settings: Any) -> int:
+        # On the CPU target the planner's peak is the simulation's, nothing added.
+        return simulate("gpt", devices=1, micro_batch=micro, **settings)[0].peak_bytes
+
+    assert as_run is not None and as_run.peak_bytes == simulated(32, strategy="single")
+    assert as_run.fits is False
+    largest = as_run.largest_micro_batch
+    assert largest is not None and 16 <= largest < 32
+    assert (
+        simulated(largest, strategy="single")
+        <= capacity
+        < simulated(largest + 1, strategy="single")
     )
-    assert smaller is not None and smaller.peak_bytes == want_smaller.peak_bytes and smaller.fits
+    smaller = by_label["micro-batch 16, accumulate 2"].plan
+    assert smaller is not None and smaller.fits
+    assert smaller.peak_bytes == simulated(16, strategy="single", accumulate=2)
     checkpointed = by_label["fsdp on 1 + selective checkpointing"]
     assert checkpointed.plan is not None and checkpointed.plan.fits is False
     assert checkpointed.shrunk is not None and checkpointed.shrunk.fits is True
     assert (checkpointed.shrunk.micro_batch, checkpointed.shrunk.accumulate) == (16, 2)
+    assert checkpointed.shrunk.peak_bytes == simulated(
+        16, strategy="fsdp", accumulate=2, activation_checkpointing="selective"
+    )
     text = str(figures)
-    peak = format_bytes(want.peak_bytes)
+    peak = format_bytes(as_run.peak_bytes)
     assert f"micro-batch 32: {peak} peak (simulation) — does not fit\n" in text
     assert "— does not fit; with micro-batch 16, accumulate 2: " in text
 
@@ -201,7 +214,7 @@ def test_with_figures_gives_the_explanation_alone_when_planning_fails(
 def test_with_figures_appends_the_figures() -> None:
     err = torch.cuda.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity of "
-        "1.00 GiB of which 0 bytes is free."
+        "1.00 MiB of which 0 bytes is free."
     )
     got = with_figures(
         "explained", err, workload="mlp", batch=64, devices=1, strategy="single", target="cpu"
@@ -209,6 +222,6 @@ def test_with_figures_appends_the_figures() -> None:
     head, figures = got.split("\n", 1)
     assert head == "explained"
     assert figures.startswith(
-        "the planner's figures for this run (per device, tensors; this device holds 1 GiB):\n"
+        "the planner's figures for this run (per device, tensors; this device holds 1 MiB):\n"
         "  as run: single on 1, micro-batch 64: "
     )

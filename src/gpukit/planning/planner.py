@@ -6,9 +6,10 @@ tensors, one rank standing for N) gives each device's peak tensor memory; where 
 (:mod:`gpukit.planning.closed_form`) does, and the plan says why in its notes. On a GPU target
 the CUDA context and the caching allocator's reserve are added (measured when the plan is
 calibrated on the GPU itself, else the target's documented defaults). The step time comes
-from :mod:`gpukit.planning.timing`. The largest micro-batch that fits is solved from two
-predictions (peak memory grows linearly with the micro-batch), and the recommendation is the
-fastest plan that fits, keeping the global batch (a smaller micro-batch, more accumulation).
+from :mod:`gpukit.planning.timing`. The largest micro-batch that fits is searched with further
+predictions (see ``_largest_micro_batch``). The recommendation is the fastest plan that fits;
+a plan that does not fit is planned again with the same global batch in smaller micro-batches
+and more accumulation.
 
 >>> report = plan("mlp", devices=[1, 2], strategies=["single", "ddp", "fsdp"], target="cpu")
 >>> [(p.strategy, p.devices) for p in report.plans]
@@ -49,6 +50,19 @@ class _Setting:
     target: Target
     method: str
     calibration: Calibration | None
+
+
+@dataclass(frozen=True)
+class _Subject:
+    """What every plan of one call shares: the workload as given (the simulation builds its
+    own from a name) and as built, its closed-form facts (None, with the reason, when the
+    closed form cannot model it) and the settings."""
+
+    source: Any
+    built: Workload
+    facts: ModelFacts | None
+    facts_note: str | None
+    setting: _Setting
 
 
 def plan(
@@ -96,6 +110,7 @@ def plan(
         calibration=calibration,
     )
     facts, facts_note = _facts(built, setting)
+    subject = _Subject(workload, built, facts, facts_note, setting)
     plans: list[Plan] = []
     skipped: list[str] = []
     for strategy in chosen:
@@ -114,53 +129,50 @@ def plan(
                     f"x {setting.accumulate} micro-step(s)"
                 )
                 continue
-            plans.append(_plan(workload, built, facts, facts_note, setting, strategy, n, micro))
+            plans.append(_plan(subject, strategy, n, micro))
     if not plans:
         raise ConfigError("nothing to plan: " + "; ".join(skipped) + ". Give a batch that divides")
-    fitted = [
-        f
-        for f in (_fitted(workload, built, facts, facts_note, setting, p) for p in plans)
-        if f is not None
-    ]
+    fitted = [f for f in (_fitted(subject, p) for p in plans) if f is not None]
     return PlanReport(built.name, goal, tuple(plans), tuple(skipped), tuple(fitted))
 
 
-def _fitted(
-    source: Any,
-    built: Workload,
-    facts: ModelFacts | None,
-    facts_note: str | None,
-    s: _Setting,
-    p: Plan,
-) -> Plan | None:
+# Times a plan that does not fit is planned again with a smaller micro-batch.
+FIT_ROUNDS = 3
+
+
+def _fitted(subject: _Subject, p: Plan) -> Plan | None:
     """For a plan that does not fit: the same global batch with the largest micro-batch
     that fits (and divides this device's samples per step) and more accumulation, planned
-    again; None when it fits already or not even one sample fits."""
+    again; None when it fits already or not even one sample fits. Accumulating can itself
+    hold more (gradients kept between micro-steps, the whole step's batch loaded at once),
+    so a plan planned again that still does not fit is cut again by its own largest
+    micro-batch, up to ``FIT_ROUNDS`` times; the last is returned, fitting or not."""
     if p.fits is not False or not p.largest_micro_batch:
         return None
     per_device = p.micro_batch * p.accumulate
-    micro = max(
-        m for m in range(1, min(p.largest_micro_batch, per_device) + 1) if not per_device % m
-    )
-    again = replace(s, accumulate=per_device // micro)
-    try:
-        return _plan(source, built, facts, facts_note, again, p.strategy, p.devices, micro)
-    except GpukitError:
-        return None
+    again: Plan | None = None
+    largest = p.largest_micro_batch
+    for _ in range(FIT_ROUNDS):
+        micro = max(m for m in range(1, min(largest, per_device) + 1) if not per_device % m)
+        if again is not None and micro >= again.micro_batch:
+            break
+        setting = replace(subject.setting, accumulate=per_device // micro)
+        try:
+            again = _plan(replace(subject, setting=setting), p.strategy, p.devices, micro, largest)
+        except GpukitError:
+            break
+        if again.fits is not False or not again.largest_micro_batch:
+            break
+        largest = again.largest_micro_batch
+    return again
 
 
-def _plan(
-    source: Any,
-    built: Workload,
-    facts: ModelFacts | None,
-    facts_note: str | None,
-    s: _Setting,
-    strategy: str,
-    n: int,
-    micro: int,
-) -> Plan:
-    notes = [facts_note] if facts_note else []
-    peaks, method = _peaks(source, built, facts, s, strategy, n, micro, notes)
+def _plan(subject: _Subject, strategy: str, n: int, micro: int, hint: int | None = None) -> Plan:
+    """One case planned; ``hint``: a guess at its largest micro-batch (see
+    ``_largest_micro_batch``)."""
+    s = subject.setting
+    notes = [subject.facts_note] if subject.facts_note else []
+    peaks, method = _peaks(subject, strategy, n, micro, notes)
     per_device = tuple(_with_overheads(p, s, i) for i, p in enumerate(peaks))
     base = Plan(
         strategy=strategy,
@@ -173,29 +185,23 @@ def _plan(
         capacity_bytes=s.target.memory_bytes,
         method=method,  # type: ignore[arg-type]
     )
-    largest = _largest_micro_batch(source, built, facts, s, strategy, n, micro, base, notes)
-    timed = _timed(base, facts, s, built)
+    largest = _largest_micro_batch(subject, strategy, n, micro, base, notes, hint)
+    timed = _timed(base, subject)
     return replace(timed, largest_micro_batch=largest, notes=tuple(notes))
 
 
 def _peaks(
-    source: Any,
-    built: Workload,
-    facts: ModelFacts | None,
-    s: _Setting,
-    strategy: str,
-    n: int,
-    micro: int,
-    notes: list[str],
+    subject: _Subject, strategy: str, n: int, micro: int, notes: list[str]
 ) -> tuple[tuple[DevicePeak, ...], str]:
+    s, facts = subject.setting, subject.facts
     if s.method == "auto":
         try:
-            return _simulated(source, built, s, strategy, n, micro), "simulation"
+            return _simulated(subject, strategy, n, micro), "simulation"
         except SimulationUnsupported as why:
             notes.append(f"{strategy}: closed form, since {why}")
     if facts is None:
         raise ConfigError(
-            f"{built.name}: neither the simulation nor the closed form can model it "
+            f"{subject.built.name}: neither the simulation nor the closed form can model it "
             f"({'; '.join(notes)})"
         )
     return (
@@ -213,16 +219,15 @@ def _peaks(
     )
 
 
-def _simulated(
-    source: Any, built: Workload, s: _Setting, strategy: str, n: int, micro: int
-) -> tuple[DevicePeak, ...]:
+def _simulated(subject: _Subject, strategy: str, n: int, micro: int) -> tuple[DevicePeak, ...]:
+    s, source = subject.setting, subject.source
     if s.optimizer != "adamw":
         raise SimulationUnsupported(
             f"the simulation trains with AdamW, as gpukit train does; {s.optimizer} is modelled "
             "by the closed form"
         )
     return simulate(
-        built if not isinstance(source, str) else source,
+        subject.built if not isinstance(source, str) else source,
         strategy=strategy,
         devices=n,
         micro_batch=micro,
@@ -238,35 +243,46 @@ SEARCH_STEPS = 8
 
 
 def _largest_micro_batch(
-    source: Any,
-    built: Workload,
-    facts: ModelFacts | None,
-    s: _Setting,
+    subject: _Subject,
     strategy: str,
     n: int,
     micro: int,
     base: Plan,
     notes: list[str],
+    hint: int | None = None,
 ) -> int | None:
     """The largest micro-batch whose predicted peak fits, searched with predictions: the
     peak grows with the micro-batch along a few straight pieces (which moment of the step
     peaks can change), so each guess follows the line through the last two predictions and
     stays between the largest micro-batch known to fit and the smallest known not to; 0 when
-    not even one sample fits, None when unknown (no capacity, or the peak does not grow)."""
+    not even one sample fits, None when unknown (no capacity, or the peak does not grow).
+    ``hint`` (the answer for the same case at another accumulation, most often the answer
+    here too or close to it) is tried first: when it fits and one more sample does not, that
+    settles it; otherwise the search starts from it instead of twice the micro-batch."""
+    s = subject.setting
     capacity = s.target.memory_bytes
     if capacity is None:
         return None
 
     def peak(m: int) -> int:
-        peaks, _ = _peaks(source, built, facts, s, strategy, n, m, [])
+        peaks, _ = _peaks(subject, strategy, n, m, [])
         return max(_with_overheads(p, s, i).peak_bytes for i, p in enumerate(peaks))
 
     seen = {micro: base.peak_bytes}
+
+    def predict(m: int) -> int:
+        if m not in seen:
+            seen[m] = peak(m)
+        return seen[m]
+
     try:
-        seen[2 * micro] = peak(2 * micro)
-        if seen[2 * micro] <= seen[micro]:
+        if hint and predict(hint) <= capacity < predict(hint + 1):
+            return hint
+        other = hint if hint and hint != micro else 2 * micro
+        last = sorted((micro, other))
+        if predict(last[1]) <= seen[last[0]]:
             return None
-        last = [micro, 2 * micro]
+        nudged = False
         for _ in range(SEARCH_STEPS):
             lo = max((m for m, p in seen.items() if p <= capacity), default=0)
             hi = min((m for m, p in seen.items() if p > capacity), default=None)
@@ -275,8 +291,16 @@ def _largest_micro_batch(
             (x1, y1), (x2, y2) = ((m, seen[m]) for m in last)
             slope = (y2 - y1) / (x2 - x1) if x2 != x1 else 0.0
             guess = int(x2 + (capacity - y2) // slope) if slope > 0 else 2 * max(lo, 1)
-            if not lo < guess < (hi if hi is not None else guess + 1) or guess in seen:
-                guess = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
+            # A line that lands on or past a bound says the answer is next to it: one step
+            # inside settles it, and bisecting (after one such step) keeps a bad line from
+            # crawling.
+            bound = hi if hi is not None else guess + 1
+            if not nudged and (guess <= lo or guess >= bound):
+                guess, nudged = (lo + 1 if guess <= lo else bound - 1), True
+            elif not lo < guess < bound or guess in seen:
+                guess, nudged = ((lo + hi) // 2 if hi is not None else 2 * max(lo, 1)), False
+            else:
+                nudged = False
             if guess < 1 or guess in seen:
                 return lo
             seen[guess] = peak(guess)
@@ -289,7 +313,8 @@ def _largest_micro_batch(
     return lo
 
 
-def _timed(base: Plan, facts: ModelFacts | None, s: _Setting, built: Workload) -> Plan:
+def _timed(base: Plan, subject: _Subject) -> Plan:
+    s, facts, built = subject.setting, subject.facts, subject.built
     flops = built.flops_per_sample or (facts.flops_per_sample if facts else 0.0)
     if facts is None:
         return base

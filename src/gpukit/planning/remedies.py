@@ -266,24 +266,27 @@ def _figure(
         "checkpointing": run.activation_checkpointing if checkpointing is None else checkpointing,
     }
     try:
-        predicted = _predict(run, micro=micro, largest=as_run, **ask)
+        predicted, fitted = _predict(run, micro=micro, largest=as_run, **ask)
     except GpukitError as err:
         return Figure(label, flags, None, reason=str(err))
     shrunk = None
     if shrink and predicted.fits is False and time.monotonic() <= deadline:
         with contextlib.suppress(GpukitError):
             if predicted.largest_micro_batch is None:  # asked again, for the largest that fits
-                predicted = _predict(run, micro=micro, largest=True, **ask)
-            cut = _smaller(predicted, run)
-            shrunk = None if cut is None else _predict(run, micro=cut[0], largest=False, **ask)
+                predicted, fitted = _predict(run, micro=micro, largest=True, **ask)
+            # gk.plan planned it again at the largest micro-batch that fits; when not even
+            # one sample does, the smallest micro-batch shows by how much.
+            cut = _smaller(predicted, run) if fitted is None else None
+            shrunk = fitted if cut is None else _predict(run, micro=cut[0], largest=False, **ask)[0]
     return Figure(label, flags, predicted, shrunk)
 
 
 def _predict(
     run: _Run, *, strategy: str, micro: int, precision: str, checkpointing: str, largest: bool
-) -> Plan:
+) -> tuple[Plan, Plan | None]:
     """:func:`gpukit.plan` of one case; with ``largest``, also the largest micro-batch that
-    fits (a second prediction; without it the plan is judged against the same capacity)."""
+    fits (more predictions; without it the plan is judged against the same capacity) and,
+    when the case does not fit, the case again at that micro-batch (None otherwise)."""
     steps = run.micro_batch * run.accumulate // micro
     capacity = run.target.memory_bytes
     report = plan(
@@ -297,7 +300,8 @@ def _predict(
         target=run.target if largest else dataclasses.replace(run.target, memory_bytes=None),
         method=run.method,
     )
-    return dataclasses.replace(report.plans[0], capacity_bytes=capacity)
+    fitted = report.fitted[0] if report.fitted else None
+    return dataclasses.replace(report.plans[0], capacity_bytes=capacity), fitted
 
 
 def _smaller(predicted: Plan | None, run: _Run) -> tuple[int, int] | None:

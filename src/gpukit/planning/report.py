@@ -50,12 +50,14 @@ class PlanReport:
         step time; or why nothing fits and what would."""
         best = self.best
         if best is None:
-            need = min(self.plans, key=lambda p: p.peak_bytes)
+            # The plans planned again in smaller micro-batches count too: they hold less.
+            need = min((*self.plans, *self.fitted), key=lambda p: p.peak_bytes)
+            steps = f", accumulate {need.accumulate}" if need.accumulate > 1 else ""
             return (
                 f"nothing fits in {_bytes(self.target.memory_bytes)}: the smallest peak is "
                 f"{need.strategy} on {need.devices} ({_bytes(need.peak_bytes)} at micro-batch "
-                f"{need.micro_batch}, and fewer samples per micro-batch do not fit either); "
-                "use more devices, fsdp, or activation checkpointing"
+                f"{need.micro_batch}{steps}, and fewer samples per micro-batch do not fit "
+                "either); use more devices, fsdp, or activation checkpointing"
             )
         unit = "GPUs" if self.target.kind == "cuda" else "devices"
         text = (
