@@ -24,10 +24,10 @@ TENSOR_KEYS = ("tensors_first", "tensors_others", "predicted_first", "predicted_
                "tensors_error")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def quick() -> BenchResult:
+@pytest.fixture
+def quick(quick_strategies: BenchResult) -> BenchResult:
     """One quick run on this machine's CPU, shared by the tests that read it."""
-    return experiment.run(quick=True, devices=[torch.device("cpu")])
+    return quick_strategies
 
 
 def by_config(result: BenchResult) -> dict[tuple[str, str, int], dict[str, Any]]:

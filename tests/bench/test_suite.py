@@ -8,8 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from gpukit.bench import suite
+from gpukit.bench import strategies, suite
 from gpukit.bench.compare import compare
 from gpukit.bench.result import SCHEMA, BenchResult, Column, load_result
 from gpukit.cli.__main__ import main
@@ -19,10 +20,15 @@ ENVIRONMENT = {"date", "command", "python", "torch", "gpukit", "cpu", "cpu_cores
 
 
 @pytest.fixture(scope="module")
-def quick_all(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One `gpukit bench all --quick --out DIR` for the whole module (it takes minutes)."""
+def quick_all(tmp_path_factory: pytest.TempPathFactory, quick_strategies: BenchResult) -> Path:
+    """One `gpukit bench all --quick --out DIR` for the whole module (it takes minutes).
+    Without a GPU, the strategies experiment's quick run is exactly the one its own tests
+    made (CPU processes), so that result is handed over rather than trained a second time."""
     out = tmp_path_factory.mktemp("bench") / "results"
-    assert main(["bench", "all", "--quick", "--out", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        if not torch.cuda.is_available():
+            patch.setattr(strategies, "run", lambda quick=False, devices=None: quick_strategies)
+        assert main(["bench", "all", "--quick", "--out", str(out)]) == 0
     return out
 
 
