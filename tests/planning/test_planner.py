@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -194,3 +196,35 @@ def test_nothing_fits_says_so_with_the_smallest_peak() -> None:
 def test_more_cli_bad_input_exits_2(argv: list[str], capsys) -> None:
     assert main(["plan", "--target", "cpu", "--method", "closed-form", *argv]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "peak",
+    [
+        lambda m: max(500_000, 100_000 + 3_000 * m),  # the optimizer step peaks first: flat
+        lambda m: 50_000 + 900 * m + (40_000 + 2_500 * (m - 300) if m > 300 else 0),
+        lambda m: 200_000 + 7 * m,
+    ],
+)
+@pytest.mark.parametrize("capacity", [150_000, 499_999, 600_000, 1_000_000])
+def test_the_search_finds_the_largest_micro_batch_of_any_rising_peak(
+    monkeypatch: pytest.MonkeyPatch, peak: Callable[[int], int], capacity: int
+) -> None:
+    # The search itself, over peaks of known shape: it must land exactly where a search of
+    # every micro-batch would (0 when not even one sample fits).
+    from gpukit.planning import planner
+    from gpukit.planning.result import DevicePeak
+
+    asked: list[int] = []
+
+    def peaks(subject: object, strategy: str, n: int, micro: int, notes: list[str]) -> Any:
+        asked.append(micro)
+        return (DevicePeak("cpu", {"activations": peak(micro)}),), "simulation"
+
+    monkeypatch.setattr(planner, "_peaks", peaks)
+    (plan,) = gk.plan("mlp", devices=1, strategies=["single"], target="cpu", memory=capacity).plans
+    every = [m for m in range(1, 200_000) if peak(m) <= capacity]
+    truth = max(every, default=0)
+    assert plan.largest_micro_batch == truth, (asked, plan.notes)
+    assert truth == 0 or truth in asked  # the answer was predicted, not extrapolated
+    assert len(asked) <= 2 + planner.SEARCH_STEPS

@@ -255,7 +255,7 @@ def _largest_micro_batch(
     peak grows with the micro-batch along a few straight pieces (which moment of the step
     peaks can change), so each guess follows the line through the last two predictions and
     stays between the largest micro-batch known to fit and the smallest known not to; 0 when
-    not even one sample fits, None when unknown (no capacity, or the peak does not grow).
+    not even one sample fits, None when unknown (no capacity, or a prediction failed).
     ``hint`` (the answer for the same case at another accumulation, most often the answer
     here too or close to it) is tried first: when it fits and one more sample does not, that
     settles it; otherwise the search starts from it instead of twice the micro-batch."""
@@ -278,10 +278,10 @@ def _largest_micro_batch(
     try:
         if hint and predict(hint) <= capacity < predict(hint + 1):
             return hint
-        other = hint if hint and hint != micro else 2 * micro
-        last = sorted((micro, other))
-        if predict(last[1]) <= seen[last[0]]:
-            return None
+        # A peak that does not grow between the two (the optimizer step's moment can peak
+        # over a small micro-batch's backward) sends the search doubling, not giving up.
+        last = sorted((micro, hint if hint and hint != micro else 2 * micro))
+        predict(last[1])
         nudged = False
         for _ in range(SEARCH_STEPS):
             lo = max((m for m, p in seen.items() if p <= capacity), default=0)
