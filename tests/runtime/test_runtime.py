@@ -222,22 +222,29 @@ def test_log_takes_numbers() -> None:
         rt.log()
 
 
-def test_teardown_collects_garbage_only_when_a_process_group_is_left_behind(
+def test_teardown_collects_garbage_only_where_something_waits_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The collection frees DDP's reducer while its group exists; without a group it would
-    # only cost time in proportion to the whole program's objects.
+    # The collection frees DDP's reducer while its group exists, and GPU memory held in
+    # reference cycles; on a CPU alone it would only cost time in proportion to the program.
     import gpukit.runtime.runtime as runtime
 
     collected: list[str] = []
     real = runtime.gc.collect
     monkeypatch.setattr(runtime.gc, "collect", lambda *a: collected.append("gc") or real(*a))
-    for strategy, devices, expected in (("single", "cpu", []), ("ddp", 1, ["gc"])):
+    cases = (
+        ("single", "cpu", False, []),
+        ("ddp", 1, False, ["gc"]),
+        ("single", "cpu", True, ["gc"]),
+    )
+    for strategy, devices, cuda_started, expected in cases:
         collected.clear()
         rt = gk.Runtime(strategy=strategy, devices=devices, seed=0)
         model, opt = rt.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
         rt.backward(model(torch.ones(2, 3)).sum())
         opt.step()
-        rt.teardown()
-        assert collected == expected, strategy
+        with monkeypatch.context() as cuda:
+            cuda.setattr(torch.cuda, "is_initialized", lambda started=cuda_started: started)
+            rt.teardown()
+        assert collected == expected, (strategy, cuda_started)
         assert not torch.distributed.is_initialized()
