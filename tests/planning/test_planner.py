@@ -175,19 +175,37 @@ def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again() -> None:
     (asked,) = report.plans
     (again,) = report.fitted
     assert asked.largest_micro_batch is not None
-    assert again.micro_batch < asked.largest_micro_batch and again.accumulate > 2
+    first_cut = max(m for m in range(1, asked.largest_micro_batch + 1) if not 4096 % m)
+    assert again.micro_batch < first_cut  # cut again, by its own largest micro-batch
     assert again.micro_batch * again.accumulate == 4096 and again.fits is False
     assert report.best is None
     assert (
-        f"at micro-batch {again.micro_batch}, accumulate {again.accumulate}, and fewer"
-        in report.recommendation
+        f"at micro-batch {again.micro_batch}, accumulate {again.accumulate}; micro-batch "
+        f"{again.largest_micro_batch} fits at that accumulation" in report.recommendation
     )
+
+
+def test_a_second_cut_fits_where_the_first_held_the_gradients_between_micro_steps() -> None:
+    # gpt's batch of 46 on 15 MiB: 23 samples fit in one step, but with two micro-steps the
+    # gradients stay between them and 23 no longer fits; cut again by the largest at that
+    # accumulation (22), the batch divides into 23 micro-batches of 2.
+    cap = 15 * 2**20
+    report = gk.plan("gpt", batch=46, devices=1, strategies=["single"], target="cpu",
+                     memory=cap)  # fmt: skip
+    (asked,) = report.plans
+    assert asked.largest_micro_batch == 23
+    (again,) = report.fitted
+    assert (again.micro_batch, again.accumulate, again.fits) == (2, 23, True)
+    at_two = simulate("gpt", strategy="single", devices=1, micro_batch=23, accumulate=2)
+    assert at_two[0].peak_bytes > cap  # the first cut, (23, 2), would not have fitted
+    assert report.best == again
 
 
 def test_nothing_fits_says_so_with_the_smallest_peak() -> None:
     report = gk.plan("mlp", target="cpu", memory=1000, method="closed-form")
     assert report.best is None
-    assert report.recommendation.startswith("nothing fits in 1000 B")
+    assert report.recommendation.startswith("nothing planned fits in 1000 B")
+    assert "not even one sample per micro-batch fits" in report.recommendation
 
 
 @pytest.mark.parametrize(

@@ -53,11 +53,20 @@ class PlanReport:
             # The plans planned again in smaller micro-batches count too: they hold less.
             need = min((*self.plans, *self.fitted), key=lambda p: p.peak_bytes)
             steps = f", accumulate {need.accumulate}" if need.accumulate > 1 else ""
+            largest = need.largest_micro_batch
+            smaller = (
+                "not even one sample per micro-batch fits"
+                if largest == 0
+                else f"micro-batch {largest} fits at that accumulation, but it does not "
+                "divide the batch"
+                if largest
+                else "a smaller micro-batch was not searched"
+            )
             return (
-                f"nothing fits in {_bytes(self.target.memory_bytes)}: the smallest peak is "
+                f"nothing planned fits in {_bytes(self.target.memory_bytes)}: the smallest peak is "
                 f"{need.strategy} on {need.devices} ({_bytes(need.peak_bytes)} at micro-batch "
-                f"{need.micro_batch}{steps}, and fewer samples per micro-batch do not fit "
-                "either); use more devices, fsdp, or activation checkpointing"
+                f"{need.micro_batch}{steps}; {smaller}); use more devices, fsdp, or "
+                "activation checkpointing"
             )
         unit = "GPUs" if self.target.kind == "cuda" else "devices"
         text = (
