@@ -14,6 +14,8 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_JOB_DIR`` and ``GPUKIT_ATTEMPT``: set by gpukit's launcher in each process it
   starts: the job's folder (heartbeats, stack dumps, which injected faults have fired) and
   which attempt of the job this is (0, then 1, 2, ... after restarts).
+- ``GPUKIT_STOP_GRACE``: seconds a launcher gives its ranks to save and exit after SIGTERM or
+  Ctrl-C (default 25), before it kills them.
 - ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
   join the process group before it fails saying who waited where (default 120).
 - ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
@@ -121,6 +123,33 @@ def torchelastic_agent_store() -> bool:
     """``TORCHELASTIC_USE_AGENT_STORE``: torchrun's agent hosts the rendezvous store at
     ``MASTER_ADDR:MASTER_PORT``, so rank 0 joins it rather than opening one."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip() == "True"
+
+
+def torchrun_agent() -> int | None:
+    """The process id of the torchrun agent that started this process (its parent, when
+    ``TORCHELASTIC_RUN_ID`` says torchrun did and ``GPUKIT_JOB_DIR`` says gpukit's own launcher
+    did not), or None."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID", "").strip() or job_dir() is not None:
+        return None
+    parent = os.getppid()
+    return parent if parent > 1 else None
+
+
+def restart_count() -> int:
+    """How many times a launcher restarted this job: ``GPUKIT_ATTEMPT`` (gpukit's launcher),
+    else ``TORCHELASTIC_RESTART_COUNT`` (torchrun), else 0."""
+    for name in ("GPUKIT_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"):
+        value = os.environ.get(name, "").strip()
+        if value.isascii() and value.isdigit():
+            return int(value)
+    return 0
+
+
+def stop_grace() -> float:
+    """``GPUKIT_STOP_GRACE`` in seconds (default 25): how long a launcher gives its ranks to
+    save and exit after a stop request, under the 30 s that Slurm (``KillWait``) and
+    Kubernetes (``terminationGracePeriodSeconds``) allow by default before SIGKILL."""
+    return _seconds("GPUKIT_STOP_GRACE", 25.0, "how long ranks get to save and exit when stopped")
 
 
 def environment() -> dict[str, str]:

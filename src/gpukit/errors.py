@@ -92,13 +92,33 @@ class DistributedError(GpukitError, RuntimeError):
     """A collective failed or timed out in NCCL or gloo, usually because another rank did."""
 
 
-class Preempted(GpukitError):
+class Preempted(SystemExit):
     """The run was asked to stop (SIGTERM or SIGINT: a scheduler's preemption, Ctrl-C) and
-    stopped at a step every rank reached, after saving a checkpoint there when it had a folder
-    for one. The message says where it was saved and how to resume; ``gpukit train`` and
-    ``gpukit launch`` exit with ``exit_code`` (143, as a process ended by SIGTERM reports)."""
+    stopped at a step every rank reached, after saving a checkpoint there. The message says
+    where it was saved and how to resume.
+
+    Like ``KeyboardInterrupt`` it is not an ``Exception``: a loop's ``except Exception`` does
+    not swallow the stop. It is a ``SystemExit`` with code ``exit_code`` (143, as a process
+    ended by SIGTERM reports), so a plain ``python train.py`` or a torchrun rank exits with it
+    after rank 0 printed the message once.
+
+    >>> import gpukit as gk
+    >>> err = gk.Preempted("stopped after step 5")
+    >>> err.code, str(err), isinstance(err, Exception)
+    (143, 'stopped after step 5', False)
+    """
 
     exit_code = 143
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[type[Preempted], tuple[str]]:
+        return (type(self), (self.message,))
 
 
 class NonFiniteError(GpukitError, RuntimeError):

@@ -358,3 +358,39 @@ def test_a_stop_one_rank_was_asked_for_is_relayed_to_the_others(tmp_path: Path) 
     assert done.returncode == 143, done.stderr
     assert (tmp_path / "term-0").exists()  # rank 0 got SIGTERM from the launcher
     assert "restart" not in done.stderr  # a preemption is not restarted
+
+
+# Rank 1 skips a collective the others make (a `continue` under `if rank == 1`): gloo aborts on
+# rank 0, the victim; the report must name rank 1 and both ranks' lines.
+SKIPS = """import torch
+from torch import nn
+import gpukit as gk
+
+rt = gk.Runtime(seed=0)
+model = nn.Linear(8, 1)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(10):
+    loss = nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1))
+    rt.backward(loss)
+    rt.step(opt)
+    if rt.rank == 1 and step == 3:
+        continue
+    mean = rt.all_reduce(loss.detach())
+rt.teardown()
+"""
+
+
+def test_a_rank_that_skips_a_collective_is_named_with_both_ranks_lines(tmp_path: Path) -> None:
+    script = tmp_path / "skips.py"
+    script.write_text(SKIPS)
+    done = launch(script, "--max-restarts", "1", timeout=120)
+    err = done.stderr
+    assert done.returncode == 1, err
+    assert (
+        "gpukit launch: rank 1 diverged at step 4: it went on to rt.backward at skips.py:10 "
+        "while rank 0 waits in rt.all_reduce at skips.py:14 — the first failure"
+    ) in err, err
+    assert "  rank 0 at step 4 (phase collective), in rt.all_reduce at skips.py:14" in err, err
+    assert "  rank 1 at step 4 (phase backward), in rt.backward at skips.py:10" in err, err
+    assert "not restarted: the ranks' collectives diverged" in err, err
+    assert err.count("  rank 1 at step 4") == 1, err

@@ -14,6 +14,7 @@ from gpukit.runtime.agent.failures import (
     Fault,
     RankEnd,
     describe_exit,
+    diverged,
     failures,
     headline,
     rank_lines,
@@ -64,11 +65,14 @@ def test_ranks_that_finished_or_were_preempted_did_not_fail() -> None:
         RankEnd(0, 0, 1),
         RankEnd(1, 143, 2, ErrorRecord("Preempted: saved at step 4; resume with --resume")),
         RankEnd(2, -15, 3, asked_to_stop=True),
-        RankEnd(3, -15, 4),  # a SIGTERM nobody here sent: a failure
+        RankEnd(3, -15, 4),  # a SIGTERM from outside (a scheduler's, to that one process)
+        RankEnd(4, -2, 5),  # Ctrl-C to a script without a handler of its own
+        RankEnd(5, 130, 6),  # the user's second Ctrl-C: out at once
+        RankEnd(6, -9, 7),  # SIGKILL is never a request: the kernel's out-of-memory killer
     ]
-    assert [e.rank for e in failures(ends)] == [3]
-    assert ends[1].preempted and ends[2].preempted and not ends[3].preempted
-    assert headline(ends[:3], "x") == "x: no rank failed"
+    assert [e.rank for e in failures(ends)] == [6]
+    assert all(e.preempted for e in ends[1:6]) and not ends[6].preempted
+    assert headline(ends[:6], "x") == "x: no rank failed"
 
 
 def test_a_fault_is_the_same_failure_by_kind_rank_first_line_and_step() -> None:
@@ -224,3 +228,43 @@ def test_paths_are_shown_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert Frame(str(tmp_path / "sub" / "train.py"), 3, "f").show() == os.path.join(
         "sub", "train.py:3 in f"
     )
+
+
+def test_the_rank_outside_the_majority_of_collectives_diverged() -> None:
+    ar, bw = "rt.all_reduce at train.py:17", "rt.backward at train.py:13"
+    ends = [
+        RankEnd(0, -6, 1, step=4, where_called=ar),  # gloo aborted this one: a victim
+        RankEnd(1, 1, 2, ErrorRecord("DistributedError: collective failed"), where_called=ar),
+        RankEnd(2, -9, 3, stopped=True, step=5, where_called=bw),
+    ]
+    rank, text = diverged(ends)  # type: ignore[misc]
+    assert rank.rank == 2
+    assert text == f"diverged at step 5: it went on to {bw} while ranks 0, 1 wait in {ar}"
+    assert failures(ends)[0].rank == 2
+    assert headline(ends, "x").startswith(f"x: rank 2 {text} — the first failure")
+    assert ends[2].fault(0, ends).kind == "diverged"
+
+
+def test_two_ranks_in_different_collectives_are_both_named() -> None:
+    ends = [
+        RankEnd(0, -6, 1, step=4, where_called="rt.all_reduce at train.py:17"),
+        RankEnd(1, -6, 2, step=4, where_called="rt.broadcast at train.py:19"),
+    ]
+    assert diverged(ends)[1] == (  # type: ignore[index]
+        "disagrees with rank 0 on a collective at step 4: it is in rt.broadcast at train.py:19 "
+        "while rank 0 waits in rt.all_reduce at train.py:17"
+    )
+
+
+def test_a_rank_that_failed_of_its_own_accord_is_the_news_not_a_divergence() -> None:
+    where = ["rt.all_reduce at train.py:17", "rt.backward at train.py:13"]
+    raised = [
+        RankEnd(0, 1, 1, ErrorRecord("ValueError: bad batch"), where_called=where[0]),
+        RankEnd(1, -9, 2, stopped=True, where_called=where[1]),
+    ]
+    killed = [  # the kernel's out-of-memory killer: not a collective that broke
+        RankEnd(0, -9, 1, where_called=where[0]),
+        RankEnd(1, -6, 2, where_called=where[1]),
+    ]
+    same = [RankEnd(r, -6, r, where_called=where[0]) for r in (0, 1)]  # same call: no split
+    assert diverged(raised) is None and diverged(killed) is None and diverged(same) is None

@@ -6,6 +6,7 @@ Each feature's per-step cost is counted with gk.trace(): none adds a read per st
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from gpukit.runtime import heartbeat
 from gpukit.runtime.faults import FaultPlan, parse_faults
 from gpukit.runtime.lifecycle import parse_save_every
 from gpukit.runtime.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
+from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -141,7 +143,9 @@ def test_preemption_saves_at_the_step_and_resume_finishes_bitwise_equal(
         assert torch.equal(a, b)
 
 
-def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+def _slow_program(tmp_path: Path, sleep: float) -> subprocess.Popen[str]:
+    """A one-process program whose first step sleeps ``sleep`` seconds, started; it has said
+    "in step" when this returns."""
     script = tmp_path / "slow.py"
     script.write_text(
         textwrap.dedent(
@@ -152,22 +156,45 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
             model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
             def slow(batch):
                 print("in step", flush=True)
-                time.sleep(60)
+                time.sleep({sleep})
                 return model(batch).sum()
-            rt.train_step(opt, torch.ones(2, 2), slow)
+            for _ in range(3):
+                rt.train_step(opt, torch.ones(2, 2), slow)
             """
         )
     )
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "in step"
-    proc.send_signal(signal.SIGTERM)  # the first waits for the step
-    time.sleep(1)  # two signals sent at once may arrive as one
-    proc.send_signal(signal.SIGTERM)  # the second does not
-    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    return proc
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path: Path) -> None:
+    proc = _slow_program(tmp_path, 60)
+    proc.send_signal(signal.SIGINT)  # the first waits for the step
+    time.sleep(SECOND_SIGNAL_AFTER_S + 0.5)  # later than any copy of the first would come
+    proc.send_signal(signal.SIGINT)  # the user's second Ctrl-C does not
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert not (tmp_path / "ck").exists()
+
+
+def test_copies_of_the_request_never_cut_the_save_short(tmp_path: Path) -> None:
+    # A scheduler signals every process, a launcher passes its own signal on, a terminal's
+    # Ctrl-C reaches the whole group: one request, however many copies arrive.
+    proc = _slow_program(tmp_path, 3)
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+        proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 143
+    assert proc.stderr is not None
+    said = proc.stderr.read()
+    assert said.count("received: stopped after step 1 on every rank") == 1, said
+    assert (tmp_path / "ck" / "step-00000001").is_dir()
 
 
 def test_without_a_checkpoint_folder_signals_are_left_alone() -> None:
@@ -263,6 +290,10 @@ def test_the_heartbeat_preemption_and_guard_add_no_read_per_step(
     assert _reads(watched) == plain
     beat = heartbeat.read(tmp_path, 0)
     assert beat is not None and beat.phase == "loop" and beat.step == 22
+    # Each beat names the Runtime call and the caller's line: ranks that disagree on a
+    # collective are told apart by them (see gpukit.runtime.agent.failures.diverged).
+    assert re.fullmatch(r"rt\.train_step at test_lifecycle\.py:\d+", beat.where), beat.where
+    assert beat.calls > 22 * 3
     # The guard reads its counters once per logging window, beside the metrics' flush.
     guarded = gk.Runtime(strategy="single", devices="cpu", log_every=10, nonfinite="skip")
     assert _reads(guarded) == plain * 2

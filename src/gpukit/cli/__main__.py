@@ -48,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OutOfMemory as err:
         print(f"gpukit {args.command}: {err}", file=sys.stderr)
         return 1
-    except Preempted as err:  # stopped as asked, after saving: not a usage error
-        print(f"gpukit {args.command}: {err}", file=sys.stderr)
-        return Preempted.exit_code
+    except Preempted:
+        # Stopped as asked, after saving: rank 0 said where, once (or gpukit's launcher will,
+        # from the record of this exception its runner keeps). It exits 143 on its own.
+        raise
     except GpukitError as err:
         print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2

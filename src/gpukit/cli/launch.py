@@ -16,8 +16,10 @@ at every restart):
   - --hang-timeout S (default 300; 0: never): when a process running a gpukit Runtime makes
     no progress for S seconds, every process writes its stack, the report names the stuck
     one and its line and what the others wait in, and the job is stopped (or restarted);
-  - SIGTERM or Ctrl-C reaches every process as SIGTERM: a Runtime saves and stops; the command
-    exits 143. A second one stops them at once;
+  - SIGTERM or Ctrl-C, to the command or to any process, reaches every process: a Runtime saves
+    and stops; the command exits 143 and restarts nothing. Copies of the signal count once; a
+    second Ctrl-C 2 s or more later stops them at once; GPUKIT_STOP_GRACE (default 25 s) is
+    how long the processes get before they are killed;
   - the processes never outlive the command, even when it is killed with SIGKILL (Linux).
 
 Several machines go through torchrun: give every node the same --nnodes, --master-addr (node

@@ -30,8 +30,10 @@ checkpoint, which a run that died had logged) and draws loss.png from the whole 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
 run whose processes stop making progress for S seconds, naming the stuck rank and its line;
-SIGTERM or Ctrl-C finishes the current step on every rank, saves, and exits 143 (a second one
-exits at once); --nonfinite skip|raise guards against NaN/Inf gradients.
+SIGTERM or Ctrl-C, to this command or to any of its processes, finishes the current step on
+every rank, saves, and exits 143, never restarted (copies of the signal count once; a second
+Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds the wait);
+--nonfinite skip|raise guards against NaN/Inf gradients.
 
 --strategy fsdp shards every weight, gradient and optimizer state over the processes (each
 repeated block is one group, gathered only while it computes; the plan is printed at the

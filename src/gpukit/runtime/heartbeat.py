@@ -25,9 +25,12 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from gpukit import _env
 
@@ -47,9 +50,12 @@ PHASES: tuple[str, ...] = (
 )
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 
-# seq, time, step, saved step, pid, phase, stop requested (preemption), attempt
-_FORMAT = "<QdqqiiiI"
+# seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where
+_WHERE_BYTES = 120
+_FORMAT = f"<QdqqiiiIQ{_WHERE_BYTES}s"
 _SIZE = struct.calcsize(_FORMAT)
+# Where a beat comes from: the Runtime's own modules are skipped to reach the caller's line.
+_RUNTIME_DIR = str(Path(__file__).resolve().parent) + os.sep
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class Beat:
     phase: str
     stop_requested: bool  # the rank got SIGTERM/SIGINT and will save and stop
     attempt: int
+    calls: int = 0  # Runtime calls this rank made in this attempt, this one included
+    where: str = ""  # "rt.all_reduce at train.py:20": the call and the line that made it
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -89,6 +97,8 @@ class Heartbeat:
         self.saved_step = -1
         self.stop_requested = False
         self.phase = "start"
+        self.calls = 0
+        self.where = b""
 
     @classmethod
     def from_env(cls) -> Heartbeat | None:
@@ -100,8 +110,12 @@ class Heartbeat:
         return cls(folder, placement.rank, _env.attempt())
 
     def beat(self, phase: str, step: int) -> None:
-        """Record that this rank entered ``phase`` at optimizer step ``step``, now."""
+        """Record that this rank entered ``phase`` at optimizer step ``step``, now, from the
+        Runtime call it is in and the line that made it (a walk of a few frames, about a
+        microsecond: ranks that disagree on a collective are told apart by these)."""
         self.phase, self.step = phase, step
+        self.calls += 1
+        self.where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES]
         self._write()
 
     def saved(self, step: int) -> None:
@@ -129,6 +143,8 @@ class Heartbeat:
             _PHASE_INDEX[self.phase],
             int(self.stop_requested),
             self._attempt,
+            self.calls,
+            self.where,
         )
         self._seq += 1  # even: the record is whole
         struct.pack_into("<Q", self._map, 0, self._seq)
@@ -144,9 +160,33 @@ def read(folder: str | Path, rank: int) -> Beat | None:
     for _ in range(100):
         if len(data) < _SIZE:
             return None
-        seq, when, step, saved, pid, phase, stop, attempt = struct.unpack_from(_FORMAT, data)
+        seq, when, step, saved, pid, phase, stop, attempt, calls, where = struct.unpack_from(
+            _FORMAT, data
+        )
         if seq and seq % 2 == 0:
-            return Beat(rank, when, step, saved, pid, PHASES[phase], bool(stop), attempt)
+            text = where.rstrip(b"\0").decode(errors="replace")
+            return Beat(
+                rank, when, step, saved, pid, PHASES[phase], bool(stop), attempt, calls, text
+            )
         time.sleep(0.001)  # a write is under way: read again
         data = path.read_bytes()
     return None
+
+
+_IN_RUNTIME: dict[Any, bool] = {}  # code object -> whether it is the Runtime's own
+
+
+def _caller(frame: FrameType | None) -> str:
+    """``rt.backward at train.py:13``: the Runtime method the caller called, and where."""
+    inside: FrameType | None = None
+    while frame is not None:
+        code = frame.f_code
+        own = _IN_RUNTIME.get(code)
+        if own is None:
+            own = _IN_RUNTIME[code] = code.co_filename.startswith(_RUNTIME_DIR)
+        if not own:
+            break
+        inside, frame = frame, frame.f_back
+    if frame is None or inside is None:
+        return ""
+    return f"rt.{inside.f_code.co_name} at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"

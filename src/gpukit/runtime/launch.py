@@ -16,6 +16,7 @@ why and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -24,15 +25,21 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from gpukit import errors
-from gpukit.errors import ConfigError, GpukitError, LaunchError
+from gpukit import _env, errors
+from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
+from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
+
+GRACE_S = 1.5  # after the first failure, for the other ranks to fail on their own
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,32 +71,113 @@ def spawn(
     """Run ``fn(make_runtime(), *args)`` in ``world_size`` new processes; rank 0's result.
 
     ``make_runtime`` (picklable: ``functools.partial(Runtime, ...)``, say) is called inside
-    each process, once the launch environment is in place, so it sees its rank."""
+    each process, once the launch environment is in place, so it sees its rank. SIGTERM or
+    SIGINT sent to this process while the ranks run is passed on to them (they save and stop:
+    :class:`~gpukit.Preempted` is raised here); a failed rank's peers get a short grace to fail
+    on their own and are then killed, never signalled to stop (that would ask them to save)."""
     method = start_method(fn, (make_runtime, fn, args))
     port = free_port()
     # Results and errors travel as files: a pipe would block a rank writing more than its
     # buffer holds while this process waits for the ranks to exit.
     with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as folder:
         outbox = Path(folder)
-        try:
-            mp.start_processes(
-                _worker,
-                args=(make_runtime, world_size, port, fn, args, str(outbox), method == "fork"),
-                nprocs=world_size,
-                start_method=method,
-                join=True,
-            )
-        except mp.ProcessRaisedException as err:
-            reported = outbox / f"error-{err.error_index}.pkl"
-            if reported.exists():  # a GpukitError: the rank's own one-line message is the news
-                cls_name, message = pickle.loads(reported.read_bytes())
-                cls = getattr(errors, cls_name, GpukitError)
-                raise cls(f"rank {err.error_index}: {message}") from None
-            raise LaunchError(f"rank {err.error_index} failed:\n{err}".rstrip()) from None
-        except mp.ProcessExitedException as err:
-            raise LaunchError(_exit_message(err.error_index, err.exit_code)) from None
+        context = mp.start_processes(
+            _worker,
+            args=(make_runtime, world_size, port, fn, args, str(outbox), method == "fork"),
+            nprocs=world_size,
+            start_method=method,
+            join=False,
+        )
+        with _PassedOn(context.processes) as signals:
+            codes = _watch(context.processes, signals)
+        stopped = sorted(outbox.glob("preempted-*.txt"))
+        if stopped:  # asked to stop: every rank saved and left together
+            raise Preempted(stopped[0].read_text())
+        failed = [(rank, code) for rank, code in codes if code != 0]
+        if failed:
+            raise _failure(*failed[0], outbox, context.error_files)
+        if signals.received:  # asked to stop, yet every rank finished its work
+            raise Preempted(f"{signals.received[0]} received after the ranks' last step")
         result = outbox / "result.pkl"
         return pickle.loads(result.read_bytes()) if result.exists() else None
+
+
+class _PassedOn:
+    """While the ranks run: SIGTERM and SIGINT to this process are passed on to them (a
+    terminal's Ctrl-C reaches them too; copies never count twice, see
+    ``gpukit.runtime.preemption``). A SIGINT that comes ``SECOND_SIGNAL_AFTER_S`` or more after
+    the first is the user's second Ctrl-C: the ranks are killed at once."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+        self.received: list[str] = []
+        self.kill_now = False
+        self._first: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _PassedOn:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+            self.received.append(signal.Signals(signum).name)
+            for process in self.processes:
+                if process.is_alive():
+                    with contextlib.suppress(OSError):
+                        os.kill(process.pid, signum)
+        elif signum == signal.SIGINT and now - self._first >= SECOND_SIGNAL_AFTER_S:
+            self.kill_now = True
+
+
+def _watch(processes: list[Any], signals: _PassedOn) -> list[tuple[int, int]]:
+    """Wait for every rank; (rank, exit code) in the order they ended. After the first failure
+    the others get ``GRACE_S`` to fail on their own (which dates their failure after it); a
+    rank that stopped on request (143) leaves its peers the whole stop grace to save."""
+    ended: list[tuple[int, int]] = []
+    waiting = {p.sentinel: rank for rank, p in enumerate(processes)}
+    kill_at: float | None = None
+    while waiting:
+        for sentinel in mp_connection.wait(list(waiting), timeout=0.2):
+            rank = waiting.pop(sentinel)
+            processes[rank].join()
+            code = processes[rank].exitcode
+            ended.append((rank, code))
+            if code != 0 and kill_at is None:
+                grace = _env.stop_grace() if code == Preempted.exit_code else GRACE_S
+                kill_at = time.monotonic() + grace
+        late = kill_at is not None and time.monotonic() >= kill_at
+        if waiting and (late or signals.kill_now):
+            for rank in waiting.values():
+                with contextlib.suppress(OSError):
+                    processes[rank].kill()
+    return ended
+
+
+def _failure(rank: int, code: int, outbox: Path, error_files: list[str]) -> GpukitError:
+    """The error that tells why rank ``rank`` ended with ``code``."""
+    reported = outbox / f"error-{rank}.pkl"
+    if reported.exists():  # a GpukitError: the rank's own one-line message is the news
+        cls_name, message = pickle.loads(reported.read_bytes())
+        cls = getattr(errors, cls_name, GpukitError)
+        if isinstance(cls, type) and issubclass(cls, GpukitError):
+            return cls(f"rank {rank}: {message}")
+    traceback = Path(error_files[rank])
+    if traceback.exists():  # torch's wrapper pickled the traceback of the rank's exception
+        text = pickle.loads(traceback.read_bytes())
+        return LaunchError(
+            f"rank {rank} failed:\n\n-- Process {rank} terminated with the "
+            f"following error:\n{text}".rstrip()
+        )
+    return LaunchError(_exit_message(rank, code))
 
 
 def _exit_message(rank: int, code: int) -> str:
@@ -218,6 +306,9 @@ def _worker(
     except GpukitError as err:
         error = pickle.dumps((type(err).__name__, str(err)))
         (Path(outbox) / f"error-{local_rank}.pkl").write_bytes(error)
+        raise
+    except Preempted as stop:  # every rank saved at the same step: raised again in the parent
+        (Path(outbox) / f"preempted-{local_rank}.txt").write_text(str(stop))
         raise
     if runtime.is_global_zero:
         # Plain pickle copies tensors by value (torch's own pickling would share memory with

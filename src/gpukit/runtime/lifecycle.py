@@ -8,7 +8,9 @@ memory write for the heartbeat: no collective, no read from the device. The exce
 named where they happen: a checkpoint (collective by nature), and with ``save_every`` given in
 time, one small agreement every ``log_every`` steps (the ranks' clocks differ, so they must
 agree on the step to save at), and after a preemption signal a store lookup per step until the
-ranks agree where to stop (see ``gpukit.runtime.preemption``).
+ranks agree where to stop. With a checkpoint folder, under several ranks, a watcher thread asks
+the store every half second whether a rank was signalled, beside the steps, never on them (see
+``gpukit.runtime.preemption``).
 
 >>> parse_save_every("10m"), parse_save_every(4), parse_save_every("90s")
 ((None, 600.0), (4, None), (None, 90.0))
@@ -17,6 +19,7 @@ ranks agree where to stop (see ``gpukit.runtime.preemption``).
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +28,6 @@ from typing import Any, Literal
 
 from gpukit import _env
 from gpukit.errors import ConfigError, Preempted
-from gpukit.runtime import heartbeat
 from gpukit.runtime.boundaries import StepBoundaries
 from gpukit.runtime.faults import FaultPlan
 from gpukit.runtime.heartbeat import Heartbeat
@@ -110,22 +112,23 @@ class Lifecycle(StepBoundaries):
         self.faults = FaultPlan.from_env(rank)
         self.preemption: Preemption | None = None
         if config.checkpoints is not None:
+            placement = _env.launched()
+            # One rank per machine asks its torchrun agent to stop (the agent would take a
+            # second signal while it stops its ranks as an error of its own).
+            local_first = placement is None or placement.local_rank == 0
             self.preemption = Preemption(
-                rank, world_size, store, self.heartbeat, _env.attempt(), self._peers
+                rank,
+                world_size,
+                store,
+                self.heartbeat,
+                _env.restart_count(),
+                agent=_env.torchrun_agent() if local_first else None,
             )
             self.preemption.install()
         self._last_save = time.monotonic()
         self.saved_step = -1  # the step of the last checkpoint this run wrote or loaded
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
         self.beat("start", 0)
-
-    def _peers(self) -> list[int]:
-        """The process ids of the other ranks of this attempt, from their heartbeats."""
-        folder = _env.job_dir()
-        if folder is None or self.heartbeat is None:
-            return []
-        beats = [heartbeat.read(folder, r) for r in range(self.world_size) if r != self.rank]
-        return [b.pid for b in beats if b is not None and b.attempt == _env.attempt()]
 
     @property
     def folder(self) -> Path | None:
@@ -165,11 +168,15 @@ class Lifecycle(StepBoundaries):
         if preempt is not None and preempt.should_stop(step):
             path = self._save()
             preempt.leave_together()
-            raise Preempted(
-                f"{preempt.requested} received: stopped after step {step} on every rank and "
+            stop = Preempted(
+                f"{preempt.requested}: stopped after step {step} on every rank and "
                 f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "
                 f"gk.Runtime(checkpoints={str(self.folder)!r}, resume='auto')"
             )
+            # Said once: by rank 0, or by gpukit's launcher, which reads it from rank 0's record.
+            if self.rank == 0 and _env.job_dir() is None:
+                print(f"gpukit: {stop}", file=sys.stderr, flush=True)
+            raise stop
         if self._due(step):
             self._save()
 

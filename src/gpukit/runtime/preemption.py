@@ -1,19 +1,35 @@
 """Stopping cleanly when asked to: SIGTERM (a scheduler preempting the job) or SIGINT (Ctrl-C).
 
-The first signal only sets a flag; the step under way finishes on every rank, the ranks agree
-on a step they all reach, save a checkpoint there and stop with :class:`~gpukit.Preempted`
-(exit code 143). A second signal exits at once.
+A request only sets a flag; the step under way finishes on every rank, the ranks agree on a step
+they all reach, save a checkpoint there and stop with :class:`~gpukit.Preempted` (exit code 143).
 
-Agreeing costs nothing until a signal arrives: each step end reads one Python flag. Once a rank
-has its flag it posts the step it reached in the process group's store (a key per rank, not a
-collective) and, at each later step end, asks the store whether every rank has posted; when
-all have, every rank stops at the largest posted step plus one. That step is never behind any
-rank: under DDP every step ends in a gradient all-reduce, so when the last rank posts at its
-step p, no rank can have finished step p + 1 yet (it would need the last rank's gradients), and
-each rank sees all the posts at the end of step p or p + 1. Every rank must get the signal:
-a scheduler signals them all and Ctrl-C reaches the whole process group; under gpukit's
-launcher a rank that gets one passes it on at once to the others of its attempt (SIGUSR2, whose
-process ids it reads from their heartbeats), and the launcher does too.
+**Which signals count.** However a request is delivered, it is one request: a scheduler signals
+every process of the job (Slurm's ``scancel``, Kubernetes), a launcher passes the signal it got
+on to its ranks (gpukit's, torchrun), a terminal's Ctrl-C reaches every process in its group.
+So copies of SIGTERM never cut the save short (the scheduler's SIGKILL after its grace period
+does that anyway), and neither do copies of SIGINT that arrive within
+:data:`SECOND_SIGNAL_AFTER_S` of the first (they come milliseconds apart). A SIGINT later than
+that is the user pressing Ctrl-C again: the process exits at once (code 130), without saving.
+
+**Telling every rank.** A rank that gets a signal posts the request in the process group's
+store at once and passes it on to the ranks on its machine (SIGUSR2, to the process ids each
+rank posted there when it started); every rank's watcher thread also looks for a request in the
+store every :data:`WATCH_S` seconds, so a signal to one rank, on any machine of the job,
+reaches all of them. Before a request nothing runs on the step's path but one Python flag read
+per step; the watcher's one store lookup per :data:`WATCH_S` seconds runs beside it, on its own
+thread.
+
+**Agreeing on the step.** Once a rank has the request, it posts the step it reached (a store
+``add``, which returns only once the store holds it) and, at each later step end, asks the
+store whether every rank has posted; when all have, every rank stops at the largest posted step
+plus one. That step is never behind any rank: under DDP and fsdp every step ends in a gradient
+collective, so when the last rank posts at its step p, no rank can have finished step p + 1 (it
+would need the last rank's gradients), and each rank sees every post at the end of step p or
+p + 1.
+
+**Never restarted.** A stop on request is not a failure: gpukit's launcher exits 143 without
+restarting, and under torchrun the ranks ask their agent to stop too (otherwise it would count
+their exit 143 as a failure and start them again, ``--max-restarts`` permitting).
 """
 
 from __future__ import annotations
@@ -22,23 +38,27 @@ import contextlib
 import datetime
 import os
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from gpukit.runtime.heartbeat import Heartbeat
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# Another rank was asked to stop: the same request, passed on (never a "second signal").
+# A rank on this machine was asked to stop: the same request, passed on (never a second one).
 _PEER_SIGNAL = signal.SIGUSR2
-
-
+_HOST = socket.gethostname()
+SECOND_SIGNAL_AFTER_S = 2.0  # a SIGINT this long after the first is the user's second Ctrl-C
+WATCH_S = 0.5  # how often each rank's watcher asks the store whether a rank was signalled
 _LEAVE_SECONDS = 30  # at most this long waiting for the other ranks to leave together
 
 
 class Preemption:
     """Catches SIGTERM and SIGINT for a Runtime that has somewhere to save (see the module
-    docstring). ``store`` gives the process group's store (None for one rank)."""
+    docstring). ``store`` gives the process group's store (called once the group exists);
+    ``agent`` is the process id of a torchrun agent to ask to stop too, if any."""
 
     def __init__(
         self,
@@ -47,17 +67,22 @@ class Preemption:
         store: Callable[[], Any],
         heartbeat: Heartbeat | None,
         attempt: int = 0,
-        peers: Callable[[], list[int]] = list,
+        agent: int | None = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self._store = store
         self._heartbeat = heartbeat
-        self._peers = peers  # the process ids of the other ranks of this attempt
+        self._agent = agent
         self._prefix = f"gpukit/preempt/{attempt}/"
-        self.requested: str | None = None  # the signal's name once one arrived
+        self.requested: str | None = None  # what asked: "SIGTERM received by rank 1"
+        self.copies = 0  # further signals that were copies of the first
         self.stop_at: int | None = None
+        self._signalled_at: float | None = None  # this process's first signal (monotonic)
         self._posted = False
         self._previous: dict[int, Any] = {}
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._wake = threading.Event()  # the watcher's nap, cut short by a signal or the end
         self.installed = False
 
     def install(self) -> None:
@@ -71,6 +96,12 @@ class Preemption:
         self.installed = True
 
     def uninstall(self) -> None:
+        """Give the handlers back and stop the watcher (before the process group goes)."""
+        self._closing.set()
+        self._wake.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2 * WATCH_S + 5)
+            self._watcher = None
         if not self.installed:
             return
         for sig, handler in self._previous.items():
@@ -79,24 +110,33 @@ class Preemption:
         self.installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.requested is not None:  # the second signal: no more waiting
-            os._exit(128 + signum)
-        self.requested = signal.Signals(signum).name
-        if self._heartbeat is not None:
-            self._heartbeat.request_stop()
-        for pid in self._peers():
-            with contextlib.suppress(OSError):  # gone already: it stops anyway
-                os.kill(pid, _PEER_SIGNAL)
+        now = time.monotonic()
+        if self._signalled_at is None:
+            self._signalled_at = now
+            by = f" by rank {self.rank}" if self.world_size > 1 else ""
+            self._request(f"{signal.Signals(signum).name} received{by}")
+            self._wake.set()  # the watcher tells the other ranks now
+            return
+        if signum == signal.SIGINT and now - self._signalled_at >= SECOND_SIGNAL_AFTER_S:
+            os._exit(128 + signum)  # the user's second Ctrl-C: no more waiting
+        self.copies += 1
 
     def _on_peer(self, signum: int, frame: Any) -> None:
+        """Another rank on this machine was signalled: the watcher reads its request now."""
+        self._wake.set()
+
+    def _request(self, what: str) -> None:
         if self.requested is None:
-            self.requested = "SIGTERM (passed on from another rank)"
+            self.requested = what
             if self._heartbeat is not None:
                 self._heartbeat.request_stop()
 
     def should_stop(self, step: int) -> bool:
         """At the end of optimizer step ``step``: whether to save and stop now. One flag read
-        per step until a signal arrives; then a store lookup per step until the ranks agree."""
+        per step until a request arrives (the watcher starts at the first step end, when the
+        process group exists); then a store lookup per step until the ranks agree."""
+        if self.world_size > 1 and self._watcher is None and not self._closing.is_set():
+            self._start_watcher()
         if self.requested is None:
             return False
         if self.world_size == 1:
@@ -105,14 +145,52 @@ class Preemption:
             self._agree(step)
         return self.stop_at is not None and step >= self.stop_at
 
+    def _start_watcher(self) -> None:
+        self._watcher = threading.Thread(
+            target=self._watch, args=(self._store(),), name="gpukit-preemption", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(self, store: Any) -> None:
+        """Post where this process runs; then post this rank's request in the store and pass it
+        on at once to the ranks on this machine, or find another rank's request there."""
+        key = f"{self._prefix}request"
+        with contextlib.suppress(Exception):  # the store is gone (the run is ending)
+            store.set(f"{self._prefix}pid/{self.rank}", f"{_HOST} {os.getpid()}")
+            while not self._closing.is_set():
+                if self._signalled_at is not None:
+                    store.set(key, str(self.requested))
+                    store.check([key])  # answered once the store holds it: then pass it on
+                    self._pass_on(store)
+                    return
+                if store.check([key]):
+                    self._request(store.get(key).decode())
+                    return
+                self._wake.wait(WATCH_S)
+                self._wake.clear()
+
+    def _pass_on(self, store: Any) -> None:
+        """SIGUSR2 to the other ranks on this machine: they learn now, not at their next look
+        in the store (ranks elsewhere find the request there)."""
+        for rank in range(self.world_size):
+            key = f"{self._prefix}pid/{rank}"
+            if rank == self.rank or not store.check([key]):
+                continue
+            host, pid = store.get(key).decode().rsplit(" ", 1)
+            if host == _HOST:
+                with contextlib.suppress(OSError):  # gone already: it stops anyway
+                    os.kill(int(pid), _PEER_SIGNAL)
+
     def _agree(self, step: int) -> None:
         store = self._store()
         if not self._posted:
-            store.set(f"{self._prefix}{self.rank}", str(step))
+            # add, not set: it returns once the store holds the value, so a rank that sees
+            # every post cannot miss this one because it is still on its way.
+            store.add(f"{self._prefix}step/{self.rank}", step + 1)
             self._posted = True
-        keys = [f"{self._prefix}{r}" for r in range(self.world_size)]
+        keys = [f"{self._prefix}step/{r}" for r in range(self.world_size)]
         if store.check(keys):
-            self.stop_at = max(int(store.get(k)) for k in keys) + 1
+            self.stop_at = max(int(store.get(k)) - 1 for k in keys) + 1
 
     def leave_together(self) -> None:
         """After the stop's save, before the ranks exit: rank 0 says it has left every
@@ -120,9 +198,16 @@ class Preemption:
         answered. A rank that left the save's last collective and exited at once could reset
         its sockets while a slower peer still read its last message there, turning a clean
         stop into a "connection reset" on that peer. Bounded: a rank that is gone by then
-        only shortens the wait."""
-        if self.world_size == 1:
-            return
+        only shortens the wait. Then a torchrun agent is asked to stop too."""
+        self._closing.set()
+        self._wake.set()
+        if self.world_size > 1:
+            self._leave_together()
+        if self._agent is not None:
+            with contextlib.suppress(OSError):  # gone already: nothing to restart us
+                os.kill(self._agent, signal.SIGTERM)
+
+    def _leave_together(self) -> None:
         store = self._store()
         done, ack = f"{self._prefix}left/0", f"{self._prefix}answered/"
         with contextlib.suppress(Exception):  # the stop goes on whatever the store says

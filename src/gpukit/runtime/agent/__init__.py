@@ -14,8 +14,8 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 - **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
   ``max_restarts`` times, unless it failed before its first step or keeps failing the same
   way (``restarts``);
-- **preemption**: SIGTERM/SIGINT to the launcher reaches every rank as SIGTERM: they save and
-  exit 143, and so does the launcher (``supervisor``);
+- **preemption**: SIGTERM/SIGINT to the launcher, or to any rank, reaches every rank: they save
+  at one step and exit 143, and so does the launcher, without restarting (``supervisor``);
 - **no orphans**: workers die with the launcher, even when it is SIGKILLed (Linux; elsewhere
   when it exits or is signalled).
 
@@ -52,7 +52,6 @@ __all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
 RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
 DEFAULT_HANG_TIMEOUT = 300.0
 GRACE_S = 1.5  # after the first failure, for the others to fail on their own
-STOP_TIMEOUT_S = 60.0  # after a forwarded SIGTERM, for the ranks to save and exit
 
 
 def run_job(
@@ -67,7 +66,7 @@ def run_job(
     master_port: int | None = None,
     crash_loop: int = DEFAULT_CRASH_LOOP,
     grace: float = GRACE_S,
-    stop_timeout: float = STOP_TIMEOUT_S,
+    stop_timeout: float | None = None,
     job_dir: str | Path | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
@@ -80,7 +79,8 @@ def run_job(
     attempt's port (later attempts take a fresh one; default: a free one each time).
     ``crash_loop``: stop restarting after this many identical failures in a row. ``grace``:
     seconds the other ranks get to fail on their own after the first failure.
-    ``stop_timeout``: seconds the ranks get to save and exit after a forwarded SIGTERM.
+    ``stop_timeout``: seconds the ranks get to save and exit after a stop request (default:
+    ``GPUKIT_STOP_GRACE``, else 25, under the 30 s Slurm and Kubernetes give before SIGKILL).
     ``job_dir``: the job's folder (kept; default a temporary one, removed at the end unless a
     hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
     starting with ``name``.
@@ -109,7 +109,7 @@ def run_job(
         max_restarts,
         DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout or None,
         grace,
-        stop_timeout,
+        _env.stop_grace() if stop_timeout is None else stop_timeout,
         name,
         out if out is not None else sys.stderr,
     )
@@ -165,12 +165,22 @@ def _ended(s: Settings, faults: list[Fault], restarts: list[Restart], how: str) 
 
 
 def _preempted(name: str, outcome: Outcome) -> str:
-    hint = outcome.preempted_message
-    if hint:
-        return f"{name}: stopped on request (exit {PREEMPTED_EXIT}): {hint}"
+    head = f"{name}: stopped on request (exit {PREEMPTED_EXIT})"
+    if outcome.preempted_message:
+        return f"{head}: {outcome.preempted_message}"
+    if any(end.stopped for end in outcome.ends):
+        saved = outcome.progress.checkpoint
+        newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
+        return (
+            f"{head}; the ranks did not save and exit within the grace period, so they were "
+            f"killed ({newest}): give them longer with GPUKIT_STOP_GRACE=SECONDS, within what "
+            "the scheduler allows before its SIGKILL"
+        )
+    if all(end.code == 0 for end in outcome.ends):
+        return f"{head}; the ranks had finished their work"
     return (
-        f"{name}: stopped on request (exit {PREEMPTED_EXIT}); every rank has exited "
-        "(a gpukit Runtime saves a checkpoint first, and resumes from it at the next start)"
+        f"{head}; every rank has exited, none with a save of its own (a gpukit Runtime with "
+        "a checkpoint folder saves on the way out)"
     )
 
 

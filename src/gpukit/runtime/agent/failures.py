@@ -33,6 +33,9 @@ _CONSEQUENCE = re.compile(
     re.IGNORECASE,
 )
 PREEMPTED_EXIT = 143  # what gpukit's Preempted exits with, as a process ended by SIGTERM
+# Exit codes of a process that stopped on request: gpukit's Preempted, a second Ctrl-C (130),
+# or killed by SIGTERM or SIGINT with no handler of its own.
+_STOP_CODES = (PREEMPTED_EXIT, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -90,14 +93,16 @@ class RankEnd:
     step: int | None = None
     phase: str | None = None
     asked_to_stop: bool = False  # the launcher sent it SIGTERM (a preemption it forwarded)
+    where_called: str = ""  # its last Runtime call and its line: "rt.step at train.py:9"
 
     @property
     def preempted(self) -> bool:
-        """It stopped because it was asked to (and saved), not because it broke; a script
-        without a SIGTERM handler that the launcher's SIGTERM ended counts too."""
+        """It stopped because it was asked to (and saved), not because it broke. A rank
+        ended by SIGTERM or SIGINT counts too, whoever sent it (a script without a handler, or
+        a scheduler that signalled that one process): a request to stop is never a crash to
+        restart."""
         recorded = self.error is not None and self.error.message.startswith("Preempted")
-        obeyed = self.asked_to_stop and self.code == -signal.SIGTERM
-        return self.code == PREEMPTED_EXIT or recorded or obeyed
+        return self.code in _STOP_CODES or recorded
 
     @property
     def failed(self) -> bool:
@@ -140,18 +145,85 @@ class RankEnd:
             return ""
         return f" at step {self.step}" + (f" (phase {self.phase})" if self.phase else "")
 
-    def fault(self, attempt: int) -> Fault:
+    def fault(self, attempt: int, ends: list[RankEnd] | None = None) -> Fault:
+        split = diverged(ends) if ends else None
+        if split is not None and split[0] is self:
+            rank, text = self.rank, split[1]
+            return Fault("diverged", rank, text, self.step, f"rank {rank} {text}", attempt)
         message = self.error.first_line if self.error is not None else describe_exit(self.code)
         text = f"rank {self.rank} {self.what()}{self.where()}"
         return Fault(self.kind, self.rank, message, self.step, text, attempt)
 
+    @property
+    def collective_broke(self) -> bool:
+        """It failed only in that a collective broke under it: its backend aborted it
+        (SIGABRT, gloo's "collective mismatch") or it raised a collective's error."""
+        if self.error is None:
+            return self.code == -signal.SIGABRT
+        text = self.error.message
+        return self.consequence or bool(
+            text.startswith("DistributedError") or re.search(r"gloo|nccl", text, re.I)
+        )
+
+
+def diverged(ends: list[RankEnd]) -> tuple[RankEnd, str] | None:
+    """The rank that left the others' sequence of collectives, and what it did, when ranks
+    disagree on one (a call skipped or added on some ranks only): the backend aborts on another
+    rank, so the first failure is a victim. Told from each rank's last Runtime call and line;
+    the rank outside the majority diverged, and between two, the one that went on while the
+    other waits in a collective call of its own (``rt.all_reduce``, ``rt.barrier``, ...).
+
+    >>> ends = [RankEnd(0, -6, 1, step=4, where_called="rt.all_reduce at train.py:17"),
+    ...         RankEnd(1, -9, 2, stopped=True, step=4, where_called="rt.backward at train.py:13")]
+    >>> print(diverged(ends)[1])  # doctest: +NORMALIZE_WHITESPACE
+    diverged at step 4: it went on to rt.backward at train.py:13
+    while rank 0 waits in rt.all_reduce at train.py:17
+    """
+    failed = [e for e in ends if e.failed]
+    if not failed or not all(e.collective_broke for e in failed):
+        return None  # a rank failed of its own accord: that is the news
+    known = [e for e in ends if e.where_called]
+    groups: dict[str, list[RankEnd]] = {}
+    for end in known:
+        groups.setdefault(end.where_called, []).append(end)
+    if len(groups) < 2:
+        return None
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    waiting = [g for g in groups.values() if _in_collective(g[0].where_called)]
+    blamed = sizes[0] > sizes[1] or len(waiting) == 1
+    if sizes[0] > sizes[1]:
+        majority = max(groups.values(), key=len)
+    elif len(waiting) == 1:
+        majority = waiting[0]
+    else:  # nothing tells which side left the other: name both
+        majority = next(g for g in groups.values() if any(e.rank == known[0].rank for e in g))
+    odd = min((e for e in known if e not in majority), key=lambda e: e.rank)
+    others = ", ".join(str(e.rank) for e in majority)
+    ranks, wait = ("rank", "waits") if len(majority) == 1 else ("ranks", "wait")
+    step = f" at step {odd.step}" if odd.step is not None and odd.step >= 0 else ""
+    if blamed:
+        did = f"diverged{step}: it went on to {odd.where_called}"
+    else:
+        did = f"disagrees with {ranks} {others} on a collective{step}: it is in {odd.where_called}"
+    return odd, f"{did} while {ranks} {others} {wait} in {majority[0].where_called}"
+
+
+_COLLECTIVE_CALLS = ("all_reduce", "all_gather", "broadcast", "barrier", "save", "load")
+
+
+def _in_collective(where: str) -> bool:
+    return any(where.startswith(f"rt.{name} ") for name in _COLLECTIVE_CALLS)
+
 
 def failures(ends: list[RankEnd]) -> list[RankEnd]:
-    """The failed ranks, first failure first: failures of their own by time, then the ranks
+    """The failed ranks, first failure first: the rank that diverged from the others'
+    collectives (see :func:`diverged`), then failures of their own by time, then the ranks
     that only lost a peer, by time."""
-    return sorted(
+    split = diverged(ends)
+    failed = sorted(
         (e for e in ends if e.failed), key=lambda e: (e.consequence, e.failed_at_ns, e.rank)
     )
+    return failed if split is None else [split[0], *(e for e in failed if e is not split[0])]
 
 
 def headline(ends: list[RankEnd], name: str) -> str:
@@ -161,6 +233,14 @@ def headline(ends: list[RankEnd], name: str) -> str:
         return f"{name}: no rank failed"
     first = failed[0]
     others = [e for e in sorted(ends, key=lambda e: e.rank) if e is not first]
+    split = diverged(ends)
+    if split is not None:
+        states = ", ".join(f"rank {e.rank} {e.what().removeprefix('was ')}" for e in others)
+        return (
+            f"{name}: rank {first.rank} {split[1]} — the first failure ({states}): every rank "
+            "must make the same collective calls in the same order; a call made on some "
+            "ranks only (under an `if rank ...`, or a `continue` before it) breaks the step"
+        )
     states = ", ".join(f"rank {e.rank} {_state(e)}" for e in others)
     head = f"{name}: rank {first.rank} {first.what()}{first.where()} — the first failure"
     return f"{head}; {states}" if states else head
@@ -176,7 +256,7 @@ def rank_lines(ends: list[RankEnd]) -> list[str]:
     """One line per rank, the first failure first, then the other failures, then the rest:
     ``  rank 0 at step 6 (phase forward): raised RuntimeError: ...``."""
     failed = failures(ends)
-    rest = sorted((e for e in ends if not e.failed), key=lambda e: e.rank)
+    rest = sorted((e for e in ends if e not in failed), key=lambda e: e.rank)
     lines = []
     for end in failed + rest:
         what = end.what().removeprefix("was ")
@@ -186,7 +266,8 @@ def rank_lines(ends: list[RankEnd]) -> list[str]:
             what += f" (exit code {describe_exit(end.code)})"
         if end.failed and end.consequence and end is not failed[0]:
             what += " (a consequence: a peer had gone)"
-        lines.append(f"  rank {end.rank}{end.where()}: {what}")
+        call = f", in {end.where_called}" if end.where_called else ""
+        lines.append(f"  rank {end.rank}{end.where()}{call}: {what}")
     return lines
 
 

@@ -51,6 +51,11 @@ def stop_reason(
         return ""  # restarts were not asked for: nothing to explain
     if not advanced:
         return "it failed before its first step: restarting would fail the same way"
+    if faults[-1].kind == "diverged":
+        return (
+            "the ranks' collectives diverged, a fault of the program: a restart resumes "
+            "exactly and would diverge the same way"
+        )
     if crash_loop(faults, repeats):
         return (
             f"the same failure {repeats} times in a row (a crash loop): restarting would fail "

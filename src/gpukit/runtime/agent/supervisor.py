@@ -7,9 +7,11 @@ usually fail on their own, on the broken connection, which dates their failure) 
 SIGKILLed with their process groups: never SIGTERM, which asks a gpukit rank to save and stop.
 
 SIGTERM or SIGINT to the launcher is forwarded to every rank as SIGTERM (they finish the step,
-save and exit 143) and the launcher waits up to ``stop_timeout`` seconds before killing them; a
-second signal kills them at once. A rank whose heartbeat says it was asked to stop (a scheduler
-signalled that one process) has the request relayed to the others, once.
+save and exit 143) and the launcher waits up to ``stop_timeout`` seconds before killing them; the
+user's second Ctrl-C kills them at once, copies of the first request count once. A rank whose
+heartbeat says it was asked to stop, or that ended by SIGTERM or SIGINT (a scheduler signalled
+that one process), has the request relayed to the others, once; the ranks of a gpukit Runtime
+also tell each other through their process group's store.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpukit.runtime import heartbeat
-from gpukit.runtime.agent.failures import ErrorRecord, Fault, RankEnd, read_error
+from gpukit.runtime.agent.failures import (
+    ErrorRecord,
+    Fault,
+    RankEnd,
+    failures,
+    first_line,
+    read_error,
+)
 from gpukit.runtime.agent.hangs import (
     REPORT_FILE,
     Watch,
@@ -38,6 +47,7 @@ from gpukit.runtime.agent.hangs import (
 )
 from gpukit.runtime.agent.restarts import Progress
 from gpukit.runtime.agent.workers import Worker, start_worker
+from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
 
@@ -60,18 +70,32 @@ class Settings:
 
 class Signals:
     """SIGTERM and SIGINT to the launcher, noted and posted to the attempt's queue; installed
-    only from the main thread (Python allows no other), restored by ``restore``."""
+    only from the main thread (Python allows no other), restored by ``restore``.
+
+    Copies of the first request do not count twice (a scheduler signals the launcher and its
+    ranks alike, a terminal's Ctrl-C reaches every process of its group): only a SIGINT that
+    comes ``SECOND_SIGNAL_AFTER_S`` or more after the first is the user's second Ctrl-C, which
+    stops the ranks at once (``forced``)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        self.forced = False
         self.events: queue.SimpleQueue[int] | None = None
+        self._first: float | None = None
         self._old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+            self.received.append(signum)
+        elif signum == signal.SIGINT and now - self._first >= SECOND_SIGNAL_AFTER_S:
+            self.forced = True
+        else:
+            return  # a copy of the first request
         if self.events is not None:
             self.events.put(-signum)  # SimpleQueue.put is safe in a signal handler
 
@@ -124,8 +148,9 @@ class Attempt:
         while any(w.alive for w in self.workers):
             with contextlib.suppress(queue.Empty):
                 events.get(timeout=POLL_S)
-            if len(self.signals.received) > handled:
-                handled = len(self.signals.received)
+            news = len(self.signals.received) + self.signals.forced
+            if news > handled:
+                handled = news
                 watch.on_signals()
             watch.check(time.time())
         for worker in self.workers:
@@ -181,8 +206,8 @@ class _Watch:
                 w.send(signal.SIGTERM)
 
     def on_signals(self) -> None:
-        if len(self.attempt.signals.received) >= 2:
-            self.kill_all()  # a second signal: stop now
+        if self.attempt.signals.forced:
+            self.kill_all()  # the user's second Ctrl-C: stop now
             return
         self.stopping = True
         self._terminate(
@@ -213,9 +238,9 @@ class _Watch:
 
     def _ended(self, worker: Worker, now: float) -> None:
         code = worker.returncode
-        if code == 0 or worker.stopped:
+        if code is None or code == 0 or worker.stopped:
             return
-        if code == 143 or (worker.rank in self.signalled and code == -signal.SIGTERM):
+        if RankEnd(worker.rank, code, 0).preempted:
             if not self.stopping:  # it was asked to stop by someone else: so are the others
                 self._terminate([w for w in self.attempt.workers if w is not worker])
             self.stopping = True
@@ -288,14 +313,13 @@ class _Watch:
         if self.hang is not None:
             fault, seen = self.hang
             return Outcome("hung", ends, progress, fault, seen, stopped_at)
-        failed = sorted((e for e in ends if e.failed), key=_first)
+        failed = failures(ends)  # the first failure first (a rank that diverged, if one did)
         # Asked to stop, ranks that only lost a peer on the way out did not fail the job.
         stop_only = self.stopping and all(e.consequence for e in failed)
         if failed and not self.attempt.signals.received and not stop_only:
             first = failed[0]
-            return Outcome(
-                "failed", ends, progress, first.fault(number), first.failed_at_ns / 1e9, stopped_at
-            )
+            fault = first.fault(number, ends)
+            return Outcome("failed", ends, progress, fault, first.failed_at_ns / 1e9, stopped_at)
         if self.attempt.signals.received or any(e.preempted for e in ends):
             return Outcome("preempted", ends, progress, preempted_message=_resume_hint(ends))
         return Outcome("ok", ends, progress)  # a stop was relayed, yet every rank finished
@@ -317,11 +341,8 @@ class _Watch:
             step=beat.step if beat is not None else None,
             phase=beat.phase if beat is not None else None,
             asked_to_stop=w.rank in self.signalled,
+            where_called=beat.where if beat is not None else "",
         )
-
-
-def _first(end: RankEnd) -> tuple[bool, int, int]:
-    return (end.consequence, end.failed_at_ns, end.rank)
 
 
 def _resume_hint(ends: list[RankEnd]) -> str | None:
@@ -330,7 +351,7 @@ def _resume_hint(ends: list[RankEnd]) -> str | None:
     for end in sorted(ends, key=lambda e: e.rank):
         error: ErrorRecord | None = end.error
         if error is not None and error.message.startswith("Preempted"):
-            return error.first_line.removeprefix("Preempted: ")
+            return first_line(error.message, width=1000).removeprefix("Preempted: ")
     return None
 
 

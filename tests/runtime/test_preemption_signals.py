@@ -1,0 +1,262 @@
+"""Preemption as clusters deliver it: real SIGTERM and SIGINT, sent from outside to real training
+processes in the middle of a step, under every way of starting them.
+
+Each program trains on 2 gloo processes with a sleep in its loss (so a signal lands mid-step),
+saves every 4 steps, and is signalled once its periodic checkpoint at step 4 exists. Whatever
+the pattern (the launcher, one rank, every process, copies of the signal, a Ctrl-C), every rank
+stops at one step past that checkpoint after saving there, the job exits 143 and is never
+restarted, and the message that says where it saved is printed once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+STEPS = 400  # far more than a test waits for: every run here ends by its signal
+PERIODIC = 4  # --save-every
+
+# The workload of `gpukit train`: its loss sleeps, and each rank writes its process id.
+WORKLOAD = """
+import os, time, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def make():
+    with open(f"pid-{os.environ.get('RANK', '0')}", "w") as f:
+        f.write(str(os.getpid()))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
+    def loss(out, target):
+        time.sleep(0.05)
+        return nn.functional.mse_loss(out, target)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), data, loss
+"""
+
+# A program written like the PyTorch DDP tutorial, ported to gpukit: torchrun or
+# `gpukit launch` start it as it is; `launch` as its third argument starts it with rt.launch.
+PROGRAM = """
+import os, sys, time, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import gpukit as gk
+
+def main(rt, steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
+    model, opt, loader = rt.setup(model, opt, DataLoader(data, batch_size=8, shuffle=True))
+    with open(f"pid-{rt.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    print(f"rank {rt.rank} started", flush=True)
+    while rt.global_step < steps:
+        for x, y in loader:
+            time.sleep(0.05)
+            rt.backward(nn.functional.mse_loss(model(x), y))
+            rt.step(opt)
+            if rt.global_step >= steps:
+                break
+
+if __name__ == "__main__":
+    launch = sys.argv[1:] == ["launch"]
+    rt = gk.Runtime(devices=2 if launch else "auto", checkpoints="ck", save_every=PERIODIC, seed=0)
+    if launch:
+        rt.launch(main, STEPS)
+    else:
+        main(rt, STEPS)
+        rt.teardown()
+""".replace("PERIODIC", str(PERIODIC)).replace("STEPS", str(STEPS))
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GPUKIT_JOB_DIR", "GPUKIT_FAULT"):
+        env.pop(name, None)
+    return env
+
+
+def _start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(path: Path, job: subprocess.Popen[str], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if job.poll() is not None:
+            pytest.fail(f"the job ended before {path.name} existed:\n{job.communicate()[0]}")
+        if time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"no {path.name} after {timeout} s:\n{job.communicate()[0]}")
+        time.sleep(0.1)
+
+
+def _pid(folder: Path, rank: int) -> int:
+    return int((folder / f"pid-{rank}").read_text())
+
+
+def _send(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+def _stopped(job: subprocess.Popen[str], checkpoints: Path) -> tuple[str, int]:
+    """The job's output and the step it saved at, once it ended on its own with 143 after one
+    save past the periodic checkpoint it was signalled after."""
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 143, output
+    saved = (checkpoints / "latest").read_text().strip()
+    step = int(saved.removeprefix("step-"))
+    assert step > PERIODIC, output  # the stop's own save, past the periodic one
+    said = re.findall(r"stopped after step (\d+) on every rank and saved", output)
+    assert said == [str(step)], output  # said once, naming the step it saved
+    assert "restart" not in output, output  # a stop on request is never restarted
+    return output, step
+
+
+# -- gpukit train: the launcher, one rank, every process, copies, Ctrl-C ----------------------
+
+Pattern = Callable[[subprocess.Popen[str], Path], None]
+
+
+def _launcher(job: subprocess.Popen[str], folder: Path) -> None:
+    job.send_signal(signal.SIGTERM)
+
+
+def _one_rank(job: subprocess.Popen[str], folder: Path) -> None:
+    _send([_pid(folder, 1)], signal.SIGTERM)
+
+
+def _every_process_twice(job: subprocess.Popen[str], folder: Path) -> None:
+    # scancel and Kubernetes signal every process; here the launcher too, then all again.
+    everyone = [_pid(folder, 1), job.pid, _pid(folder, 0)]
+    _send(everyone, signal.SIGTERM)
+    _send(everyone, signal.SIGTERM)
+
+
+def _ctrl_c(job: subprocess.Popen[str], folder: Path) -> None:
+    job.send_signal(signal.SIGINT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pattern", [_launcher, _one_rank, _every_process_twice, _ctrl_c], ids=lambda p: p.__name__
+)
+def test_gpukit_train_stops_once_saved_and_exits_143(tmp_path: Path, pattern: Pattern) -> None:
+    (tmp_path / "slowload.py").write_text(WORKLOAD)
+    job = _start(
+        [sys.executable, "-m", "gpukit", "train", "--workload", "slowload:make", "--devices",
+         "2", "--batch-size", "16", "--max-steps", str(STEPS), "--out", "run", "--save-every",
+         str(PERIODIC), "--max-restarts", "2", "--progress-every", "0"],
+        tmp_path,
+    )  # fmt: skip
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _wait_for(checkpoints / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    pattern(job, tmp_path)
+    output, _ = _stopped(job, checkpoints)
+    assert output.count("gpukit train: stopped on request (exit 143)") == 1, output
+
+
+@pytest.mark.slow
+def test_a_preempted_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "slowload.py").write_text(WORKLOAD)
+    steps = 20
+    train = [sys.executable, "-m", "gpukit", "train", "--workload", "slowload:make",
+             "--devices", "2", "--batch-size", "16", "--max-steps", str(steps),
+             "--save-every", str(PERIODIC), "--progress-every", "0"]  # fmt: skip
+    whole = subprocess.run([*train, "--out", "whole"], cwd=tmp_path, env=_env(), timeout=300)
+    assert whole.returncode == 0
+    job = _start([*train, "--out", "cut"], tmp_path)
+    _wait_for(tmp_path / "cut" / "checkpoints" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _send([_pid(tmp_path, 0), _pid(tmp_path, 1)], signal.SIGTERM)
+    _, step = _stopped(job, tmp_path / "cut" / "checkpoints")
+    assert step < steps
+    again = subprocess.run([*train, "--out", "cut", "--resume"], cwd=tmp_path, env=_env())
+    assert again.returncode == 0
+
+    def weights(out: str) -> dict[str, object]:
+        folder = tmp_path / out / "checkpoints" / f"step-{steps:08d}"
+        return load_file(str(folder / "model.safetensors"))
+
+    a, b = weights("whole"), weights("cut")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)  # type: ignore[attr-defined]
+
+
+# -- the same program under gpukit launch, torchrun and rt.launch -------------------------------
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(PROGRAM))
+    return script
+
+
+@pytest.mark.slow
+def test_gpukit_launch_one_rank_signalled(tmp_path: Path, program: Path) -> None:
+    job = _start(
+        [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", "--max-restarts", "1",
+         str(program)],
+        tmp_path,
+    )  # fmt: skip
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _send([_pid(tmp_path, 1)], signal.SIGTERM)
+    output, _ = _stopped(job, tmp_path / "ck")
+    assert output.count("gpukit launch: stopped on request (exit 143)") == 1, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("everyone", [False, True], ids=["one-rank", "every-process"])
+def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
+    tmp_path: Path, program: Path, everyone: bool
+) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    job = _start(
+        [*torchrun, "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
+         str(program)],
+        tmp_path,
+    )  # fmt: skip
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    ranks = [_pid(tmp_path, 0), _pid(tmp_path, 1)]
+    _send([job.pid, *ranks] if everyone else ranks[1:], signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    # The agent was told to stop (by the scheduler, or by the ranks once they saved), rather
+    # than left to count their exit 143 as a failure to restart; torchrun then ends with its
+    # own SignalException (exit 1).
+    assert "Received 15 death signal" in output, output
+    assert job.returncode != 0, output
+    saved = int((tmp_path / "ck" / "latest").read_text().strip().removeprefix("step-"))
+    assert saved > PERIODIC, output
+    said = re.findall(r"stopped after step (\d+) on every rank and saved", output)
+    assert said == [str(saved)], output
+    assert output.count("rank 0 started") == 1, output  # never started again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("whom", ["parent", "one-rank"])
+def test_rt_launch_raises_preempted_in_the_parent(tmp_path: Path, program: Path, whom: str) -> None:
+    job = _start([sys.executable, str(program), "launch"], tmp_path)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _send([job.pid if whom == "parent" else _pid(tmp_path, 1)], signal.SIGTERM)
+    _stopped(job, tmp_path / "ck")
