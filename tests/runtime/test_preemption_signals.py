@@ -64,7 +64,7 @@ def main(rt, steps):
     print(f"rank {rt.rank} started", flush=True)
     while rt.global_step < steps:
         for x, y in loader:
-            time.sleep(0.05)
+            time.sleep(60 if os.path.exists("slow") else 0.05)
             rt.backward(nn.functional.mse_loss(model(x), y))
             rt.step(opt)
             if rt.global_step >= steps:
@@ -224,6 +224,32 @@ def test_gpukit_launch_one_rank_signalled(tmp_path: Path, program: Path) -> None
     _send([_pid(tmp_path, 1)], signal.SIGTERM)
     output, _ = _stopped(job, tmp_path / "ck")
     assert output.count("gpukit launch: stopped on request (exit 143)") == 1, output
+
+
+@pytest.mark.slow
+def test_ranks_that_cannot_save_within_the_grace_period_are_killed_and_it_says_so(
+    tmp_path: Path, program: Path
+) -> None:
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)],
+        cwd=tmp_path,
+        env={**_env(), "GPUKIT_STOP_GRACE": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    (tmp_path / "slow").touch()  # the next step takes a minute: no save can come in time
+    time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == 143, output
+    assert re.search(
+        r"gpukit launch: stopped on request \(exit 143\); the ranks did not save and exit within "
+        r"the grace period, so they were killed \(the newest checkpoint is step \d+\): give them "
+        r"longer with GPUKIT_STOP_GRACE=SECONDS",
+        output,
+    ), output
 
 
 @pytest.mark.slow
