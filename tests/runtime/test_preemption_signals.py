@@ -286,3 +286,48 @@ def test_rt_launch_raises_preempted_in_the_parent(tmp_path: Path, program: Path,
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     _send([job.pid if whom == "parent" else _pid(tmp_path, 1)], signal.SIGTERM)
     _stopped(job, tmp_path / "ck")
+
+
+# One process whose loader has worker processes, signalled as Slurm does: every process of the
+# job, its DataLoader workers included.
+WORKERS = """
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import gpukit as gk
+
+class Slow(TensorDataset):
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return super().__getitem__(i)
+
+if __name__ == "__main__":
+    rt = gk.Runtime(devices="cpu", checkpoints="ck", seed=0, save_every=PERIODIC)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = Slow(torch.randn(4096, 8), torch.randn(4096, 1))
+    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=2)
+    model, opt, loader = rt.setup(model, opt, loader)
+    for x, y in loader:
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(opt)
+""".replace("PERIODIC", str(PERIODIC))
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_whole_process_group_spares_the_loaders_workers(tmp_path: Path) -> None:
+    (tmp_path / "workers.py").write_text(WORKERS)
+    job = subprocess.Popen(
+        [sys.executable, "workers.py"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a scheduler's job step
+    )
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    os.killpg(job.pid, signal.SIGTERM)
+    output, _ = _stopped(job, tmp_path / "ck")
+    assert "exited unexpectedly" not in output, output

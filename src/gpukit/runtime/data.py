@@ -7,10 +7,11 @@ global random generator when it starts as a ``DataLoader`` does (the workers' ba
 ``len``, ``dataset``, ``batch_size``, ``sampler`` and the loader's other attributes are there.
 
 What it adds: it shards the data across ranks (see ``gpukit.runtime.sampling``), calls the
-sampler's ``set_epoch`` at each pass (unless the program calls it itself), hands out batches
-already on the device (on CUDA from pinned memory, the next batch copied on a side stream while
-the current one is used), and remembers where the training pass is, so a resumed run continues
-with the next batch and the same random numbers.
+sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
+SIGINT to the main process in its workers (``MainStops``: a preemption then saves), hands out
+batches already on the device (on CUDA from pinned memory, the next batch copied on a side
+stream while the current one is used), and remembers where the training pass is, so a resumed
+run continues with the next batch and the same random numbers.
 
 >>> import torch, gpukit as gk
 >>> from torch.utils.data import DataLoader, TensorDataset
@@ -25,6 +26,7 @@ with the next batch and the same random numbers.
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +129,8 @@ class DeviceLoader:
         options = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
         if options["num_workers"] == 0:
             options.pop("persistent_workers")
+        else:
+            options["worker_init_fn"] = MainStops(options["worker_init_fn"])
         if loader.prefetch_factor is not None and options["num_workers"] > 0:
             options["prefetch_factor"] = loader.prefetch_factor
         pin = loader.pin_memory or self.device.type == "cuda"
@@ -313,6 +317,27 @@ class _PassIterator:
 
     def __del__(self) -> None:
         self._end(exhausted=False)
+
+
+class MainStops:
+    """A DataLoader worker's ``worker_init_fn`` that first leaves SIGTERM and SIGINT to the
+    main process, then calls the program's own (if any). A scheduler signals every process of
+    the job (Slurm's ``scancel``), a terminal's Ctrl-C its whole process group: workers that
+    died of it would fail the main process's next batch ("DataLoader worker exited
+    unexpectedly") before it could finish the step and save. The main process stops its
+    workers itself, and they stop when it dies.
+
+    >>> MainStops(None)(0)
+    """
+
+    def __init__(self, user: Callable[[int], Any] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
 
 
 def _capture(generators: list[torch.Generator]) -> dict[str, Any]:

@@ -3,8 +3,9 @@ Runtime owns, read from outside the ranks by gpukit's launcher to tell a hang fr
 
 A beat is a few bytes written into a memory-mapped file (``GPUKIT_JOB_DIR/beat-<rank>``): no
 system call, no collective, no device synchronisation; 2-3 µs with the walk up to the caller's
-line. The launcher (``gpukit.runtime.agent``) reads every rank's file; a rank whose last beat is older than the
-hang timeout is stuck, and the one furthest behind (step, then phase) is the one to blame.
+line. The launcher (``gpukit.runtime.agent``) reads every rank's file; a rank whose last beat is
+older than the hang timeout is stuck, and the one furthest behind (step, then phase) is the one
+to blame.
 
 Without ``GPUKIT_JOB_DIR`` (no gpukit launcher watching) a beat does nothing.
 
