@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS = 400  # far more than a test waits for: every run here ends by its signal
 PERIODIC = 4  # --save-every
@@ -250,6 +252,22 @@ def test_ranks_that_cannot_save_within_the_grace_period_are_killed_and_it_says_s
         r"longer with GPUKIT_STOP_GRACE=SECONDS",
         output,
     ), output
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_to_the_launcher_stops_the_ranks_at_once(
+    tmp_path: Path, program: Path
+) -> None:
+    job = _start([sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)], tmp_path)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    (tmp_path / "slow").touch()  # the step under way outlasts the test: only a kill ends it
+    time.sleep(0.5)
+    job.send_signal(signal.SIGINT)
+    time.sleep(SECOND_SIGNAL_AFTER_S + 0.5)  # later than any copy of the first would come
+    job.send_signal(signal.SIGINT)
+    output = job.communicate(timeout=30)[0]
+    assert job.returncode == 130, output
+    assert "gpukit launch: stopped at once by a second Ctrl-C, without saving" in output, output
 
 
 @pytest.mark.slow

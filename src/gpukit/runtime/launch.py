@@ -90,6 +90,8 @@ def spawn(
         )
         with _PassedOn(context.processes) as signals:
             codes = _watch(context.processes, signals)
+        if signals.kill_now:  # the user's second Ctrl-C: out at once, as Python would
+            raise KeyboardInterrupt
         stopped = sorted(outbox.glob("preempted-*.txt"))
         if stopped:  # asked to stop: every rank saved and left together
             raise Preempted(stopped[0].read_text())

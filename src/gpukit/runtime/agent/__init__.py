@@ -52,6 +52,7 @@ __all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
 RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
 DEFAULT_HANG_TIMEOUT = 300.0
 GRACE_S = 1.5  # after the first failure, for the others to fail on their own
+INTERRUPTED_EXIT = 130  # a second Ctrl-C stopped the job at once, as a shell reports SIGINT
 
 
 def run_job(
@@ -70,7 +71,8 @@ def run_job(
     job_dir: str | Path | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
-    0 success, 143 stopped on request (preempted: the ranks saved), 1 failed or hung.
+    0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
+    second Ctrl-C, 1 failed or hung.
 
     ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
     is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
@@ -142,6 +144,12 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
         if outcome.status == "ok":
             _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
             return 0
+        if outcome.status == "preempted" and signals.forced:
+            saved = outcome.progress.checkpoint
+            newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
+            line = f"{s.name}: stopped at once by a second Ctrl-C, without saving ({newest})"
+            _say(s, [line, *_ended(s, faults, restarts, "stopped")])
+            return INTERRUPTED_EXIT
         if outcome.status == "preempted":
             _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
             return PREEMPTED_EXIT
