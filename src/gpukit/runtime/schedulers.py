@@ -67,6 +67,9 @@ class Scheduler:
         self.repeats = repeats
         self._mid_window = mid_window
         self._optimizer = getattr(scheduler, "optimizer", None)
+        if self._optimizer is None and getattr(scheduler, "_schedulers", None):
+            # ChainedScheduler before torch 2.2 names no optimizer: its children do.
+            self._optimizer = getattr(scheduler._schedulers[0], "optimizer", None)
         self.ran = 0  # optimizer steps that ran since the last call
         self.skipped = 0  # and that were skipped
         self._flags: list[torch.Tensor] = []  # the guard's per-step flags, read once per call
@@ -117,9 +120,11 @@ class Scheduler:
         """Scheduler steps the program's next call owes (saved in a checkpoint taken between
         an optimizer step and that call): a resumed run makes them before its first step."""
         self._read_flags()
-        if self.ran == 1 and not self.pass_ended and self.per_step is not False:
-            return self.repeats
-        return 0
+        if self.ran == 0:
+            return 0  # the program has made its call since the last optimizer step
+        if self.pass_ended:
+            return 1  # saved at the end of a pass, before the epoch's call
+        return self.repeats if self.ran == 1 and self.per_step is not False else 0
 
     def settle(self, owed: int, per_step: bool | None) -> None:
         """After a load: make the ``owed`` steps, and forget what happened before it."""
