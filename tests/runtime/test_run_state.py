@@ -430,3 +430,85 @@ def test_a_checkpoint_written_before_these_entries_loads_where_nothing_is_missin
     rt, _, _ = _fresh()
     with pytest.raises(ConfigError, match="holds no scheduler state"):
         rt.load(tmp_path)
+
+
+# -- every kind of scheduler, and a scaler of the program's own, round-trips ---------------------
+def _half(step: int) -> float:
+    return 0.5**step
+
+
+_S = torch.optim.lr_scheduler
+SCHEDULERS: dict[str, Any] = {
+    "LambdaLR": lambda o: _S.LambdaLR(o, _half),
+    "MultiplicativeLR": lambda o: _S.MultiplicativeLR(o, lambda step: 0.9),
+    "StepLR": lambda o: _S.StepLR(o, 2),
+    "MultiStepLR": lambda o: _S.MultiStepLR(o, [1, 3]),
+    "ConstantLR": lambda o: _S.ConstantLR(o, 0.5, total_iters=3),
+    "LinearLR": lambda o: _S.LinearLR(o, 0.1, total_iters=4),
+    "ExponentialLR": lambda o: _S.ExponentialLR(o, 0.9),
+    "PolynomialLR": lambda o: _S.PolynomialLR(o, total_iters=6),
+    "CosineAnnealingLR": lambda o: _S.CosineAnnealingLR(o, 6),
+    "CosineAnnealingWarmRestarts": lambda o: _S.CosineAnnealingWarmRestarts(o, 2),
+    "CyclicLR": lambda o: _S.CyclicLR(o, 0.01, 0.1, step_size_up=2),
+    "OneCycleLR": lambda o: _S.OneCycleLR(o, 0.1, total_steps=10),
+    "SequentialLR": lambda o: _S.SequentialLR(
+        o, [_S.LinearLR(o, 0.1, total_iters=2), _S.ExponentialLR(o, 0.9)], milestones=[2]
+    ),
+    "ChainedScheduler": lambda o: _S.ChainedScheduler(
+        [_S.ConstantLR(o, 0.5, total_iters=2), _S.ExponentialLR(o, 0.9)]
+    ),
+    "ReduceLROnPlateau": lambda o: _S.ReduceLROnPlateau(o, patience=0),
+}
+
+
+def _scheduled(
+    kind: str, steps: int, folder: Path | None = None, load: bool = False
+) -> tuple[Any, Any, Any]:
+    rt = gk.Runtime(devices="cpu", seed=0)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    model, optimizer, scheduler, scaler = rt.setup(
+        model, optimizer, SCHEDULERS[kind](optimizer), scaler
+    )
+    if load:
+        rt.load(folder)
+    for i in range(steps):
+        rt.backward(model(torch.ones(1, 2)).sum())
+        rt.step(optimizer)
+        scheduler.step(*([1.0 + i % 2] if kind == "ReduceLROnPlateau" else []))
+    if not load and folder is not None:
+        scaler.scale(torch.ones(()))  # the scaler makes its scale lazily
+        scaler.update(2.0**7)
+        rt.save(folder)
+    return optimizer, scheduler, scaler
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULERS))
+def test_every_scheduler_kind_resumes_exactly(tmp_path: Path, kind: str) -> None:
+    optimizer, scheduler, _ = _scheduled(kind, 6)
+    _scheduled(kind, 3, tmp_path)
+    resumed_optimizer, resumed, scaler = _scheduled(kind, 3, tmp_path, load=True)
+    state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    _same(state, {k: v for k, v in resumed.state_dict().items() if k != "lr_lambdas"})
+    _same(optimizer.state_dict(), resumed_optimizer.state_dict())
+    assert scaler.get_scale() == 2.0**7
+
+
+def test_a_checkpoint_of_another_scheduler_class_or_other_objects_is_refused(
+    tmp_path: Path,
+) -> None:
+    _scheduled("StepLR", 1, tmp_path)
+    rt = gk.Runtime(devices="cpu")
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)
+    rt.setup(model, optimizer, scheduler, torch.amp.GradScaler("cpu"))
+    with pytest.raises(ConfigError, match=r"scheduler 0: the checkpoint's is .*StepLR, this run's"):
+        rt.load(tmp_path)
+    rt = gk.Runtime(devices="cpu")
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rt.setup(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2))
+    with pytest.raises(ConfigError, match=r"1 object\(s\) in the checkpoint \(.*GradScaler\), 0"):
+        rt.load(tmp_path)
