@@ -512,3 +512,28 @@ def test_a_checkpoint_of_another_scheduler_class_or_other_objects_is_refused(
     rt.setup(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2))
     with pytest.raises(ConfigError, match=r"1 object\(s\) in the checkpoint \(.*GradScaler\), 0"):
         rt.load(tmp_path)
+
+
+class _KeepsAMethod(torch.optim.lr_scheduler.StepLR):
+    """Holds one of its own bound methods in its state, as OneCycleLR's anneal_func did in
+    older torch: made again by the constructor, so not saved."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.anneal = self._anneal
+        super().__init__(optimizer, 1)
+
+    def _anneal(self) -> float:
+        return 1.0
+
+
+def test_a_schedulers_own_bound_methods_are_left_to_its_constructor(tmp_path: Path) -> None:
+    rt, model, optimizer = _fresh(scheduler=False)
+    scheduler = rt.setup(model, _KeepsAMethod(optimizer))[1]
+    rt.backward(model(torch.ones(1, 2)).sum())
+    rt.step(optimizer)
+    scheduler.step()
+    rt.save(tmp_path)
+    rt, model, optimizer = _fresh(scheduler=False)
+    scheduler = rt.setup(model, _KeepsAMethod(optimizer))[1]
+    rt.load(tmp_path)
+    assert scheduler.last_epoch == 1 and scheduler.anneal() == 1.0

@@ -179,10 +179,21 @@ def track(state: TrainState, objects: dict[str, Any]) -> None:
         state.tracked[name] = obj
 
 
+def saved_state(obj: Any) -> Any:
+    """``obj.state_dict()`` without the object's own bound methods (older torch keeps
+    OneCycleLR's ``anneal_func`` in it): the constructor makes them again, so they are not
+    state."""
+    state = obj.state_dict()
+    if isinstance(state, dict):
+        own = [k for k, v in state.items() if getattr(v, "__self__", None) is obj]
+        state = {k: v for k, v in state.items() if k not in own} if own else state
+    return state
+
+
 def check_saveable(where: str, obj: Any) -> None:
     """ConfigError unless ``obj.state_dict()`` is plain data."""
     try:
-        saved = obj.state_dict()
+        saved = saved_state(obj)
     except Exception as err:
         raise ConfigError(
             f"{where}: {type_name(obj)}.state_dict() failed ({type(err).__name__}: {err}), so "

@@ -24,7 +24,7 @@ import torch
 
 from gpukit._util.tree import tensors
 from gpukit.errors import ConfigError
-from gpukit.runtime.owned import not_plain
+from gpukit.runtime.owned import not_plain, saved_state
 from gpukit.runtime.state import TrainState
 
 _KINDS = ("schedulers", "objects")
@@ -39,15 +39,15 @@ def entries(state: TrainState) -> dict[str, Any]:
         "schedulers": [
             {
                 "type": _type(s.scheduler),
-                "state": s.scheduler.state_dict(),
+                "state": saved_state(s.scheduler),
                 "owed": s.owed(),
                 "per_step": s.per_step,
             }
             for s in state.schedulers
         ],
-        "objects": [{"type": _type(o), "state": o.state_dict()} for o in state.objects],
+        "objects": [{"type": _type(o), "state": saved_state(o)} for o in state.objects],
         "tracked": {
-            name: {"type": _type(o), "state": dict(o) if type(o) is dict else o.state_dict()}
+            name: {"type": _type(o), "state": dict(o) if type(o) is dict else saved_state(o)}
             for name, o in state.tracked.items()
         },
     }
