@@ -537,3 +537,20 @@ def test_a_schedulers_own_bound_methods_are_left_to_its_constructor(tmp_path: Pa
     scheduler = rt.setup(model, _KeepsAMethod(optimizer))[1]
     rt.load(tmp_path)
     assert scheduler.last_epoch == 1 and scheduler.anneal() == 1.0
+
+
+def test_a_step_the_scaler_skipped_does_not_step_the_scheduler_and_repeats_stop_at_the_end() -> (
+    None
+):
+    from gpukit.runtime.schedulers import Scheduler
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    wrapped = Scheduler(_S.OneCycleLR(optimizer, 0.1, total_steps=5), repeats=2)
+    wrapped.optimizer_stepped(optimizer, ran=False)  # 16-mixed: the gradients overflowed
+    wrapped.step()
+    assert wrapped.last_epoch == 0
+    for _ in range(3):  # 6 steps asked of a 5-step cycle (padded shards): the last is not made
+        optimizer.step()
+        wrapped.optimizer_stepped(optimizer, ran=True)
+        wrapped.step()
+    assert wrapped.last_epoch == 5
