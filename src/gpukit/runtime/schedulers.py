@@ -34,6 +34,20 @@ from gpukit._util.text import described
 from gpukit.errors import ConfigError
 
 SchedulerSteps = Literal["per-sample", "per-optimizer-step"]
+_OWN = frozenset(
+    [
+        "scheduler",
+        "repeats",
+        "ran",
+        "skipped",
+        "pass_ended",
+        "per_step",
+        "_mid_window",
+        "_optimizer",
+        "_bad",
+        "_flagged",
+    ]
+)
 
 
 def check_scheduler_steps(value: object) -> None:
@@ -72,7 +86,10 @@ class Scheduler:
             self._optimizer = getattr(scheduler._schedulers[0], "optimizer", None)
         self.ran = 0  # optimizer steps that ran since the last call
         self.skipped = 0  # and that were skipped
-        self._flags: list[torch.Tensor] = []  # the guard's per-step flags, read once per call
+        # The non-finite guard's flags since the last call, summed on the device (one small
+        # add per step), read once per call.
+        self._bad: torch.Tensor | None = None
+        self._flagged = 0
         self.pass_ended = False  # a loader's pass ended since the last optimizer step
         # Whether the program steps it once per optimizer step (learned from its calls; None
         # until a call follows an optimizer step): a checkpoint taken inside rt.step, before
@@ -89,7 +106,8 @@ class Scheduler:
             return
         self.pass_ended = False  # a call now is the step's, not the epoch's
         if flag is not None:
-            self._flags.append(flag)
+            self._bad = flag.detach() if self._bad is None else self._bad + flag.detach()
+            self._flagged += 1
         elif ran:
             self.ran += 1
         else:
@@ -128,8 +146,8 @@ class Scheduler:
 
     def settle(self, owed: int, per_step: bool | None) -> None:
         """After a load: make the ``owed`` steps, and forget what happened before it."""
-        self.ran = self.skipped = 0
-        self._flags.clear()
+        self.ran = self.skipped = self._flagged = 0
+        self._bad = None
         self.pass_ended = False
         self.per_step = per_step
         if owed:
@@ -152,11 +170,11 @@ class Scheduler:
             self.scheduler.step()
 
     def _read_flags(self) -> None:
-        if self._flags:  # one read for the guard's flags since the last call
-            bad = int(torch.stack([f.detach().float() for f in self._flags]).sum().item())
-            self.ran += len(self._flags) - bad
+        if self._bad is not None:  # one read for the guard's flags since the last call
+            bad = int(self._bad.item())
+            self.ran += self._flagged - bad
             self.skipped += bad
-            self._flags.clear()
+            self._bad, self._flagged = None, 0
 
     def _take(self) -> tuple[int, int]:
         self._read_flags()
@@ -171,6 +189,13 @@ class Scheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the scheduler's own state."""
         self.scheduler.load_state_dict(state)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The wrapper's own bookkeeping stays here; anything else is the scheduler's.
+        if name in _OWN or "scheduler" not in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.scheduler, name, value)
 
     def __getattr__(self, name: str) -> Any:
         scheduler = self.__dict__.get("scheduler")
