@@ -554,3 +554,17 @@ def test_a_step_the_scaler_skipped_does_not_step_the_scheduler_and_repeats_stop_
         wrapped.optimizer_stepped(optimizer, ran=True)
         wrapped.step()
     assert wrapped.last_epoch == 5
+
+
+def test_a_scheduler_stepped_around_the_wrapper_over_several_ranks_warns_once() -> None:
+    from gpukit.runtime.schedulers import Scheduler
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = _S.StepLR(optimizer, 1)
+    wrapped = Scheduler(scheduler, repeats=2)  # what rt.setup returned, left unused
+    optimizer.step()
+    scheduler.step()
+    with pytest.warns(UserWarning, match="StepLR was stepped directly, not through what rt.setup"):
+        wrapped.optimizer_stepped(optimizer, ran=True)
+        scheduler.step()
+        wrapped.optimizer_stepped(optimizer, ran=True)  # once

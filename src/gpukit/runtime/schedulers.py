@@ -18,7 +18,7 @@ through ``step()``, which must stay the scheduler's own. Everything else (``get_
 >>> import torch
 >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
 >>> steps = Scheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), repeats=2)
->>> steps.optimizer_stepped(opt, ran=True); steps.step()
+>>> opt.step(); steps.optimizer_stepped(opt, ran=True); steps.step()
 >>> steps.get_last_lr()
 [0.25]
 """
@@ -31,7 +31,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from gpukit._util.text import described
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, warn_user
 
 SchedulerSteps = Literal["per-sample", "per-optimizer-step"]
 _OWN = frozenset(
@@ -46,6 +46,8 @@ _OWN = frozenset(
         "_optimizer",
         "_bad",
         "_flagged",
+        "_seen",
+        "_warned",
     ]
 )
 
@@ -95,6 +97,8 @@ class Scheduler:
         # until a call follows an optimizer step): a checkpoint taken inside rt.step, before
         # the program's own call, owes that call.
         self.per_step: bool | None = None
+        self._seen = getattr(scheduler, "last_epoch", None)  # after this wrapper's last step
+        self._warned = False
 
     # -- what the Runtime tells it ---------------------------------------------------------------
     def optimizer_stepped(
@@ -104,6 +108,15 @@ class Scheduler:
         non-finite guard's device flag, 1.0 when it skipped the step (read at the next call)."""
         if optimizer is not self._optimizer:
             return
+        now = getattr(self.scheduler, "last_epoch", None)
+        if self.repeats > 1 and now != self._seen and not self._warned:
+            self._warned = True
+            warn_user(
+                f"{type(self.scheduler).__name__} was stepped directly, not through what "
+                f"rt.setup returned for it: over {self.repeats} ranks that split the batches it "
+                "then follows the optimizer steps, not the samples seen. Step the scheduler "
+                "rt.setup returned (model, opt, sched = rt.setup(model, opt, sched))"
+            )
         self.pass_ended = False  # a call now is the step's, not the epoch's
         if flag is not None:
             self._bad = flag.detach() if self._bad is None else self._bad + flag.detach()
@@ -133,6 +146,7 @@ class Scheduler:
             self.per_step = False
         self.scheduler.step(*args, **kwargs)
         self._repeat(times - 1)
+        self._seen = getattr(self.scheduler, "last_epoch", None)
 
     def owed(self) -> int:
         """Scheduler steps the program's next call owes (saved in a checkpoint taken between
@@ -159,6 +173,7 @@ class Scheduler:
                 )
                 self.scheduler.step()
                 self._repeat(owed - 1)
+        self._seen = getattr(self.scheduler, "last_epoch", None)
 
     def _repeat(self, times: int) -> None:
         for _ in range(times):
