@@ -204,6 +204,7 @@ class Scheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the scheduler's own state."""
         self.scheduler.load_state_dict(state)
+        self._seen = getattr(self.scheduler, "last_epoch", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The wrapper's own bookkeeping stays here; anything else is the scheduler's.
