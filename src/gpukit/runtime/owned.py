@@ -49,7 +49,7 @@ class Registry:
         """Save the program's own state in every checkpoint, with the rest of it (atomically),
         and restore it in place on load: objects with ``state_dict``/``load_state_dict``, or
         dicts of numbers, strings, lists and tensors. What a checkpoint cannot hold is refused
-        here.
+        here. Rank 0's values are saved, and every rank gets them back.
 
         >>> import gpukit as gk
         >>> rt = gk.Runtime(devices="cpu")
