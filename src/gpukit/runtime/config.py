@@ -24,6 +24,7 @@ from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
 from gpukit.devices import hw as _hw
 from gpukit.errors import ConfigError
+from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
 from gpukit.strategies import Strategy
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
@@ -53,6 +54,7 @@ class RuntimeConfig:
     seed: int | None = None
     log_every: int = 50
     oom: OomPolicy = "raise"
+    scheduler_steps: SchedulerSteps = "per-sample"
 
     def __post_init__(self) -> None:
         _check_count("accumulate", self.accumulate, "micro-batches per optimizer step")
@@ -65,6 +67,7 @@ class RuntimeConfig:
             )
         _check_clip(self.clip)
         _check_seed(self.seed)
+        check_scheduler_steps(self.scheduler_steps)
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:

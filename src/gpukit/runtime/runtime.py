@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +38,7 @@ from torch.utils.data import DataLoader
 from gpukit import _env
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.runtime import checkpoint, collectives
+from gpukit.runtime import checkpoint, collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
 from gpukit.runtime.data import DeviceLoader
@@ -48,7 +47,9 @@ from gpukit.runtime.launch import spawn
 from gpukit.runtime.lifecycle import Lifecycle, LifecycleConfig, ResumePolicy
 from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard, NonFinitePolicy
+from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.schedulers import SchedulerSteps
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
 from gpukit.runtime.targets import with_target_check
@@ -56,7 +57,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, Strategy, choose
 
 
-class Runtime(RuntimeViews):
+class Runtime(RuntimeViews, Registry):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Args:
@@ -90,6 +91,8 @@ class Runtime(RuntimeViews):
         nonfinite: None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs
             an optimizer built with ``fused=True``) or "raise" (stop naming the step); both
             read back only once per ``log_every`` steps (see ``gpukit.runtime.nonfinite``).
+        scheduler_steps: "per-sample" (a scheduler given to ``setup`` follows the samples seen)
+            or "per-optimizer-step" (see ``gpukit.runtime.schedulers``).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Runtime(RuntimeViews):
         keep: int = 3,
         resume: ResumePolicy = None,
         nonfinite: NonFinitePolicy | None = None,
+        scheduler_steps: SchedulerSteps = "per-sample",
     ) -> None:
         self.lifecycle_config = LifecycleConfig(checkpoints, save_every, keep, resume)
         self.nonfinite = nonfinite
@@ -119,6 +123,7 @@ class Runtime(RuntimeViews):
             seed=seed,
             log_every=log_every,
             oom=oom,
+            scheduler_steps=scheduler_steps,
         )
         launched = _env.launched() is not None
         self.strategy = choose(strategy, resolve_devices(devices, launched), launched)
@@ -177,18 +182,17 @@ class Runtime(RuntimeViews):
         return spawn(functools.partial(Runtime, **settings), self.world_size, run, args)
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
-        """Place the model for the strategy and precision, and wrap DataLoaders.
-
-        Returns the model alone, or the model and every other argument in the same order
-        (optimizers as given, DataLoaders as :class:`DeviceLoader`). The user's module is
-        never changed beyond being moved: mixed precision and the strategy wrap it. Setting up
-        the same model again returns what the first call returned.
-        """
+        """Place the model for the strategy and precision; register optimizers, schedulers,
+        DataLoaders and objects with a ``state_dict`` (alone or in lists, tuples, dicts) for
+        checkpoints, or refuse them (see ``gpukit.runtime.owned``). Returns the model alone, or
+        the model and the rest in the same order and shape (DataLoaders and schedulers wrapped).
+        The user's module is never changed beyond being moved. Setting up the same model again
+        returns what the first call returned."""
         self._ensure_ready()
         self.lifecycle.beat("setup", self.state.global_step)
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
-        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        optimizers = owned.optimizers_in(objects)
         if module is None:
             before = (
                 dict(user.named_parameters(remove_duplicate=False))
@@ -206,8 +210,8 @@ class Runtime(RuntimeViews):
             o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
         self.stepper.sync_next_backward()
-        out = [module] + [self.setup_loader(o) if isinstance(o, DataLoader) else o for o in objects]
-        return out[0] if len(out) == 1 else tuple(out)
+        out = owned.take_all(objects, self.state, self.setup_loader, self._scheduler)
+        return (module, *out) if out else module
 
     def setup_loader(self, loader: DataLoader[Any]) -> DeviceLoader:
         """Shard, re-seed every epoch, and move batches to the device (see
@@ -313,6 +317,8 @@ class Runtime(RuntimeViews):
         # Every rank ends the pass together: a logging window never spans two epochs, and a
         # loop's last window is read back before anyone reads rt.history alone.
         self._close_window()
+        for scheduler in self.state.schedulers:
+            scheduler.loader_pass_ended()
 
     # -- processes ------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -379,7 +385,7 @@ class Runtime(RuntimeViews):
         state and, under fsdp, writes its shards). Called on some ranks only, it fails within
         30 s naming the ranks that did not call it."""
         self._ensure_ready()
-        folder = _folder("rt.save", directory, self.lifecycle.folder)
+        folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
             raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
         self.lifecycle.beat("save", self.state.global_step)
@@ -400,7 +406,7 @@ class Runtime(RuntimeViews):
         """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
         returns its epoch and step. Nothing changes unless everything in it matches."""
         self._ensure_ready()
-        folder = _folder("rt.load", directory, self.lifecycle.folder)
+        folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
         self.lifecycle.beat("load", self.state.global_step)
         self.lifecycle.resumed = True  # an explicit load is the resume
         progress = checkpoint.load(
@@ -476,16 +482,6 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     rt._close_window()
     rt.lifecycle.finished(rt.global_step)
     return result
-
-
-def _folder(call: str, given: Any, default: Path | None) -> Path:
-    """The checkpoint folder ``call`` was given (or the Runtime's), checked."""
-    folder = given if given is not None else default
-    if folder is None:
-        raise ConfigError(f"{call}() needs a folder: {call}('ckpt'), or Runtime(checkpoints=...)")
-    if not isinstance(folder, (str, os.PathLike)) or not str(folder).strip():
-        raise ConfigError(f"{call}({folder!r}): give the checkpoint folder as a path, e.g. 'ckpt'")
-    return Path(folder)
 
 
 def _default_store() -> Any:

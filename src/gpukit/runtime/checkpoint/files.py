@@ -34,6 +34,21 @@ _STEP = re.compile(r"^(?:\.old-)?step-(\d+)$")
 _LEFTOVER = (".tmp-step-", ".deleting-")  # a save or a prune that was cut short
 
 
+def folder(call: str, given: Any, default: Path | None) -> Path:
+    """The checkpoint folder ``call`` (``rt.save``, ``rt.load``) was given, or the Runtime's,
+    checked.
+
+    >>> folder("rt.save", None, Path("ckpt")).name
+    'ckpt'
+    """
+    chosen = given if given is not None else default
+    if chosen is None:
+        raise ConfigError(f"{call}() needs a folder: {call}('ckpt'), or Runtime(checkpoints=...)")
+    if not isinstance(chosen, (str, os.PathLike)) or not str(chosen).strip():
+        raise ConfigError(f"{call}({chosen!r}): give the checkpoint folder as a path, e.g. 'ckpt'")
+    return Path(chosen)
+
+
 def folder_name(step: int) -> str:
     """The folder name of the checkpoint of ``step``.
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.checkpoint import files, finite, sharded
+from gpukit.runtime.checkpoint import files, finite, objects, sharded
 from gpukit.runtime.checkpoint.fit import (
     model_mismatches,
     optimizer_entries,
@@ -56,6 +56,7 @@ def load(
     shards = sharded.applies(models)
     if shards:  # every rank reads: the ranks must agree on what, and on any problem
         path, saved = sharded.agreed(strategy, lambda: _read_checked(directory, precision, True))
+        _refuse(path, objects.mismatches(saved, state))
         restore_shards = sharded.prepare(path, models, state.optimizers, strategy)
 
         def restore() -> None:
@@ -85,6 +86,7 @@ def load(
     resumes = _resumes(path, saved, state.loaders, mine, len(ranks) == strategy.world_size)
     try:
         restore()
+        objects.restore(saved, state)
         _commit(saved, state, precision, strategy, mine, resumes, accumulate)
     except Exception as err:
         raise ConfigError(
@@ -128,15 +130,7 @@ def _check(
     precision: Precision,
 ) -> None:
     """ConfigError unless the checkpoint fits the live objects and holds only finite values."""
-    mismatches = _mismatches(saved, weights, models, state, precision)
-    if mismatches:
-        shown = "; ".join(mismatches[:_SHOWN])
-        more = f"; and {len(mismatches) - _SHOWN} more" if len(mismatches) > _SHOWN else ""
-        raise ConfigError(
-            f"checkpoint {path} does not fit what setup got ({shown}{more}). Nothing was "
-            "changed: build the models and optimizers as they were when it was saved, or "
-            "start without resuming"
-        )
+    _refuse(path, _mismatches(saved, weights, models, state, precision))
     entries: list[finite.Entry] = []
     for i, (model, tensors) in enumerate(zip(models, weights, strict=True)):
         entries += finite.model_entries(weights_name(i, len(models)), tensors, model)
@@ -148,6 +142,17 @@ def _check(
     if bad:
         found = "; ".join(bad[:_SHOWN])
         raise ConfigError(files.damaged_message(path, f"holds non-finite values ({found})"))
+
+
+def _refuse(path: Path, mismatches: list[str]) -> None:
+    if mismatches:
+        shown = "; ".join(mismatches[:_SHOWN])
+        more = f"; and {len(mismatches) - _SHOWN} more" if len(mismatches) > _SHOWN else ""
+        raise ConfigError(
+            f"checkpoint {path} does not fit what setup got ({shown}{more}). Nothing was "
+            "changed: build the models, optimizers, schedulers and tracked state as they were "
+            "when it was saved, or start without resuming"
+        )
 
 
 def _resumes(
@@ -262,7 +267,7 @@ def _mismatches(
         found += [prefix + m for m in optimizer_mismatches(state_dict, optimizer, names)]
     found += precision_mismatches(saved["precision"], precision)
     found += _progress_mismatches(saved)
-    return found
+    return objects.mismatches(saved, state) + found
 
 
 def _progress_mismatches(saved: dict[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_model
 
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.checkpoint import files, finite, sharded
+from gpukit.runtime.checkpoint import files, finite, objects, sharded
 from gpukit.runtime.checkpoint.fit import (
     optimizer_entries,
     parameter_names,
@@ -59,6 +59,9 @@ def save(
             f"accumulate={accumulate}): the partial gradients are not saved, so a resumed "
             "run will not continue exactly; save right after an optimizer step"
         )
+    # Every rank checks what it would write (schedulers, tracked state): a refusal on rank 0
+    # alone would leave the others waiting.
+    extras = objects.entries(state)
     # Every rank takes part: its RNG states, and where its loaders' passes started.
     rng = strategy.all_gather_object(_rng_state(strategy.device.torch, state.loaders))
     final = directory / files.folder_name(state.global_step)
@@ -85,6 +88,7 @@ def save(
     if strategy.rank == 0:
         progress = _progress(state, strategy, precision, rng, shards, accumulate)
         progress["fresh_optimizers"] = fresh  # a resume leaves them stateless too
+        progress |= extras
         if shards:
             bad += finite.problems(_sharded_entries(models, weights, progress))
             for i, (model, full) in enumerate(zip(models, weights, strict=True)):
