@@ -156,7 +156,8 @@ def _slow_program(tmp_path: Path, sleep: float) -> subprocess.Popen[str]:
             model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
             def slow(batch):
                 print("in step", flush=True)
-                time.sleep({sleep})
+                for _ in range(int({sleep} / 0.05)):  # Python runs between the waits, as
+                    time.sleep(0.05)  # between a step's ops: its signal handlers run at once
                 return model(batch).sum()
             for _ in range(3):
                 rt.train_step(opt, torch.ones(2, 2), slow)
@@ -327,3 +328,49 @@ def test_stopped_ranks_leave_together_rank_zero_last() -> None:
         t.join(10)
     assert set(order) == {"rank 0 left", "rank 1 left"}
     assert store.check(["gpukit/preempt/0/left/0", "gpukit/preempt/0/answered/1"])
+
+
+def _tracked_run(rt: gk.Runtime, steps: int = 12) -> tuple[nn.Module, dict[str, Any]]:
+    """A loop that updates its own tracked values after each step, as programs do (the best
+    loss so far, a count of batches seen): a checkpoint must hold them as of its step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    batches = _batches(steps)
+    data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    model, opt, loader = rt.setup(net, opt, DataLoader(data, batch_size=8, shuffle=True))
+    stats: dict[str, Any] = {"best": float("inf"), "seen": 0, "noise": 0.0}
+    rt.track(stats=stats)
+    mse = nn.functional.mse_loss
+    for batch in loader:
+        loss = rt.train_step(opt, batch, lambda b: mse(model(b[0]), b[1]))
+        stats["seen"] += 1
+        stats["best"] = min(stats["best"], float(loss))
+        stats["noise"] += float(torch.rand(()))  # the program's own draw between steps
+    return net, stats
+
+
+@pytest.mark.parametrize("how", ["preempted", "periodic"])
+def test_a_save_between_steps_holds_what_the_program_did_after_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    plain_net, plain_stats = _tracked_run(gk.Runtime(devices="cpu", seed=0))
+    if how == "preempted":
+        monkeypatch.setenv("GPUKIT_FAULT", "sigterm:0:5")
+        rt = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path)
+        with pytest.raises(Preempted):
+            _tracked_run(rt)
+    else:  # a crash right after the periodic save at step 5
+        monkeypatch.setenv("GPUKIT_FAULT", "raise:0:6")
+        rt = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path, save_every=5)
+        with pytest.raises(RuntimeError, match="raise on rank 0 at step 6"):
+            _tracked_run(rt)
+    rt.teardown()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000005"
+    monkeypatch.delenv("GPUKIT_FAULT")
+    again = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path, resume="auto")
+    net, stats = _tracked_run(again)
+    again.teardown()
+    assert stats == plain_stats
+    for a, b in zip(plain_net.parameters(), net.parameters(), strict=True):
+        assert torch.equal(a, b)

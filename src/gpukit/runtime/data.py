@@ -80,7 +80,8 @@ class DeviceLoader:
     at a step limit expects); then it counts as finished. A pass left without a training step
     (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken;
     ``on_pass_end`` is called when a pass runs to its end, ``on_pass_start`` before each pass
-    starts (where the Runtime resumes from a checkpoint, before the pass takes its position).
+    starts (where the Runtime resumes from a checkpoint, before the pass takes its position),
+    ``on_batch`` before each batch is read (where a save the last step left pending is made).
     """
 
     def __init__(
@@ -93,8 +94,10 @@ class DeviceLoader:
         steps: Callable[[], int] | None = None,
         on_pass_end: Callable[[], None] | None = None,
         on_pass_start: Callable[[], None] | None = None,
+        on_batch: Callable[[], None] | None = None,
     ) -> None:
         self.device = device
+        self._on_batch = on_batch
         self._on_pass_end = on_pass_end
         self._on_pass_start = on_pass_start
         self.original = loader
@@ -170,6 +173,11 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    @property
+    def in_pass(self) -> bool:
+        """A pass is under way: its next batch will be asked for."""
+        return bool(self._live)
 
     # -- progress ------------------------------------------------------------------------------
     @property
@@ -302,6 +310,8 @@ class _PassIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._owner._on_batch is not None:
+            self._owner._on_batch()  # a save the last step left pending is made first
         try:
             batch = next(self._batches)
         except StopIteration:

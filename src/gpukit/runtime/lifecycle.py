@@ -103,8 +103,13 @@ class Lifecycle(StepBoundaries):
         agree: Callable[[list[bool]], list[bool]],
         store: Callable[[], Any],
         resume: Callable[[], Any],
+        deferrable: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config
+        # A save a step end asks for waits for the next boundary while a set-up loader's pass
+        # is under way (its next batch), so that it holds what the program did after the step.
+        self._deferrable = deferrable
+        self._pending: tuple[str, int] | None = None  # ("save" or "stop", the step)
         self.rank, self.world_size, self.log_every = rank, world_size, log_every
         self._save, self._agree, self._resume = save, agree, resume
         self.every_steps, self.every_seconds = parse_save_every(config.save_every)
@@ -146,7 +151,10 @@ class Lifecycle(StepBoundaries):
             self._resume()
 
     def step_begins(self, step: int) -> None:
-        """Optimizer step ``step + 1`` begins (``step`` taken so far)."""
+        """Optimizer step ``step + 1`` begins (``step`` taken so far): a save still pending
+        from the last step is made now, before this step's forward (a loop that reads no
+        batch from a set-up loader in between)."""
+        self.at_boundary()
         self.beat("forward", step)
         self.faults.step_begins(step + 1)
 
@@ -154,31 +162,52 @@ class Lifecycle(StepBoundaries):
         return self.faults.nan_now
 
     def saved(self, step: int) -> None:
-        """A checkpoint at ``step`` is complete (written, or loaded)."""
+        """A checkpoint at ``step`` is complete (written, or loaded): a periodic save pending
+        for that step is made by it."""
         self._last_save = time.monotonic()
         self.saved_step = step
+        if self._pending == ("save", step):
+            self._pending = None
         if self.heartbeat is not None:
             self.heartbeat.saved(step)
 
     def step_ended(self, step: int) -> None:
         """After optimizer step ``step``: a periodic checkpoint when one is due, and the
-        preemption's save and stop when a signal asked for it."""
+        preemption's save and stop when a signal asked for it, made at the next boundary
+        between steps (see :meth:`at_boundary`)."""
         self.beat("loop", step)
         preempt = self.preemption
         if preempt is not None and preempt.should_stop(step):
-            path = self._save()
-            preempt.leave_together()
-            stop = Preempted(
-                f"{preempt.requested}: stopped after step {step} on every rank and "
-                f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "
-                f"gk.Runtime(checkpoints={str(self.folder)!r}, resume='auto')"
-            )
-            # Said once: by rank 0, or by gpukit's launcher, which reads it from rank 0's record.
-            if self.rank == 0 and _env.job_dir() is None:
-                print(f"gpukit: {stop}", file=sys.stderr, flush=True)
-            raise stop
-        if self._due(step):
-            self._save()
+            self._pending = ("stop", step)
+        elif self._due(step):
+            self._pending = ("save", step)
+        if self._pending is not None and not self._deferrable():
+            self.at_boundary()  # no loader pass to wait for: the step's end is the boundary
+
+    def at_boundary(self) -> None:
+        """Between two steps, once the program has done what it does after a step (its
+        scheduler call, the values it tracks, its own random draws) and before the next batch
+        is read: make the save a step end left pending, and stop there if a preemption asked.
+        A set-up loader calls it before each batch; the next step's start calls it too. One
+        flag read when nothing is pending."""
+        if self._pending is None:
+            return
+        (kind, step), self._pending = self._pending, None
+        path = self._save()
+        if kind == "save":
+            return
+        preempt = self.preemption
+        assert preempt is not None
+        preempt.leave_together()
+        stop = Preempted(
+            f"{preempt.requested}: stopped after step {step} on every rank and "
+            f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "
+            f"gk.Runtime(checkpoints={str(self.folder)!r}, resume='auto')"
+        )
+        # Said once: by rank 0, or by gpukit's launcher, which reads it from rank 0's record.
+        if self.rank == 0 and _env.job_dir() is None:
+            print(f"gpukit: {stop}", file=sys.stderr, flush=True)
+        raise stop
 
     def _due(self, step: int) -> bool:
         if self.every_steps is not None:
@@ -191,7 +220,11 @@ class Lifecycle(StepBoundaries):
         return self._agree([late])[0]  # every log_every steps: the ranks' clocks differ
 
     def finished(self, step: int) -> None:
-        """The rank's work returned normally (a failure keeps the phase it failed in)."""
+        """The rank's work returned normally (a failure keeps the phase it failed in): a save
+        still pending is made (every rank is here), without stopping: the work is done."""
+        if self._pending is not None:
+            self._pending = ("save", self._pending[1])
+            self.at_boundary()
         self.beat("end", step)
 
     def close(self) -> None:

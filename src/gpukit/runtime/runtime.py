@@ -142,6 +142,7 @@ class Runtime(RuntimeViews, Registry):
             agree=self.strategy.any_rank,
             store=_default_store,
             resume=self.resume,
+            deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
         self.stepper = Stepper(
             config,
@@ -227,6 +228,7 @@ class Runtime(RuntimeViews, Registry):
             steps=lambda: self.state.micro_step,
             on_pass_end=self._end_of_pass,
             on_pass_start=self.lifecycle.before_first_pass,
+            on_batch=self.lifecycle.at_boundary,
         )
         self.state.loaders.append(wrapped)
         return wrapped
