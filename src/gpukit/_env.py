@@ -126,13 +126,22 @@ def torchelastic_agent_store() -> bool:
 
 
 def torchrun_agent() -> int | None:
-    """The process id of the torchrun agent that started this process (its parent, when
-    ``TORCHELASTIC_RUN_ID`` says torchrun did and ``GPUKIT_JOB_DIR`` says gpukit's own launcher
-    did not), or None."""
+    """The process id of the torchrun agent that started this process: its parent, when
+    ``TORCHELASTIC_RUN_ID`` says torchrun did, ``GPUKIT_JOB_DIR`` says gpukit's own launcher
+    did not, and the parent's command line is torchrun's (not a wrapper script torchrun ran
+    with ``--no-python``); else None."""
     if not os.environ.get("TORCHELASTIC_RUN_ID", "").strip() or job_dir() is not None:
         return None
     parent = os.getppid()
-    return parent if parent > 1 else None
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as file:
+            words = file.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None  # no /proc (macOS): better no word than one to the wrong process
+    torchrun = any(w.endswith("torchrun") or w == "torch.distributed.run" for w in words)
+    # `gpukit launch --nnodes` runs torchrun's agent in its own process.
+    ours = "launch" in words and any(w.endswith("gpukit") for w in words)
+    return parent if parent > 1 and (torchrun or ours) else None
 
 
 def restart_count() -> int:

@@ -126,6 +126,7 @@ def test_preemption_saves_at_the_step_and_resume_finishes_bitwise_equal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain = _train(gk.Runtime(devices="cpu", seed=0), 12)
+    before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setenv("GPUKIT_FAULT", "sigterm:0:5")
     rt = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path)
     with pytest.raises(Preempted, match="SIGTERM received: stopped after step 5") as caught:
@@ -133,7 +134,7 @@ def test_preemption_saves_at_the_step_and_resume_finishes_bitwise_equal(
     rt.teardown()
     assert caught.value.exit_code == 143
     assert (tmp_path / "step-00000005").is_dir()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers given back
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers given back
     monkeypatch.delenv("GPUKIT_FAULT")
     again = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path, resume="auto")
     resumed = _train(again, 12)
@@ -294,7 +295,7 @@ def test_the_heartbeat_preemption_and_guard_add_no_read_per_step(
     # Each beat names the Runtime call and the caller's line: ranks that disagree on a
     # collective are told apart by them (see gpukit.runtime.agent.failures.diverged).
     assert re.fullmatch(r"rt\.train_step at test_lifecycle\.py:\d+", beat.where), beat.where
-    assert beat.calls > 22 * 3
+    assert beat.calls >= 22 * 2  # a backward and an optimizer step per step, at least
     # The guard reads its counters once per logging window, beside the metrics' flush.
     guarded = gk.Runtime(strategy="single", devices="cpu", log_every=10, nonfinite="skip")
     assert _reads(guarded) == plain * 2

@@ -50,6 +50,10 @@ PHASES: tuple[str, ...] = (
     "end",
 )
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+# The phases where ranks may meet in a collective, once per Runtime call that enters them:
+# ranks in step make as many of these calls, so a rank standing in another call than its
+# peers at the same count has left their sequence (gpukit.runtime.agent.failures.diverged).
+_MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
 
 # seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where
 _WHERE_BYTES = 120
@@ -71,7 +75,7 @@ class Beat:
     phase: str
     stop_requested: bool  # the rank got SIGTERM/SIGINT and will save and stop
     attempt: int
-    calls: int = 0  # Runtime calls this rank made in this attempt, this one included
+    calls: int = 0  # calls where ranks meet (backward, step, collectives, saves) so far
     where: str = ""  # "rt.all_reduce at train.py:20": the call and the line that made it
 
     @property
@@ -115,7 +119,8 @@ class Heartbeat:
         Runtime call it is in and the line that made it (a walk of a few frames, about a
         microsecond: ranks that disagree on a collective are told apart by these)."""
         self.phase, self.step = phase, step
-        self.calls += 1
+        if phase in _MEETS:
+            self.calls += 1
         self.where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES]
         self._write()
 

@@ -128,8 +128,8 @@ class Lifecycle(StepBoundaries):
                 self.heartbeat,
                 _env.restart_count(),
                 agent=_env.torchrun_agent() if local_first else None,
+                newest=lambda: self.saved_step,
             )
-            self.preemption.install()
         self._last_save = time.monotonic()
         self.saved_step = -1  # the step of the last checkpoint this run wrote or loaded
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
@@ -155,6 +155,8 @@ class Lifecycle(StepBoundaries):
         from the last step is made now, before this step's forward (a loop that reads no
         batch from a set-up loader in between)."""
         self.at_boundary()
+        if self.preemption is not None and not self.preemption.installed:
+            self.preemption.install()  # from the first step on: before it, nothing to save
         self.beat("forward", step)
         self.faults.step_begins(step + 1)
 
@@ -193,10 +195,12 @@ class Lifecycle(StepBoundaries):
         if self._pending is None:
             return
         (kind, step), self._pending = self._pending, None
+        preempt = self.preemption
+        if kind == "stop" and preempt is not None:
+            preempt.saving()
         path = self._save()
         if kind == "save":
             return
-        preempt = self.preemption
         assert preempt is not None
         preempt.leave_together()
         stop = Preempted(

@@ -2,14 +2,18 @@
 
 A request only sets a flag; the step under way finishes on every rank, the ranks agree on a step
 they all reach, save a checkpoint there and stop with :class:`~gpukit.Preempted` (exit code 143).
+The handlers are taken over at the run's first step: before it there is nothing to save, and a
+signal does what it always does (SIGTERM ends the process, Ctrl-C raises KeyboardInterrupt).
 
 **Which signals count.** However a request is delivered, it is one request: a scheduler signals
 every process of the job (Slurm's ``scancel``, Kubernetes), a launcher passes the signal it got
 on to its ranks (gpukit's, torchrun), a terminal's Ctrl-C reaches every process in its group.
 So copies of SIGTERM never cut the save short (the scheduler's SIGKILL after its grace period
-does that anyway), and neither do copies of SIGINT that arrive within
-:data:`SECOND_SIGNAL_AFTER_S` of the first (they come milliseconds apart). A SIGINT later than
-that is the user pressing Ctrl-C again: the process exits at once (code 130), without saving.
+does that anyway), and neither do copies of SIGINT handled within :data:`SECOND_SIGNAL_AFTER_S`
+of the first. A SIGINT later than that is the user pressing Ctrl-C again: the process exits at
+once (code 130), without saving. A request that finds no step end to save at within
+``GPUKIT_STOP_GRACE`` seconds (the loop is over, or stuck) ends the process with 143 then,
+saying that nothing was saved.
 
 **Telling every rank.** A rank that gets a signal posts the request in the process group's
 store at once and passes it on to the ranks on its machine (SIGUSR2, to the process ids each
@@ -28,8 +32,10 @@ would need the last rank's gradients), and each rank sees every post at the end 
 p + 1.
 
 **Never restarted.** A stop on request is not a failure: gpukit's launcher exits 143 without
-restarting, and under torchrun the ranks ask their agent to stop too (otherwise it would count
-their exit 143 as a failure and start them again, ``--max-restarts`` permitting).
+restarting. Under torchrun, when a signal reached only some of a machine's ranks (the agent
+would count their exit 143 as a failure and start them again), that machine's first rank asks
+its agent to stop too; when every rank of the machine got it (the agent itself passes signals on
+to all of them, also when it stops them to change the job's size) the agent is left alone.
 """
 
 from __future__ import annotations
@@ -38,27 +44,45 @@ import contextlib
 import datetime
 import os
 import signal
-import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from gpukit import _env
 from gpukit.runtime.heartbeat import Heartbeat
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A rank on this machine was asked to stop: the same request, passed on (never a second one).
 _PEER_SIGNAL = signal.SIGUSR2
-_HOST = socket.gethostname()
 SECOND_SIGNAL_AFTER_S = 2.0  # a SIGINT this long after the first is the user's second Ctrl-C
 WATCH_S = 0.5  # how often each rank's watcher asks the store whether a rank was signalled
-_LEAVE_SECONDS = 30  # at most this long waiting for the other ranks to leave together
+_LEAVE_SECONDS = 10  # at most this long waiting for the other ranks to leave together
+
+
+def _machine() -> str:
+    """Who can signal whom: the same host, boot and process-id namespace (containers on one
+    host share its name, not their process ids)."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    namespace = ""
+    with contextlib.suppress(OSError):
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    return f"{os.uname().nodename}/{boot}/{namespace}"
+
+
+_MACHINE = _machine()
 
 
 class Preemption:
     """Catches SIGTERM and SIGINT for a Runtime that has somewhere to save (see the module
     docstring). ``store`` gives the process group's store (called once the group exists);
-    ``agent`` is the process id of a torchrun agent to ask to stop too, if any."""
+    ``agent`` is the process id of a torchrun agent to ask to stop when needed, if any;
+    ``newest`` gives the step of the newest checkpoint (for the message of a stop that could
+    not save)."""
 
     def __init__(
         self,
@@ -68,14 +92,15 @@ class Preemption:
         heartbeat: Heartbeat | None,
         attempt: int = 0,
         agent: int | None = None,
+        newest: Callable[[], int] = lambda: -1,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self._store = store
         self._heartbeat = heartbeat
         self._agent = agent
+        self._newest = newest
         self._prefix = f"gpukit/preempt/{attempt}/"
         self.requested: str | None = None  # what asked: "SIGTERM received by rank 1"
-        self.copies = 0  # further signals that were copies of the first
         self.stop_at: int | None = None
         self._signalled_at: float | None = None  # this process's first signal (monotonic)
         self._posted = False
@@ -83,6 +108,7 @@ class Preemption:
         self._watcher: threading.Thread | None = None
         self._closing = threading.Event()
         self._wake = threading.Event()  # the watcher's nap, cut short by a signal or the end
+        self._deadline: threading.Timer | None = None
         self.installed = False
 
     def install(self) -> None:
@@ -96,18 +122,28 @@ class Preemption:
         self.installed = True
 
     def uninstall(self) -> None:
-        """Give the handlers back and stop the watcher (before the process group goes)."""
-        self._closing.set()
-        self._wake.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=2 * WATCH_S + 5)
-            self._watcher = None
+        """Give the handlers back, stop the watcher and the deadline (before the process group
+        goes), and take this process off the list the other ranks signal."""
+        self._stop_watching()
+        if self._deadline is not None:
+            self._deadline.cancel()
         if not self.installed:
             return
         for sig, handler in self._previous.items():
+            if sig == _PEER_SIGNAL and handler in (signal.SIG_DFL, None):
+                # A rank still running may pass a request on before it learns this one left:
+                # SIGUSR2's default would end this process.
+                handler = signal.SIG_IGN
             signal.signal(sig, handler)
         self._previous.clear()
         self.installed = False
+
+    def _stop_watching(self) -> None:
+        self._closing.set()
+        self._wake.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=2 * WATCH_S + 5)
+        self._watcher = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -116,20 +152,42 @@ class Preemption:
             by = f" by rank {self.rank}" if self.world_size > 1 else ""
             self._request(f"{signal.Signals(signum).name} received{by}")
             self._wake.set()  # the watcher tells the other ranks now
-            return
-        if signum == signal.SIGINT and now - self._signalled_at >= SECOND_SIGNAL_AFTER_S:
+        elif signum == signal.SIGINT and now - self._signalled_at >= SECOND_SIGNAL_AFTER_S:
             os._exit(128 + signum)  # the user's second Ctrl-C: no more waiting
-        self.copies += 1
 
     def _on_peer(self, signum: int, frame: Any) -> None:
         """Another rank on this machine was signalled: the watcher reads its request now."""
         self._wake.set()
 
     def _request(self, what: str) -> None:
-        if self.requested is None:
-            self.requested = what
-            if self._heartbeat is not None:
-                self._heartbeat.request_stop()
+        if self.requested is not None:
+            return
+        self.requested = what
+        if self._heartbeat is not None:
+            # Written with the next beat, by the main thread alone (one writer per record).
+            self._heartbeat.stop_requested = True
+        grace = _env.stop_grace()
+        self._deadline = threading.Timer(grace, self._give_up, args=(grace,))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _give_up(self, grace: float) -> None:
+        """No step end came to save at within the grace period: end the process now, saying
+        so (a scheduler's SIGKILL would end it without a word)."""
+        newest = self._newest()
+        saved = f"the newest checkpoint is step {newest}" if newest >= 0 else "no checkpoint"
+        print(
+            f"gpukit: {self.requested} {grace:.0f} s ago, and no step ended since to save at "
+            f"(GPUKIT_STOP_GRACE): exiting without a save ({saved})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(143)
+
+    def saving(self) -> None:
+        """The stop's save begins: the grace period's deadline no longer applies."""
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def should_stop(self, step: int) -> bool:
         """At the end of optimizer step ``step``: whether to save and stop now. One flag read
@@ -156,7 +214,7 @@ class Preemption:
         on at once to the ranks on this machine, or find another rank's request there."""
         key = f"{self._prefix}request"
         with contextlib.suppress(Exception):  # the store is gone (the run is ending)
-            store.set(f"{self._prefix}pid/{self.rank}", f"{_HOST} {os.getpid()}")
+            store.set(f"{self._prefix}pid/{self.rank}", f"{_MACHINE} {os.getpid()}")
             while not self._closing.is_set():
                 if self._signalled_at is not None:
                     store.set(key, str(self.requested))
@@ -169,17 +227,24 @@ class Preemption:
                 self._wake.wait(WATCH_S)
                 self._wake.clear()
 
-    def _pass_on(self, store: Any) -> None:
-        """SIGUSR2 to the other ranks on this machine: they learn now, not at their next look
-        in the store (ranks elsewhere find the request there)."""
+    def _peers(self, store: Any) -> dict[int, int]:
+        """Rank to process id of the other ranks on this machine that are still running."""
+        found = {}
         for rank in range(self.world_size):
             key = f"{self._prefix}pid/{rank}"
             if rank == self.rank or not store.check([key]):
                 continue
-            host, pid = store.get(key).decode().rsplit(" ", 1)
-            if host == _HOST:
-                with contextlib.suppress(OSError):  # gone already: it stops anyway
-                    os.kill(int(pid), _PEER_SIGNAL)
+            machine, pid = store.get(key).decode().rsplit(" ", 1)
+            if machine == _MACHINE:
+                found[rank] = int(pid)
+        return found
+
+    def _pass_on(self, store: Any) -> None:
+        """SIGUSR2 to the other ranks on this machine: they learn now, not at their next look
+        in the store (ranks elsewhere find the request there)."""
+        for pid in self._peers(store).values():
+            with contextlib.suppress(OSError):  # gone already: it stops anyway
+                os.kill(pid, _PEER_SIGNAL)
 
     def _agree(self, step: int) -> None:
         store = self._store()
@@ -198,14 +263,35 @@ class Preemption:
         answered. A rank that left the save's last collective and exited at once could reset
         its sockets while a slower peer still read its last message there, turning a clean
         stop into a "connection reset" on that peer. Bounded: a rank that is gone by then
-        only shortens the wait. Then a torchrun agent is asked to stop too."""
-        self._closing.set()
-        self._wake.set()
+        only shortens the wait. Then a torchrun agent is asked to stop, when needed."""
+        self._stop_watching()  # nothing else uses the store from here on
         if self.world_size > 1:
+            with contextlib.suppress(Exception):  # the stop goes on whatever the store says
+                store = self._store()
+                if self._signalled_at is not None:
+                    store.set(f"{self._prefix}signalled/{self.rank}", "1")
+                store.set(f"{self._prefix}ready/{self.rank}", "1")
             self._leave_together()
-        if self._agent is not None:
+        if self._agent is not None and not self._every_local_rank_signalled():
             with contextlib.suppress(OSError):  # gone already: nothing to restart us
                 os.kill(self._agent, signal.SIGTERM)
+
+    def _every_local_rank_signalled(self) -> bool:
+        """Whether every rank on this machine got the signal itself (then the agent did too,
+        or sent it: it needs no word from us)."""
+        if self.world_size == 1:
+            return self._signalled_at is not None
+        with contextlib.suppress(Exception):
+            store = self._store()
+            local = [self.rank, *self._peers(store)]
+            previous = store.timeout
+            store.set_timeout(datetime.timedelta(seconds=_LEAVE_SECONDS))
+            try:
+                store.wait([f"{self._prefix}ready/{r}" for r in local])
+            finally:
+                store.set_timeout(previous)
+            return bool(store.check([f"{self._prefix}signalled/{r}" for r in local]))
+        return False
 
     def _leave_together(self) -> None:
         store = self._store()

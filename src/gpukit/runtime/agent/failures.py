@@ -94,6 +94,7 @@ class RankEnd:
     phase: str | None = None
     asked_to_stop: bool = False  # the launcher sent it SIGTERM (a preemption it forwarded)
     where_called: str = ""  # its last Runtime call and its line: "rt.step at train.py:9"
+    calls: int = 0  # how many calls where ranks meet it had made by then (heartbeat.Beat)
 
     @property
     def preempted(self) -> bool:
@@ -167,52 +168,62 @@ class RankEnd:
 
 
 def diverged(ends: list[RankEnd]) -> tuple[RankEnd, str] | None:
-    """The rank that left the others' sequence of collectives, and what it did, when ranks
-    disagree on one (a call skipped or added on some ranks only): the backend aborts on another
-    rank, so the first failure is a victim. Told from each rank's last Runtime call and line;
-    the rank outside the majority diverged, and between two, the one that went on while the
-    other waits in a collective call of its own (``rt.all_reduce``, ``rt.barrier``, ...).
+    """The rank that left the others' sequence of Runtime calls, and what it did, when ranks
+    disagree on a collective (a call skipped or added on some ranks only): the backend aborts
+    on one of them, so the first failure is a victim.
 
-    >>> ends = [RankEnd(0, -6, 1, step=4, where_called="rt.all_reduce at train.py:17"),
-    ...         RankEnd(1, -9, 2, stopped=True, step=4, where_called="rt.backward at train.py:13")]
+    It is told from each rank's last heartbeat: every rank had made the same number of calls
+    where ranks meet (backward, optimizer step, collective, save) but stands in a different
+    one. The rank outside the majority diverged; between two
+    groups of one size nothing tells which side skipped a call or made one more, and both are
+    named as such. Nothing is said when a rank failed of its own accord, or when the ranks
+    stand at different counts (one waits for another that stopped, which is no disagreement).
+
+    >>> ar, bw = "rt.all_reduce at train.py:14", "rt.backward at train.py:10"
+    >>> ends = [RankEnd(0, -6, 1, step=4, where_called=ar, calls=17),
+    ...         RankEnd(1, -9, 2, stopped=True, step=4, where_called=bw, calls=17)]
     >>> print(diverged(ends)[1])  # doctest: +NORMALIZE_WHITESPACE
-    diverged at step 4: it went on to rt.backward at train.py:13
-    while rank 0 waits in rt.all_reduce at train.py:17
+    disagrees with rank 0 at step 4, at the 17th call where ranks meet: it is in
+    rt.backward at train.py:10, rank 0 in rt.all_reduce at train.py:14 (one of them skipped
+    a call the other made, or made one more)
     """
     failed = [e for e in ends if e.failed]
     if not failed or not all(e.collective_broke for e in failed):
         return None  # a rank failed of its own accord: that is the news
-    known = [e for e in ends if e.where_called]
+    known = [e for e in ends if e.where_called and e.calls > 0]
+    if len(known) < 2 or len({e.calls for e in known}) != 1:
+        return None
     groups: dict[str, list[RankEnd]] = {}
     for end in known:
         groups.setdefault(end.where_called, []).append(end)
     if len(groups) < 2:
         return None
     sizes = sorted((len(g) for g in groups.values()), reverse=True)
-    waiting = [g for g in groups.values() if _in_collective(g[0].where_called)]
-    blamed = sizes[0] > sizes[1] or len(waiting) == 1
+    step = f" at step {known[0].step}" if known[0].step is not None and known[0].step >= 0 else ""
     if sizes[0] > sizes[1]:
         majority = max(groups.values(), key=len)
-    elif len(waiting) == 1:
-        majority = waiting[0]
-    else:  # nothing tells which side left the other: name both
-        majority = next(g for g in groups.values() if any(e.rank == known[0].rank for e in g))
-    odd = min((e for e in known if e not in majority), key=lambda e: e.rank)
-    others = ", ".join(str(e.rank) for e in majority)
-    ranks, wait = ("rank", "waits") if len(majority) == 1 else ("ranks", "wait")
-    step = f" at step {odd.step}" if odd.step is not None and odd.step >= 0 else ""
-    if blamed:
-        did = f"diverged{step}: it went on to {odd.where_called}"
-    else:
-        did = f"disagrees with {ranks} {others} on a collective{step}: it is in {odd.where_called}"
-    return odd, f"{did} while {ranks} {others} {wait} in {majority[0].where_called}"
+        odd = min((e for e in known if e not in majority), key=lambda e: e.rank)
+        others = ", ".join(str(e.rank) for e in majority)
+        ranks, wait = ("rank", "waits") if len(majority) == 1 else ("ranks", "wait")
+        text = (
+            f"diverged{step}: it went on to {odd.where_called} while {ranks} {others} {wait} "
+            f"in {majority[0].where_called}"
+        )
+        return odd, text
+    first = min(known, key=lambda e: e.rank)
+    odd = min((e for e in known if e.where_called != first.where_called), key=lambda e: e.rank)
+    text = (
+        f"disagrees with rank {first.rank}{step}, at the {_ordinal(odd.calls)} call where "
+        f"ranks meet: it is in {odd.where_called}, rank {first.rank} in "
+        f"{first.where_called} (one of them skipped a call the other made, or made one more)"
+    )
+    return odd, text
 
 
-_COLLECTIVE_CALLS = ("all_reduce", "all_gather", "broadcast", "barrier", "save", "load")
-
-
-def _in_collective(where: str) -> bool:
-    return any(where.startswith(f"rt.{name} ") for name in _COLLECTIVE_CALLS)
+def _ordinal(n: int) -> str:
+    """``17th``, ``21st``, ``112th``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def failures(ends: list[RankEnd]) -> list[RankEnd]:
@@ -237,9 +248,10 @@ def headline(ends: list[RankEnd], name: str) -> str:
     if split is not None:
         states = ", ".join(f"rank {e.rank} {e.what().removeprefix('was ')}" for e in others)
         return (
-            f"{name}: rank {first.rank} {split[1]} — the first failure ({states}): every rank "
-            "must make the same collective calls in the same order; a call made on some "
-            "ranks only (under an `if rank ...`, or a `continue` before it) breaks the step"
+            f"{name}: rank {first.rank} {split[1]} — the first failure, whatever the others "
+            f"report ({states}): every rank must make the same collective calls in the same "
+            "order; a call made on some ranks only (under an `if rank ...`, or a `continue` "
+            "before it) breaks the step"
         )
     states = ", ".join(f"rank {e.rank} {_state(e)}" for e in others)
     head = f"{name}: rank {first.rank} {first.what()}{first.where()} — the first failure"

@@ -342,6 +342,7 @@ class _Watch:
             phase=beat.phase if beat is not None else None,
             asked_to_stop=w.rank in self.signalled,
             where_called=beat.where if beat is not None else "",
+            calls=beat.calls if beat is not None else 0,
         )
 
 
