@@ -345,9 +345,15 @@ class MainStops:
 
     def __call__(self, worker_id: int) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+            # A handler that does nothing, not SIG_IGN: a program the worker starts (a
+            # decoder) gets the default back, as a handler is not inherited across exec.
+            signal.signal(sig, _left_to_main)
         if self.user is not None:
             self.user(worker_id)
+
+
+def _left_to_main(signum: int, frame: Any) -> None:
+    """A loader worker's SIGTERM or SIGINT: the main process decides (see ``MainStops``)."""
 
 
 def _capture(generators: list[torch.Generator]) -> dict[str, Any]:

@@ -180,6 +180,7 @@ def read(folder: str | Path, rank: int) -> Beat | None:
 
 
 _IN_RUNTIME: dict[Any, bool] = {}  # code object -> whether it is the Runtime's own
+_NAMES: dict[str, str] = {}  # a code object's file -> its name alone
 
 
 def _caller(frame: FrameType | None) -> str:
@@ -195,4 +196,8 @@ def _caller(frame: FrameType | None) -> str:
         inside, frame = frame, frame.f_back
     if frame is None or inside is None:
         return ""
-    return f"rt.{inside.f_code.co_name} at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+    path = frame.f_code.co_filename
+    name = _NAMES.get(path)
+    if name is None:
+        name = _NAMES[path] = os.path.basename(path)
+    return f"rt.{inside.f_code.co_name} at {name}:{frame.f_lineno}"

@@ -40,6 +40,9 @@ from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 GRACE_S = 1.5  # after the first failure, for the other ranks to fail on their own
+# How a rank ends when a signal stops it with nothing to save: by the signal itself, or as
+# torch's process wrapper ends on KeyboardInterrupt (0 is a rank that finished).
+_STOPPED = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGINT, -signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -96,11 +99,18 @@ def spawn(
         if stopped:  # asked to stop: every rank saved and left together
             raise Preempted(stopped[0].read_text())
         failed = [(rank, code) for rank, code in codes if code != 0]
+        result = outbox / "result.pkl"
+        interrupted = not failed and not result.exists()  # torch's wrapper ate a Ctrl-C
+        if signals.received and (interrupted or all(c in _STOPPED for _, c in failed)):
+            # Ranks with nothing to save (no checkpoint folder, or stopped before their
+            # first step) ended as the signal ends a process: so does this one.
+            if signals.received[0] == "SIGINT":
+                raise KeyboardInterrupt
+            stop = Preempted(f"{signals.received[0]} received: the ranks stopped, unsaved")
+            print(f"gpukit: {stop}", file=sys.stderr, flush=True)
+            raise stop
         if failed:
             raise _failure(*failed[0], outbox, context.error_files)
-        if signals.received:  # asked to stop, yet every rank finished its work
-            raise Preempted(f"{signals.received[0]} received after the ranks' last step")
-        result = outbox / "result.pkl"
         return pickle.loads(result.read_bytes()) if result.exists() else None
 
 
@@ -114,6 +124,7 @@ class _PassedOn:
         self.processes = processes
         self.received: list[str] = []
         self.kill_now = False
+        self.deadline: float | None = None  # the ranks' time to save and exit, once signalled
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
 
@@ -132,6 +143,7 @@ class _PassedOn:
         if self._first is None:
             self._first = now
             self.received.append(signal.Signals(signum).name)
+            self.deadline = now + _env.stop_grace()
             for process in self.processes:
                 if process.is_alive():
                     with contextlib.suppress(OSError):
@@ -156,7 +168,8 @@ def _watch(processes: list[Any], signals: _PassedOn) -> list[tuple[int, int]]:
             if code != 0 and kill_at is None:
                 grace = _env.stop_grace() if code == Preempted.exit_code else GRACE_S
                 kill_at = time.monotonic() + grace
-        late = kill_at is not None and time.monotonic() >= kill_at
+        deadlines = [t for t in (kill_at, signals.deadline) if t is not None]
+        late = bool(deadlines) and time.monotonic() >= min(deadlines)
         if waiting and (late or signals.kill_now):
             for rank in waiting.values():
                 with contextlib.suppress(OSError):
