@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_model
 
 from gpukit.errors import ConfigError, warn_user
+from gpukit.runtime import folder_lock
 from gpukit.runtime.checkpoint import files, finite, sharded
 from gpukit.runtime.checkpoint.fit import (
     optimizer_entries,
@@ -127,7 +128,7 @@ def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
     files.point_latest(directory, final)
     shutil.rmtree(old, ignore_errors=True)
     files.fsync(directory)
-    files.prune(directory, keep, final)
+    files.prune(directory, keep, final, leftovers=folder_lock.held_here(directory))
     if later is not None and later > step:
         warn_user(
             f"{directory} also holds checkpoints of later steps (up to step {later}): "
