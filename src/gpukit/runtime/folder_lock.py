@@ -114,7 +114,10 @@ def hold(folder: str | os.PathLike[str], *, command: str, fix: str) -> FolderLoc
         return _register(FolderLock(path, None, created))
     deadline = time.monotonic() + _LEFTOVER_WAIT_S
     while True:
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise _unwritable(path, "cannot write its lock file", err) from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -187,11 +190,16 @@ def _make(folder: Path) -> list[Path]:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ConfigError(
-            f"{folder}: cannot create it ({err.strerror or type(err).__name__}): give a folder "
-            "you can write, or fix its permissions"
-        ) from None
+        raise _unwritable(folder, "cannot create it", err) from err
     return created
+
+
+def _unwritable(folder: Path, what: str, err: OSError) -> ConfigError:
+    """The ConfigError for a folder this run cannot write (its cause: the OSError)."""
+    return ConfigError(
+        f"{folder}: {what} ({err.strerror or type(err).__name__}): give a folder you can "
+        "write, or fix its permissions"
+    )
 
 
 def _write(fd: int, command: str) -> None:

@@ -33,6 +33,9 @@ _CONSEQUENCE = re.compile(
     re.IGNORECASE,
 )
 PREEMPTED_EXIT = 143  # what gpukit's Preempted exits with, as a process ended by SIGTERM
+# What gpukit's command line exits with on a GpukitError: bad input, a checkpoint the disk
+# refused. Running it again fails the same way.
+BAD_INPUT_EXIT = 2
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ErrorRecord:
 
     message: str
     time_ns: int | None = None
+    will_repeat: bool = False  # a gpukit error that a restart would meet again
 
     @property
     def first_line(self) -> str:
@@ -55,7 +59,8 @@ def read_error(path: Path) -> ErrorRecord | None:
         extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
         text = message.get("message", "") if isinstance(message, dict) else str(message)
         when = extra.get("time_ns")
-        return ErrorRecord(str(text), int(when) if when is not None else None)
+        repeats = extra.get("will_repeat") is True
+        return ErrorRecord(str(text), int(when) if when is not None else None, repeats)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -70,6 +75,7 @@ class Fault:
     step: int | None
     text: str  # "rank 1 was killed by SIGKILL at step 6 (phase backward)"
     attempt: int = 0
+    will_repeat: bool = False  # bad input or a save the disk refused: the same again
 
     def same_as(self, other: Fault) -> bool:
         """The same failure: same kind, rank, first line of the message and step."""
@@ -143,7 +149,8 @@ class RankEnd:
     def fault(self, attempt: int) -> Fault:
         message = self.error.first_line if self.error is not None else describe_exit(self.code)
         text = f"rank {self.rank} {self.what()}{self.where()}"
-        return Fault(self.kind, self.rank, message, self.step, text, attempt)
+        repeats = self.code == BAD_INPUT_EXIT or (self.error is not None and self.error.will_repeat)
+        return Fault(self.kind, self.rank, message, self.step, text, attempt, repeats)
 
 
 def failures(ends: list[RankEnd]) -> list[RankEnd]:
