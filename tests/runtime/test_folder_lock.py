@@ -144,3 +144,22 @@ def test_leftovers_of_a_save_are_removed_only_under_the_lock(tmp_path: Path) -> 
     assert leftover.is_dir()
     files.prune(folder, 1, saved)
     assert not leftover.exists()
+
+
+def _two_steps(rt: gk.Runtime) -> str:
+    net = torch.nn.Linear(2, 1)
+    model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(2):
+        rt.backward(model(torch.ones(2, 2)).sum())
+        rt.step(opt)  # saves after each step (save_every=1)
+    holder = folder_lock.holder(rt.lifecycle.folder)  # type: ignore[arg-type]
+    return f"{os.getppid()} {holder.pid if holder else None}"
+
+
+def test_ranks_started_by_the_holder_run_under_its_lock(tmp_path: Path) -> None:
+    rt = gk.Runtime(strategy="ddp", devices=2, checkpoints=tmp_path / "ckpt", save_every=1)
+    parent, held_by = rt.launch(_two_steps).split()
+    assert parent == held_by == str(os.getpid())  # this process holds it for its ranks
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
+    rt.teardown()
+    assert not (tmp_path / "ckpt" / folder_lock.LOCK_FILE).exists()
