@@ -239,3 +239,30 @@ def test_under_two_ranks_every_rank_learns_that_the_save_failed(small_disk: Path
         assert line.startswith(f"rank {rank}: {errno.ENOSPC}: could not write"), line
     assert reports[0].split(": ", 2)[2] == reports[1].split(": ", 2)[2]  # one message
     assert not list((small_disk / "ck").glob(".tmp*"))
+
+
+def test_a_latest_that_cannot_be_written_leaves_the_new_checkpoint_unpublished(
+    tmp_path: Path,
+) -> None:
+    # A file system out of inodes (not of bytes): the checkpoint's own 4 (its folder and 3
+    # files) are there, the file that replaces `latest` is not.
+    disk = tmp_path / "inodes"
+    _mount_tmpfs(disk, "1m,nr_inodes=64")
+    try:
+        folder = disk / "ck"
+        rt, model, opt = _trained(folder, size=4)
+        _step(rt, model, opt)
+        first = rt.save()
+        spare = os.statvfs(disk).f_ffree - 4
+        for i in range(spare):
+            (disk / f"f{i}").touch()
+        _step(rt, model, opt)
+        with pytest.raises(CheckpointWriteError) as caught:
+            rt.save()
+        assert caught.value.errno == errno.ENOSPC
+        assert ".tmp-latest" in str(caught.value.__cause__)  # the files were all written
+        _assert_clean_failure(caught.value, folder, first.name)
+        assert sorted(p.name for p in folder.iterdir()) == [".gpukit.lock", "latest", first.name]
+        rt.teardown()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -148,7 +148,15 @@ def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    files.point_latest(directory, final)
+    try:
+        files.point_latest(directory, final)
+    except OSError:
+        # `latest` could not be written (a full disk): not published after all. The new one
+        # goes back where the failed save's leftovers are removed, the one it replaced returns.
+        os.replace(final, tmp)
+        if old.is_dir():
+            os.replace(old, final)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     files.fsync(directory)
     files.prune(directory, keep, final, leftovers=folder_lock.held_here(directory))
