@@ -163,3 +163,44 @@ def test_ranks_started_by_the_holder_run_under_its_lock(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
     rt.teardown()
     assert not (tmp_path / "ckpt" / folder_lock.LOCK_FILE).exists()
+
+
+_FORKING_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time, gpukit as gk
+    rt = gk.Runtime(devices="cpu", checkpoints=sys.argv[1])
+    child = os.fork()  # like a DataLoader worker: it shares the lock's open file
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_holders_children_still_hold_it_and_are_named(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(gk.ConfigError, match=rf"left by pid {proc.pid} .* has ended"):
+            gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    finally:
+        os.kill(child, signal.SIGKILL)
+    for _ in range(3):  # the lock goes with the child (hold waits a moment for it)
+        try:
+            gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt").teardown()
+            break
+        except gk.ConfigError:
+            pass
+    else:
+        raise AssertionError("the lock outlived every process that held it")

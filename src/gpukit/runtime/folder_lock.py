@@ -132,6 +132,8 @@ def hold(folder: str | os.PathLike[str], *, command: str, fix: str) -> FolderLoc
                 with contextlib.suppress(OSError):
                     made.rmdir()
             who = found.describe() if found is not None else "another process"
+            if found is not None and _dead_here(found):
+                who = f"the processes left by {who}, which has ended (its children hold it)"
             raise ConfigError(f"{path} is in use by {who}: {fix}") from None
         try:
             same = os.stat(path / LOCK_FILE).st_ino == os.fstat(fd).st_ino
