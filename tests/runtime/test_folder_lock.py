@@ -81,6 +81,22 @@ def test_out_held_by_another_process_is_refused_by_claim_out(
         claim_out(str(tmp_path / "ckpt"))
 
 
+def test_a_save_into_a_folder_another_run_holds_is_refused_and_touches_nothing(
+    tmp_path: Path, holder: subprocess.Popen[str]
+) -> None:
+    leftover = tmp_path / "ckpt" / ".tmp-step-00000009"  # the holder's save under way
+    leftover.mkdir()
+    rt = gk.Runtime(devices="cpu")
+    rt.setup(torch.nn.Linear(2, 1))
+    with pytest.raises(gk.ConfigError, match=rf"in use by pid {holder.pid} .*another folder"):
+        rt.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        folder_lock.LOCK_FILE,
+        leftover.name,
+    ]
+    rt.teardown()
+
+
 def test_runtimes_of_this_very_process_share_the_folder(tmp_path: Path) -> None:
     first = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
     second = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")  # a notebook's rerun
