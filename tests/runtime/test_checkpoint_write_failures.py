@@ -266,3 +266,29 @@ def test_a_latest_that_cannot_be_written_leaves_the_new_checkpoint_unpublished(
         rt.teardown()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _sharded_report(rt: gk.Runtime, folder: str) -> list[str]:
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    model, opt = rt.setup(net, torch.optim.AdamW(net.parameters()))
+    rt.backward(model(torch.ones(2, 64)).sum())
+    rt.step(opt)
+    try:
+        rt.save(folder)  # every rank writes its shards: torch.distributed.checkpoint fails
+        mine = "saved"
+    except CheckpointWriteError as err:
+        mine = f"{err.errno}: {err}"
+    return rt.strategy.all_gather_object(mine)
+
+
+def test_under_fsdp_a_shard_the_disk_refuses_fails_every_rank_alike(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    _mount_tmpfs(disk, "300k")  # the sharded optimizer state alone needs more
+    try:
+        rt = gk.Runtime(strategy="fsdp", devices=2, seed=0)
+        reports = rt.launch(_sharded_report, str(disk / "ck"))
+        assert len(reports) == 2 and reports[0] == reports[1], reports
+        assert reports[0].startswith(f"{errno.ENOSPC}: could not write the checkpoint"), reports
+        assert not (disk / "ck").exists()  # made for the save, nothing in it: removed
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

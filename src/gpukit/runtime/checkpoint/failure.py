@@ -46,9 +46,26 @@ _SHORT_WRITE = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter
 _NO_ROOM = (errnos.ENOSPC, errnos.EDQUOT)
 
 
+def underlying(err: BaseException) -> BaseException:
+    """The error itself: for torch.distributed.checkpoint's ``CheckpointException`` (which
+    gathers every rank's failure), the first rank's.
+
+    >>> underlying(ValueError("x")).args
+    ('x',)
+    """
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for _, pair in sorted(failures.items()):
+            inner = pair[0] if isinstance(pair, tuple) else pair
+            if isinstance(inner, BaseException):
+                return inner
+    return err
+
+
 def errno_of(err: BaseException) -> int | None:
     """The errno under a failed write, when it says one: an ``OSError``'s, or the
     ``(os error N)`` or strerror text in safetensors' and torch's messages."""
+    err = underlying(err)
     if isinstance(err, OSError) and err.errno is not None:
         return err.errno
     text = str(err)
@@ -63,6 +80,7 @@ def errno_of(err: BaseException) -> int | None:
 
 def is_write_failure(err: BaseException) -> bool:
     """Whether ``err`` is the disk refusing a write (not a bug to show with its traceback)."""
+    err = underlying(err)
     if isinstance(err, OSError):
         return True
     return errno_of(err) is not None or bool(_SHORT_WRITE.search(str(err)))
@@ -201,7 +219,9 @@ class Failures:
         """Note a write failure inside (the first one counts); anything else propagates."""
         try:
             yield
-        except Exception as err:
+        except BaseException as err:  # torch.distributed.checkpoint's errors are BaseExceptions
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
             if not is_write_failure(err) and not isinstance(err, ConfigError):
                 raise
             if self.error is None:
@@ -212,7 +232,8 @@ class Failures:
         (collective)."""
         mine = None
         if self.error is not None:
-            mine = (None if self.busy else errno_of(self.error), str(self.error), self.busy)
+            text = str(underlying(self.error))
+            mine = (None if self.busy else errno_of(self.error), text, self.busy)
         found = [
             (rank, *entry)
             for rank, entry in enumerate(strategy.all_gather_object(mine))
