@@ -15,6 +15,7 @@ from gpukit.diagnostics.placement import PlacementReport, placement
 from gpukit.diagnostics.readable import explain_error
 from gpukit.diagnostics.trace import Trace, trace
 from gpukit.errors import (
+    CheckpointWriteError,
     ConfigError,
     CrossDeviceError,
     CudnnError,
@@ -37,6 +38,7 @@ from gpukit.runtime.runtime import Runtime
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointWriteError",
     "ConfigError",
     "CrossDeviceError",
     "CudnnError",

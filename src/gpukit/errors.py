@@ -23,6 +23,10 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 class GpukitError(Exception):
     """Base class of every error gpukit raises on bad input or an impossible request."""
 
+    # True where running the same thing again fails the same way (bad input, a disk that
+    # cannot take the checkpoint): gpukit's launcher does not restart a job for such an error.
+    will_repeat = False
+
 
 class DeviceError(GpukitError, ValueError):
     """A device spec that is malformed, names a missing device, or asks for what the build lacks.
@@ -30,6 +34,8 @@ class DeviceError(GpukitError, ValueError):
     It is also a ``ValueError``, so code that already catches torch's ``ValueError`` for a bad
     device string keeps working.
     """
+
+    will_repeat = True
 
 
 def warn_user(message: str) -> None:
@@ -47,7 +53,23 @@ def warn_user(message: str) -> None:
 
 class ConfigError(GpukitError, ValueError):
     """A setting that is not allowed: an unknown strategy, precision or workload, a batch too
-    small for the ranks, a missing checkpoint, a port in use."""
+    small for the ranks, a missing checkpoint, a port in use, a folder another run holds."""
+
+    will_repeat = True
+
+
+class CheckpointWriteError(GpukitError, OSError):
+    """A checkpoint could not be written: the disk is full (ENOSPC), a file would pass the size
+    limit (EFBIG), the folder is not writable (EACCES, EPERM) or is on a read-only file system
+    (EROFS). The message names the folder, the bytes the checkpoint needs and those free there,
+    and the fix. Nothing of the failed save is left behind and ``latest`` still names the
+    previous checkpoint. Every rank raises it; ``errno`` is the one underneath when known.
+
+    Restarting would fail the same way, so gpukit's launcher does not restart a job for it.
+    It is also an ``OSError``, so code that already catches write errors keeps working.
+    """
+
+    will_repeat = True
 
 
 class OutOfMemory(GpukitError, RuntimeError):

@@ -96,3 +96,27 @@ def test_a_known_raw_error_is_shown_in_words_with_exit_code_one(monkeypatch, cap
     assert main(["devices"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("gpukit devices: ") and "kernel" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("ConfigError", 2),  # bad input: the same again
+        ("DeviceError", 2),
+        ("CheckpointWriteError", 2),  # a disk that refused the checkpoint: the same again
+        ("DistributedError", 1),  # a peer went away: a restart may well succeed
+        ("NonFiniteError", 1),
+    ],
+)
+def test_an_error_that_would_repeat_exits_two_and_others_one(  # type: ignore[no-untyped-def]
+    monkeypatch, capsys, error: str, code: int
+) -> None:
+    import gpukit.errors
+    from gpukit.cli import devices
+
+    def failing(args: object) -> int:
+        raise getattr(gpukit.errors, error)("it went wrong")
+
+    monkeypatch.setattr(devices, "run", failing)
+    assert main(["devices"]) == code  # gpukit's launcher restarts no rank that exits 2
+    assert capsys.readouterr().err == "gpukit devices: error: it went wrong\n"

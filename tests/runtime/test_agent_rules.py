@@ -96,6 +96,24 @@ def test_restart_rules_in_order() -> None:
     assert stop_reason([boom], True, 0, 2, 3) is None
 
 
+def test_a_failure_that_would_repeat_is_not_restarted(tmp_path: Path) -> None:
+    # gpukit train exits 2 on bad input and on a checkpoint the disk refused
+    exited = RankEnd(0, 2, 1_000, step=6).fault(0)
+    assert exited.will_repeat
+    assert "restarting would fail the same way" in str(stop_reason([exited], True, 0, 2, 3))
+    # a script's own uncaught CheckpointWriteError / ConfigError, as the runner records it
+    record = tmp_path / "error.json"
+    extra = '"extraInfo": {"time_ns": "5", "will_repeat": true}'
+    record.write_text('{"message": {"message": "CheckpointWriteError: could not", ' + extra + "}}")
+    error = read_error(record)
+    assert error is not None and error.will_repeat
+    raised = RankEnd(1, 1, 1_000, error, step=6).fault(0)
+    assert raised.will_repeat and stop_reason([raised], True, 0, 2, 3) is not None
+    # an ordinary crash is still restarted
+    crashed = RankEnd(1, 1, 1_000, ErrorRecord("RuntimeError: boom", 5), step=6).fault(0)
+    assert not crashed.will_repeat and stop_reason([crashed], True, 0, 2, 3) is None
+
+
 def test_the_work_redone_counts_from_the_checkpoint() -> None:
     assert redone(6, 4) == "2 step(s) since the checkpoint at step 4 are redone"
     assert redone(6, -1) == "6 step(s) since the start are redone (no checkpoint yet)"

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import gpukit.cli.launch as launch_cli
+from gpukit.runtime.agent.failures import read_error
 
 RUNNER = launch_cli.RUNNER
 
@@ -70,6 +71,23 @@ def test_an_error_is_recorded_with_a_fine_clock_and_shown_without_the_runners_fr
     assert message["message"] == "ValueError: bad shape"
     assert int(message["extraInfo"]["time_ns"]) // 10**9 == int(message["extraInfo"]["timestamp"])
     assert "raise ValueError" in message["extraInfo"]["py_callstack"]
+
+
+def test_an_error_that_would_repeat_is_recorded_as_such(tmp_path: Path) -> None:
+    # A class with gpukit's ``will_repeat`` (a ConfigError, a CheckpointWriteError): the
+    # runner imports nothing of gpukit, it reads the attribute.
+    full = tmp_path / "full.py"
+    full.write_text(
+        "class CheckpointWriteError(OSError):\n    will_repeat = True\n\n"
+        "raise CheckpointWriteError('the disk is full')\n"
+    )
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("raise OSError('flaky')\n")
+    for script, repeats in ((full, True), (flaky, False)):
+        error_file = script.with_suffix(".json")
+        assert run(script, error_file=error_file).returncode == 1
+        recorded = read_error(error_file)
+        assert recorded is not None and recorded.will_repeat is repeats
 
 
 def test_exit_codes_pass_through_and_only_failures_are_recorded(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 provides ``NAME``, ``register(subparsers)`` and ``run(args) -> exit code``.
 
 Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor check FAILed);
-2 bad input (a usage error or a GpukitError, printed in one or two lines without a traceback).
+2 bad input or a failure that would come again (a usage error, or a GpukitError whose
+``will_repeat`` says so: a ConfigError, a DeviceError, a checkpoint the disk refused), printed in
+one or two lines without a traceback; gpukit's launcher restarts no rank that exits 2. Other
+GpukitErrors (a collective that failed, NaN gradients) print the same way and exit 1.
 Running out of device memory exits 1 with the explanation of ``gpukit.explain`` (the numbers of
 the message, and what to try first) instead of torch's bare message; other errors gpukit knows
 (tensors on different devices, device-side asserts, cuDNN, missing kernels, an old driver, NCCL
@@ -54,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     except GpukitError as err:
         print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return 2 if err.will_repeat else 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

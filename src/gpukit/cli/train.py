@@ -74,7 +74,7 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
-from gpukit.runtime.outdir import check_out
+from gpukit.runtime.outdir import check_out, claim_out
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
 from gpukit.workloads.loop import (
@@ -181,6 +181,18 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # One run per --out: the folder is locked before anything is written there, by this
+    # process (the launcher, when it starts the ranks; the ranks then hold its checkpoints).
+    worker = _env.job_dir() is not None  # one process of a job gpukit's launcher started
+    lock = None if worker else claim_out(args.out)
+    try:
+        return _run(args, worker)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace, worker: bool) -> int:
     devices = _devices(args.devices)
     for flag in ("epochs", "max_steps", "batch_size", "keep"):
         value = getattr(args, flag)
@@ -195,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
-    worker = _env.job_dir() is not None  # one process of a job gpukit's launcher started
     checkpoints = Path(args.out) / "checkpoints" if args.out else None
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")

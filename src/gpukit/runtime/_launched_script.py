@@ -115,6 +115,8 @@ def record(err: BaseException) -> None:
                 "py_callstack": "".join(traceback.format_exception(err)),
                 "timestamp": str(int(time.time())),
                 "time_ns": str(time.time_ns()),
+                # gpukit's errors that a restart would meet again (bad input, a full disk)
+                "will_repeat": getattr(err, "will_repeat", False) is True,
             },
         }
     }

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from gpukit import _env
 from gpukit.errors import ConfigError, Preempted
+from gpukit.runtime import folder_lock
 from gpukit.runtime.boundaries import StepBoundaries
 from gpukit.runtime.faults import FaultPlan
 from gpukit.runtime.heartbeat import Heartbeat
@@ -113,6 +114,13 @@ class Lifecycle(StepBoundaries):
         self.rank, self.world_size, self.log_every = rank, world_size, log_every
         self._save, self._agree, self._resume = save, agree, resume
         self.every_steps, self.every_seconds = parse_save_every(config.save_every)
+        self.lock: folder_lock.FolderLock | None = None
+        if config.checkpoints is not None and rank == 0:  # one run per folder: refused now
+            self.lock = folder_lock.hold(
+                config.checkpoints,
+                command=folder_lock.this_program(),
+                fix="wait for it, stop it, or give this run another checkpoints folder",
+            )
         self.heartbeat = Heartbeat.from_env()
         self.faults = FaultPlan.from_env(rank)
         self.preemption: Preemption | None = None
@@ -232,6 +240,9 @@ class Lifecycle(StepBoundaries):
         self.beat("end", step)
 
     def close(self) -> None:
-        """Give the signal handlers back."""
+        """Give the signal handlers and the checkpoints folder back."""
         if self.preemption is not None:
             self.preemption.uninstall()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

@@ -1,8 +1,10 @@
-"""The ``--out`` folder of ``gpukit train``, checked before anything starts.
+"""The ``--out`` folder of ``gpukit train``, claimed and checked before anything starts.
 
 A run writes its metrics, plot and checkpoints there at the end of an epoch or of the run;
 a folder it cannot write, or one holding another run's checkpoints, would fail or do harm
 only then. :func:`check_out` refuses those at once, and changes nothing on disk when it does.
+:func:`claim_out` locks the folder first (one run per folder, see
+``gpukit.runtime.folder_lock``): a second run into it is refused, naming the one there.
 
 >>> check_out(None, resume=False, overwrite=False) is None
 True
@@ -15,9 +17,42 @@ import time
 from pathlib import Path
 
 from gpukit.errors import ConfigError, warn_user
+from gpukit.runtime import folder_lock
 from gpukit.runtime.checkpoint.files import LATEST, has_checkpoints, newest_step
 
 CHECKPOINTS = "checkpoints"
+
+
+def claim_out(out: str | None, command: str = "gpukit train") -> folder_lock.FolderLock | None:
+    """Lock the ``--out`` folder for this run (created when missing; the lock's ``release``
+    removes it again if the run left it empty); None without ``--out``. ConfigError when
+    another run holds it: ``runs/x is in use by pid 1234 on host h since 2026-11-25 23:50:01
+    (gpukit train): wait for it, stop it, or use another --out``.
+
+    >>> claim_out(None) is None
+    True
+    """
+    if out is None:
+        return None
+    return folder_lock.hold(
+        _valid(out), command=command, fix="wait for it, stop it, or use another --out"
+    )
+
+
+def _valid(out: str) -> Path:
+    """``--out`` as a folder path: a name that is not blank and not a file."""
+    if not out.strip():
+        raise ConfigError(
+            f"--out {out!r}: give a folder (--out runs/mlp), or leave --out out to write no "
+            "metrics and no checkpoints"
+        )
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"--out {out}: that is a file, not a folder: give a folder for the metrics, plot "
+            "and checkpoints (a new one is created), or remove the file"
+        )
+    return path
 
 
 def check_out(out: str | None, *, resume: bool, overwrite: bool) -> Path | None:
@@ -37,17 +72,7 @@ def check_out(out: str | None, *, resume: bool, overwrite: bool) -> Path | None:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
     if out is None:
         return None
-    if not out.strip():
-        raise ConfigError(
-            f"--out {out!r}: give a folder (--out runs/mlp), or leave --out out to write no "
-            "metrics and no checkpoints"
-        )
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(
-            f"--out {out}: that is a file, not a folder: give a folder for the metrics, plot "
-            "and checkpoints (a new one is created), or remove the file"
-        )
+    path = _valid(out)
     checkpoints = path / CHECKPOINTS
     if checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(
@@ -73,15 +98,23 @@ def check_out(out: str | None, *, resume: bool, overwrite: bool) -> Path | None:
 
 
 def move_aside(checkpoints: Path) -> Path:
-    """Rename ``checkpoints`` to ``checkpoints.old-<date>-<time>`` beside it (a number is added
-    when that name is taken); returns the new name."""
+    """Move what ``checkpoints`` holds into ``checkpoints.old-<date>-<time>`` beside it (a
+    number is added when that name is taken); returns the new folder. A lock file stays (the
+    folder is renamed when there is none): this run holds it, on the folder it goes on
+    writing."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = checkpoints.with_name(f"{checkpoints.name}.old-{stamp}")
     n = 1
     while target.exists():
         n += 1
         target = checkpoints.with_name(f"{checkpoints.name}.old-{stamp}-{n}")
-    os.rename(checkpoints, target)
+    if not (checkpoints / folder_lock.LOCK_FILE).exists():
+        os.rename(checkpoints, target)
+        return target
+    target.mkdir()
+    for entry in checkpoints.iterdir():
+        if entry.name != folder_lock.LOCK_FILE:
+            os.rename(entry, target / entry.name)
     return target
 
 

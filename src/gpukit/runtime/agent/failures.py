@@ -36,6 +36,9 @@ PREEMPTED_EXIT = 143  # what gpukit's Preempted exits with, as a process ended b
 # Exit codes of a process that stopped on request: gpukit's Preempted, a second Ctrl-C (130),
 # or killed by SIGTERM or SIGINT with no handler of its own.
 _STOP_CODES = (PREEMPTED_EXIT, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
+# What gpukit's command line exits with on a GpukitError: bad input, a checkpoint the disk
+# refused. Running it again fails the same way.
+BAD_INPUT_EXIT = 2
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ErrorRecord:
 
     message: str
     time_ns: int | None = None
+    will_repeat: bool = False  # a gpukit error that a restart would meet again
 
     @property
     def first_line(self) -> str:
@@ -58,7 +62,8 @@ def read_error(path: Path) -> ErrorRecord | None:
         extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
         text = message.get("message", "") if isinstance(message, dict) else str(message)
         when = extra.get("time_ns")
-        return ErrorRecord(str(text), int(when) if when is not None else None)
+        repeats = extra.get("will_repeat") is True
+        return ErrorRecord(str(text), int(when) if when is not None else None, repeats)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -73,6 +78,7 @@ class Fault:
     step: int | None
     text: str  # "rank 1 was killed by SIGKILL at step 6 (phase backward)"
     attempt: int = 0
+    will_repeat: bool = False  # bad input or a save the disk refused: the same again
 
     def same_as(self, other: Fault) -> bool:
         """The same failure: same kind, rank, first line of the message and step."""
@@ -153,7 +159,8 @@ class RankEnd:
             return Fault("diverged", rank, text, self.step, f"rank {rank} {text}", attempt)
         message = self.error.first_line if self.error is not None else describe_exit(self.code)
         text = f"rank {self.rank} {self.what()}{self.where()}"
-        return Fault(self.kind, self.rank, message, self.step, text, attempt)
+        repeats = self.code == BAD_INPUT_EXIT or (self.error is not None and self.error.will_repeat)
+        return Fault(self.kind, self.rank, message, self.step, text, attempt, repeats)
 
     @property
     def collective_broke(self) -> bool:

@@ -2,6 +2,9 @@
 
 A failed attempt is restarted (all ranks, a fresh port) unless:
 
+- its failure would come again: a rank exited with code 2 (gpukit's command line on bad input
+  or on a checkpoint the disk refused), or raised a gpukit error that says so (a
+  ``ConfigError``, a ``CheckpointWriteError``: ``will_repeat``);
 - it failed before its first step: no rank's heartbeat step moved past where the attempt began
   (a rank that never beat has not begun). An import error, a wrong path, a model that does not
   fit: restarting would fail the same way;
@@ -49,6 +52,11 @@ def stop_reason(
     """Why the job must not be restarted after its latest fault; None: restart it."""
     if max_restarts == 0:
         return ""  # restarts were not asked for: nothing to explain
+    if faults and faults[-1].will_repeat:
+        return (
+            f"{faults[-1].text} (bad input, or a checkpoint the disk refused): restarting "
+            "would fail the same way"
+        )
     if not advanced:
         return "it failed before its first step: restarting would fail the same way"
     if faults[-1].kind == "diverged":

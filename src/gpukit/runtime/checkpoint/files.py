@@ -276,13 +276,21 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def prune(directory: Path, keep: int, saved: Path) -> None:
+def prune(directory: Path, keep: int, saved: Path, leftovers: bool = True) -> None:
     """Remove the checkpoints beyond the newest ``keep`` (by step), never ``saved`` (the good
-    one just written, which ``latest`` names), and the leftovers of saves cut short."""
+    one just written, which ``latest`` names), and, with ``leftovers``, what saves and prunes
+    cut short left (``.tmp-step-*``, ``.deleting-*``, swapped ``.old-step-*``).
+
+    Only gpukit's checkpoints are removed: a ``step-*`` folder holding neither a manifest nor
+    a ``state.pt`` is someone else's and stays. ``leftovers`` is for a writer that holds the
+    folder's lock (``gpukit.runtime.folder_lock``): only then can no other live run be writing
+    a ``.tmp-step-*`` there."""
     folders = sorted(_folders(directory), key=_order)
     for old in folders[:-keep]:
-        if old.name != saved.name:
+        if old.name != saved.name and is_checkpoint(old):
             remove(old)
+    if not leftovers:
+        return
     for leftover in directory.iterdir():
         swapped = leftover.name.startswith(".old-") and (directory / leftover.name[5:]).is_dir()
         if leftover.is_dir() and (swapped or leftover.name.startswith(_LEFTOVER)):

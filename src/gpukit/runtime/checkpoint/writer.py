@@ -5,7 +5,9 @@ fsdp every rank first writes its shards into its ``sharded/`` folder, checking i
 ``sharded``), fsyncs them, writes ``manifest.json`` last, renames the folder into place and
 only then points ``latest`` at it and prunes. A checkpoint holding NaN or Inf is written for
 inspection but marked bad in its manifest: ``latest`` keeps naming the last good one and
-nothing is pruned.
+nothing is pruned. A write the disk refuses (full, read-only, not permitted, a file too large)
+leaves nothing behind and ``latest`` as it was, and every rank raises one
+``CheckpointWriteError`` that says why (see ``failure``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 from safetensors.torch import save_model
 
 from gpukit.errors import ConfigError, warn_user
+from gpukit.runtime import folder_lock
 from gpukit.runtime.checkpoint import files, finite, objects, sharded
+from gpukit.runtime.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
 from gpukit.runtime.checkpoint.fit import (
     optimizer_entries,
     parameter_names,
@@ -68,54 +72,74 @@ def save(
     tmp = directory / f".tmp-{final.name}"
     models = user_models(state, strategy, precision)
     shards = sharded.applies(models)
+    # A write the disk refuses is noted, this rank's own writing stops, and it still takes
+    # part in every collective below: the ranks then agree and all raise one error.
+    failures = Failures()
     if strategy.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        with failures.noted():
+            # The writer holds the folder while it writes (a Runtime holds its own all along),
+            # so no .tmp-* of a live writer is ever taken for a leftover below.
+            failures.hold(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
     bad: list[str] = []
     weights: list[dict[str, torch.Tensor]] = []
     # Optimizers that have not stepped yet: laying out their state for the shards gives them
     # one (a step at learning rate 0, AdamW's step count 1), which must not outlive the save.
     fresh = [i for i, o in enumerate(state.optimizers) if not o.state] if shards else []
-    if shards:  # every rank writes its own shards, then gives its part of the full weights
-        strategy.barrier()  # the folder exists
+    if shards and not failures.agree(strategy):  # every rank writes its own shards
         try:
-            bad = sharded.save(tmp, models, state.optimizers, strategy)
+            with failures.noted():
+                bad = sharded.save(tmp, models, state.optimizers, strategy)
         finally:
             for i in fresh:
                 state.optimizers[i].state.clear()
-        weights = [sharded.full_weights(m, strategy) for m in models]
-    if strategy.rank == 0:
-        progress = _progress(state, strategy, precision, rng, shards, accumulate)
-        progress["fresh_optimizers"] = fresh  # a resume leaves them stateless too
-        progress |= extras
-        if shards:
-            bad += finite.problems(_sharded_entries(models, weights, progress))
-            for i, (model, full) in enumerate(zip(models, weights, strict=True)):
-                sharded.save_weights(full, model, tmp / weights_name(i, len(models)))
-        else:
-            bad = finite.problems(_entries(models, state, progress))
-            for i, model in enumerate(models):
-                save_model(model, str(tmp / weights_name(i, len(models))))
-        torch.save(progress, tmp / files.STATE)
+        if not failures.agree(strategy):  # then gives its part of the full weights
+            weights = [sharded.full_weights(m, strategy) for m in models]
+    if strategy.rank == 0 and failures.ok and failures.agreed:
+        with failures.noted():
+            progress = _progress(state, strategy, precision, rng, shards, accumulate)
+            progress["fresh_optimizers"] = fresh  # a resume leaves them stateless too
+            progress |= extras
+            if shards:
+                bad += finite.problems(_sharded_entries(models, weights, progress))
+                for i, (model, full) in enumerate(zip(models, weights, strict=True)):
+                    sharded.save_weights(full, model, tmp / weights_name(i, len(models)))
+            else:
+                bad = finite.problems(_entries(models, state, progress))
+                for i, model in enumerate(models):
+                    save_model(model, str(tmp / weights_name(i, len(models))))
+            torch.save(progress, tmp / files.STATE)
     known: dict[str, Any] = {}
-    if shards:
+    if shards and failures.agreed:
         # Each rank flushes and hashes the shard files it wrote, all at once, instead of rank
         # 0 reading everyone's while they wait: the whole model's bytes, at scale.
-        mine = sharded.written_by(tmp, strategy.rank)
-        for part in strategy.all_gather_object(files.describe(tmp, mine)):
+        mine: dict[str, Any] = {}
+        with failures.noted():
+            mine = files.describe(tmp, sharded.written_by(tmp, strategy.rank))
+        for part in strategy.all_gather_object(mine):
             known.update(part)
-    if strategy.rank == 0:
-        for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders holding them
-            if f.relative_to(tmp).as_posix() not in known:
-                files.fsync(f)
-        files.write_manifest(tmp, state.global_step, bad, known)  # last: means complete
-        files.fsync(tmp)
-        if bad:
-            _keep_bad(directory, tmp, final, bad)
-        else:
-            _publish(directory, tmp, final, keep)
-    strategy.barrier()
+    if strategy.rank == 0 and failures.ok and failures.agreed:
+        with failures.noted():
+            for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders in them
+                if f.relative_to(tmp).as_posix() not in known:
+                    files.fsync(f)
+            files.write_manifest(tmp, state.global_step, bad, known)  # last: means complete
+            files.fsync(tmp)
+            if bad:
+                _keep_bad(directory, tmp, final, bad)
+            else:
+                _publish(directory, tmp, final, keep)
+    found = failures.agree(strategy)  # also the barrier: every rank leaves with the outcome
+    if found:
+        needed = 0
+        if strategy.rank == 0 and not failures.busy:
+            clean_up(directory, tmp)
+            needed = needed_bytes(models, state.optimizers)
+        failures.release()
+        raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
+    failures.release()
     return final
 
 
@@ -128,10 +152,18 @@ def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    files.point_latest(directory, final)
+    try:
+        files.point_latest(directory, final)
+    except OSError:
+        # `latest` could not be written (a full disk): not published after all. The new one
+        # goes back where the failed save's leftovers are removed, the one it replaced returns.
+        os.replace(final, tmp)
+        if old.is_dir():
+            os.replace(old, final)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     files.fsync(directory)
-    files.prune(directory, keep, final)
+    files.prune(directory, keep, final, leftovers=folder_lock.held_here(directory))
     if later is not None and later > step:
         warn_user(
             f"{directory} also holds checkpoints of later steps (up to step {later}): "

@@ -1,0 +1,222 @@
+"""One run per folder: a Runtime's checkpoints folder and gpukit train's --out are locked by a
+real OS lock, held by real processes here, freed when they die; pruning leaves alone what this
+run did not write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpukit as gk
+from gpukit.runtime import folder_lock
+from gpukit.runtime.checkpoint import files
+from gpukit.runtime.outdir import check_out, claim_out
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+pytestmark = pytest.mark.skipif(folder_lock.fcntl is None, reason="no fcntl: folders unlocked")
+
+# A program that holds a Runtime on a checkpoints folder, says so, and waits to be killed.
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time, gpukit as gk
+    rt = gk.Runtime(devices="cpu", checkpoints=sys.argv[1])
+    print("holding", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process holding ``tmp_path/ckpt`` with a Runtime."""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    for name in ("RANK", "WORLD_SIZE", "GPUKIT_JOB_DIR"):
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_runtime_on_a_held_folder_is_refused_naming_the_holder(
+    tmp_path: Path, holder: subprocess.Popen[str]
+) -> None:
+    with pytest.raises(gk.ConfigError) as caught:
+        gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    text = str(caught.value)
+    assert f"is in use by pid {holder.pid} on host " in text, text
+    assert " since 20" in text and "another checkpoints folder" in text, text
+
+
+def test_the_lock_is_freed_when_its_holder_is_killed(
+    tmp_path: Path, holder: subprocess.Popen[str]
+) -> None:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    rt = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")  # the kernel freed it
+    assert folder_lock.holder(tmp_path / "ckpt").pid == os.getpid()  # type: ignore[union-attr]
+    rt.teardown()
+    assert not (tmp_path / "ckpt" / folder_lock.LOCK_FILE).exists()
+
+
+def test_out_held_by_another_process_is_refused_by_claim_out(
+    tmp_path: Path, holder: subprocess.Popen[str]
+) -> None:
+    with pytest.raises(gk.ConfigError, match=r"in use by pid \d+ .*use another --out"):
+        claim_out(str(tmp_path / "ckpt"))
+
+
+def test_a_save_into_a_folder_another_run_holds_is_refused_and_touches_nothing(
+    tmp_path: Path, holder: subprocess.Popen[str]
+) -> None:
+    leftover = tmp_path / "ckpt" / ".tmp-step-00000009"  # the holder's save under way
+    leftover.mkdir()
+    rt = gk.Runtime(devices="cpu")
+    rt.setup(torch.nn.Linear(2, 1))
+    with pytest.raises(gk.ConfigError, match=rf"in use by pid {holder.pid} .*another folder"):
+        rt.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        folder_lock.LOCK_FILE,
+        leftover.name,
+    ]
+    rt.teardown()
+
+
+def test_runtimes_of_this_very_process_share_the_folder(tmp_path: Path) -> None:
+    first = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    second = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")  # a notebook's rerun
+    second.teardown()
+    assert folder_lock.held_here(tmp_path / "ckpt")  # the first still holds it
+    first.teardown()
+    assert not folder_lock.held_here(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()  # made for the lock, left empty: removed
+
+
+def test_a_process_started_by_the_holder_is_of_its_job(tmp_path: Path) -> None:
+    rt = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    code = "import sys, gpukit as gk; gk.Runtime(devices='cpu', checkpoints=sys.argv[1])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ckpt")], env=env, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr
+    rt.teardown()
+
+
+def test_overwrite_moves_the_checkpoints_aside_but_keeps_the_lock_in_place(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (out / "checkpoints" / "step-00000004" / "state.pt").write_bytes(b"x")
+    lock = claim_out(str(out))
+    rt = gk.Runtime(devices="cpu", checkpoints=out / "checkpoints")
+    with pytest.warns(UserWarning, match="moved to"):
+        check_out(str(out), resume=False, overwrite=True)
+    assert (out / "checkpoints" / folder_lock.LOCK_FILE).is_file()
+    assert not files.has_checkpoints(out / "checkpoints")
+    rt.teardown()
+    assert lock is not None
+    lock.release()
+
+
+def test_pruning_removes_only_gpukit_checkpoints(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    (folder / "step-00000001").mkdir(parents=True)
+    (folder / "step-00000001" / "notes.txt").write_text("not a checkpoint")
+    rt = gk.Runtime(devices="cpu", checkpoints=folder, keep=1)
+    model = rt.setup(torch.nn.Linear(2, 1))
+    for step in (2, 3):
+        rt.state.global_step = step
+        rt.save()
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000001", "step-00000003"]
+    rt.teardown()
+    del model
+
+
+def test_leftovers_of_a_save_are_removed_only_under_the_lock(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    saved = folder / "step-00000002"
+    leftover = folder / ".tmp-step-00000009"
+    for path in (saved, leftover):
+        path.mkdir(parents=True)
+        (path / "state.pt").write_bytes(b"x")
+    files.prune(folder, 1, saved, leftovers=False)  # another run may be writing it
+    assert leftover.is_dir()
+    files.prune(folder, 1, saved)
+    assert not leftover.exists()
+
+
+def _two_steps(rt: gk.Runtime) -> str:
+    net = torch.nn.Linear(2, 1)
+    model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(2):
+        rt.backward(model(torch.ones(2, 2)).sum())
+        rt.step(opt)  # saves after each step (save_every=1)
+    holder = folder_lock.holder(rt.lifecycle.folder)  # type: ignore[arg-type]
+    return f"{os.getppid()} {holder.pid if holder else None}"
+
+
+def test_ranks_started_by_the_holder_run_under_its_lock(tmp_path: Path) -> None:
+    rt = gk.Runtime(strategy="ddp", devices=2, checkpoints=tmp_path / "ckpt", save_every=1)
+    parent, held_by = rt.launch(_two_steps).split()
+    assert parent == held_by == str(os.getpid())  # this process holds it for its ranks
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
+    rt.teardown()
+    assert not (tmp_path / "ckpt" / folder_lock.LOCK_FILE).exists()
+
+
+_FORKING_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time, gpukit as gk
+    rt = gk.Runtime(devices="cpu", checkpoints=sys.argv[1])
+    child = os.fork()  # like a DataLoader worker: it shares the lock's open file
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_holders_children_still_hold_it_and_are_named(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(gk.ConfigError, match=rf"left by pid {proc.pid} .* has ended"):
+            gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    finally:
+        os.kill(child, signal.SIGKILL)
+    for _ in range(3):  # the lock goes with the child (hold waits a moment for it)
+        try:
+            gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt").teardown()
+            break
+        except gk.ConfigError:
+            pass
+    else:
+        raise AssertionError("the lock outlived every process that held it")
