@@ -166,9 +166,10 @@ def _run_script(path: Path, script_args: list[str]) -> int:
 
 def _run_workload(name: str, steps: int) -> None:
     from gpukit.runtime.runtime import Runtime
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 
-    rt = Runtime(seed=0, oom="recover")
+    # gpukit train's precision ("auto"), the loop this traces.
+    rt = Runtime(seed=0, oom="recover", precision=RUNTIME_DEFAULTS["precision"])
     try:
         fit(rt, TrainConfig(workload=name, max_steps=steps, progress=False, sample=False))
     finally:

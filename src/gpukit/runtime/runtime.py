@@ -63,7 +63,7 @@ class Runtime(RuntimeViews):
         strategy: "auto" (ddp under a launcher or with several devices, else single),
             "single", "dp", "dp-balanced", "ddp", or a strategy object such as
             ``gk.strategies.DDP(...)`` (see ``gpukit.strategies``).
-        precision: "auto", "32", "bf16-mixed" or "16-mixed" (see ``gpukit.runtime.precision``).
+        precision: "32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.precision).
         devices: "auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes
             on a machine without GPUs), a spec such as "cuda:1", or a list of specs.
         accumulate: micro-batches per optimizer step; gradients are averaged over them and
@@ -95,7 +95,7 @@ class Runtime(RuntimeViews):
     def __init__(
         self,
         strategy: str | Strategy = "auto",
-        precision: str = "auto",
+        precision: str = "32",
         devices: DevicesSpec = "auto",
         accumulate: int = 1,
         clip: float | None = None,
