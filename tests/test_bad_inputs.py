@@ -1134,6 +1134,12 @@ CLI_CASES = [
         ["GPUKIT_FAULT_OOM_ABOVE='x'"],
         id="env-fault-oom",
     ),
+    pytest.param(
+        train("--workload", "mlp"),
+        {"GPUKIT_FAULT_OOM_ABOVE": "٣٠"},
+        ["GPUKIT_FAULT_OOM_ABOVE='٣٠'", "U+0663", "ASCII digits"],
+        id="env-fault-oom-arabic-digits",
+    ),
     pytest.param(["devices", "tpu:9"], {}, ["TPU"], id="devices-cmd-tpu"),
     pytest.param(["devices", "٢"], {}, ["not a device spelling"], id="devices-cmd-arabic"),
     pytest.param(["devices", ""], {}, ["empty"], id="devices-cmd-empty"),
