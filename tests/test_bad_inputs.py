@@ -1157,6 +1157,9 @@ CLI_CASES = [
         ["trace", "--workload", "nomodule:x"], {}, ["cannot import module"], id="trace-no-module"
     ),
     pytest.param(["trace", "missing.py"], {}, ["not found"], id="trace-missing-script"),
+    pytest.param(
+        ["trace", f"{SYNTAX}.py"], {}, ["line 1 does not compile"], id="trace-syntax-error"
+    ),
     pytest.param(["trace"], {}, ["nothing to trace"], id="trace-nothing"),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),

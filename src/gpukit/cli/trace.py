@@ -126,7 +126,24 @@ def _check(args: argparse.Namespace) -> Path | str:
     path = Path(args.script)
     if not path.is_file():
         raise ConfigError(f"script {args.script!r} not found (from {Path.cwd()})")
+    _check_compiles(path)
     return path
+
+
+def _check_compiles(path: Path) -> None:
+    """A script that Python cannot compile fails here, in one line, before the trace starts
+    (and before an empty report of a program that never ran)."""
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as err:  # ValueError: null bytes, on Python < 3.12
+        where = f" line {err.lineno}" if getattr(err, "lineno", None) else ""
+        text = (getattr(err, "text", None) or "").strip()
+        shown = f" ({text})" if text else ""
+        what = getattr(err, "msg", None) or str(err)
+        raise ConfigError(
+            f"script {str(path)!r}{where} does not compile: {what}{shown}; fix it (python "
+            f"-m py_compile {path} shows the same error)"
+        ) from None
 
 
 @contextlib.contextmanager
