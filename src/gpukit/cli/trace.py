@@ -136,10 +136,11 @@ def _check_compiles(path: Path) -> None:
     try:
         compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as err:  # ValueError: null bytes, on Python < 3.12
-        where = f" line {err.lineno}" if getattr(err, "lineno", None) else ""
-        text = (getattr(err, "text", None) or "").strip()
+        syntax = err if isinstance(err, SyntaxError) else None
+        where = f" line {syntax.lineno}" if syntax and syntax.lineno else ""
+        text = ((syntax.text if syntax else None) or "").strip()
         shown = f" ({text})" if text else ""
-        what = getattr(err, "msg", None) or str(err)
+        what = (syntax.msg if syntax else None) or str(err)
         raise ConfigError(
             f"script {str(path)!r}{where} does not compile: {what}{shown}; fix it (python "
             f"-m py_compile {path} shows the same error)"
