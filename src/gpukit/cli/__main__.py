@@ -22,6 +22,7 @@ from gpukit.cli import bench, devices, doctor, launch, plan, trace, train
 from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
+from gpukit.runtime import _launched_script
 
 COMMANDS = (doctor, devices, train, launch, trace, bench, plan)
 
@@ -52,7 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpukit {args.command}: {err}", file=sys.stderr)
         return Preempted.exit_code
     except GpukitError as err:
-        print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
+        # One rank of a job that gpukit's launcher started: it prints this once for all.
+        launched = _launched_script
+        if not (launched.is_bad_input(err) and launched.report_bad_input(err)):
+            print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

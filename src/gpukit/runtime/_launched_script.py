@@ -85,10 +85,12 @@ def main() -> None:
     try:
         target()
     except SystemExit as stop:
-        if stop.code not in (None, 0):
+        if stop.code not in (None, 0) and not _recorded():  # gpukit train's own record stays
             record(stop)
         raise
     except Exception as err:  # KeyboardInterrupt and the like end the process as usual
+        if is_bad_input(err) and report_bad_input(err, _raised_at(err, script)):
+            sys.exit(2)
         record(err)
         code = getattr(err, "exit_code", None)
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
@@ -103,8 +105,8 @@ def main() -> None:
         sys.exit(1)
 
 
-def record(err: BaseException) -> None:
-    """Write ``err`` to the error file, in torchrun's format plus ``time_ns``."""
+def record(err: BaseException, extra: dict[str, str] | None = None) -> None:
+    """Write ``err`` to the error file, in torchrun's format plus ``time_ns`` (and ``extra``)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -115,6 +117,7 @@ def record(err: BaseException) -> None:
                 "py_callstack": "".join(traceback.format_exception(err)),
                 "timestamp": str(int(time.time())),
                 "time_ns": str(time.time_ns()),
+                **(extra or {}),
             },
         }
     }
@@ -123,6 +126,45 @@ def record(err: BaseException) -> None:
             json.dump(data, file)
     except OSError:
         pass  # the script's own error matters more than our record of it
+
+
+# gpukit's errors for input a user can fix (checked by name: this file imports no gpukit).
+_BAD_INPUT = ("ConfigError", "DeviceError")
+
+
+def is_bad_input(err: BaseException) -> bool:
+    """Whether ``err`` is gpukit's refusal of bad input (a ``ConfigError`` or ``DeviceError``)."""
+    return any(
+        c.__module__ == "gpukit.errors" and c.__name__ in _BAD_INPUT for c in type(err).__mro__
+    )
+
+
+def report_bad_input(err: BaseException, where: str | None = None) -> bool:
+    """Under gpukit's launcher, record ``err`` as bad input for the launcher to print once for
+    the whole job (it then exits 2, as a command does on bad input), and return True: the
+    rank prints nothing itself, or every rank would print the same lines. False elsewhere
+    (torchrun, a single process): the caller reports it as usual."""
+    if not os.environ.get("GPUKIT_JOB_DIR") or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    record(err, {"bad_input": str(err), **({"where": where} if where else {})})
+    return True
+
+
+def _recorded() -> bool:
+    """Whether this process already wrote its error file (its own record is the better one)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return path is not None and os.path.exists(path)
+
+
+def _raised_at(err: BaseException, script: str | None) -> str | None:
+    """``train.py:12``: the script's own line the error came from (its innermost frame)."""
+    tb, where = err.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if script is not None and code.co_filename == script:
+            where = f"{os.path.basename(script)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def scripts_frames(tb: TracebackType | None, script: str) -> TracebackType | None:

@@ -434,14 +434,14 @@ class Runtime(RuntimeViews):
         return guard.skipped
 
     def resume(self) -> dict[str, int] | None:
-        """Continue from the newest good checkpoint in ``checkpoints`` when there is one
-        (its epoch and step), else nothing (None). ``resume="auto"`` calls it by itself
-        before the first pass or step."""
+        """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
+        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
         self.lifecycle.resumed = True
         folder = self.lifecycle.folder
-        if folder is None or checkpoint.resumable(folder) is None:
+        found = checkpoint.resumable(folder) if folder is not None else None
+        if found is None:
             return None
-        progress = self.load(folder)
+        progress = self.load(found)  # the one found: looking again would warn again
         self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress
 

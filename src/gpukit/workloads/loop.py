@@ -22,6 +22,7 @@ import datetime
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -213,7 +214,9 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
     if config.resume:
         from gpukit.runtime.checkpoint import latest
 
-        latest(_resume_folder(config))
+        with warnings.catch_warnings():  # the load itself warns, once, about a fallback
+            warnings.simplefilter("ignore")
+            latest(_resume_folder(config))
         read_history(Path(str(config.out)) / "metrics.csv")  # one it cannot extend stops here
     if config.lr is not None and not 0 < config.lr < float("inf"):  # also refuses NaN
         raise ConfigError(

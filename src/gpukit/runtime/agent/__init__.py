@@ -32,7 +32,13 @@ from typing import TextIO
 
 from gpukit import _env
 from gpukit.errors import ConfigError
-from gpukit.runtime.agent.failures import PREEMPTED_EXIT, Fault, headline, rank_lines
+from gpukit.runtime.agent.failures import (
+    PREEMPTED_EXIT,
+    Fault,
+    bad_input,
+    headline,
+    rank_lines,
+)
 from gpukit.runtime.agent.hangs import REPORT_FILE
 from gpukit.runtime.agent.restarts import (
     DEFAULT_CRASH_LOOP,
@@ -51,6 +57,7 @@ __all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
 # it records the error with its time and dumps the stacks when a hang is being reported.
 RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
 DEFAULT_HANG_TIMEOUT = 300.0
+BAD_INPUT_EXIT = 2  # a rank refused its input (ConfigError): as gpukit's commands exit on it
 GRACE_S = 1.5  # after the first failure, for the others to fail on their own
 STOP_TIMEOUT_S = 60.0  # after a forwarded SIGTERM, for the ranks to save and exit
 
@@ -71,7 +78,9 @@ def run_job(
     job_dir: str | Path | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
-    0 success, 143 stopped on request (preempted: the ranks saved), 1 failed or hung.
+    0 success, 143 stopped on request (preempted: the ranks saved), 2 bad input (a rank
+    refused what it was given: its error is printed once, as one process prints it, and the
+    job is not restarted), 1 failed or hung.
 
     ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
     is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
@@ -146,6 +155,10 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
             _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
             return PREEMPTED_EXIT
         if outcome.status == "failed":
+            mistake = bad_input(outcome.ends, s.name)
+            if mistake:  # as the command says it in one process; a restart would repeat it
+                _say(s, mistake + _ended(s, faults, restarts, "failed"))
+                return BAD_INPUT_EXIT
             _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
         assert outcome.fault is not None
         faults.append(outcome.fault)
