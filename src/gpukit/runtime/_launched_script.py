@@ -9,7 +9,9 @@ first on ``sys.path``). When it raises, the error goes to the per-process error 
 process that failed from the ones that failed a few milliseconds later because it had gone. The
 traceback printed is the script's own, without this file's frames. An error with an integer
 ``exit_code`` attribute (gpukit's ``Preempted``: 143) ends the process with that code, after
-one line saying what it was.
+one line saying what it was. Under gpukit's launcher, bad input (gpukit's ``ConfigError`` or
+``DeviceError``) is recorded with the script's line and ends the process with code 2, silently:
+the launcher prints it once for every rank that raised it, as one process would print it.
 
 Before the script starts, ``SIGUSR1`` is set to write every thread's Python stack to
 ``GPUKIT_JOB_DIR/stack-<rank>-<attempt>.txt`` (when the launcher set ``GPUKIT_JOB_DIR``): the
