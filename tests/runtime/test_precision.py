@@ -247,7 +247,13 @@ def test_a_set_up_model_writes_the_same_file_as_the_model_itself(
 
 
 def test_state_dict_keys_are_the_plain_programs() -> None:
+    """Autocast adds no level to the keys; dp's wrapper adds `module.`, as torch's
+    DataParallel does (and DDP, tested with it), and rt.unwrap gives the plain keys back."""
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     plain = list(model.state_dict())
     wrapped = gk.Runtime(devices="cpu", precision="bf16-mixed").setup(model)
     assert list(wrapped.state_dict()) == plain == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    rt = gk.Runtime(strategy="dp", devices=["cpu", "cpu"], precision="bf16-mixed")
+    parallel = rt.setup(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)))
+    assert list(parallel.state_dict()) == [f"module.{k}" for k in plain]
+    assert list(rt.unwrap(parallel).state_dict()) == plain
