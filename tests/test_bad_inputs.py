@@ -1134,6 +1134,12 @@ CLI_CASES = [
         ["GPUKIT_FAULT_OOM_ABOVE='x'"],
         id="env-fault-oom",
     ),
+    pytest.param(
+        train("--workload", "mlp"),
+        {"GPUKIT_FAULT_OOM_ABOVE": "٣٠"},
+        ["GPUKIT_FAULT_OOM_ABOVE='٣٠'", "U+0663", "ASCII digits"],
+        id="env-fault-oom-arabic-digits",
+    ),
     pytest.param(["devices", "tpu:9"], {}, ["TPU"], id="devices-cmd-tpu"),
     pytest.param(["devices", "٢"], {}, ["not a device spelling"], id="devices-cmd-arabic"),
     pytest.param(["devices", ""], {}, ["empty"], id="devices-cmd-empty"),
@@ -1151,6 +1157,9 @@ CLI_CASES = [
         ["trace", "--workload", "nomodule:x"], {}, ["cannot import module"], id="trace-no-module"
     ),
     pytest.param(["trace", "missing.py"], {}, ["not found"], id="trace-missing-script"),
+    pytest.param(
+        ["trace", f"{SYNTAX}.py"], {}, ["line 1 does not compile"], id="trace-syntax-error"
+    ),
     pytest.param(["trace"], {}, ["nothing to trace"], id="trace-nothing"),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),

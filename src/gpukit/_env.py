@@ -22,6 +22,9 @@ Other modules ask here, so the full list of variables lives in one file:
   copy speeds and latencies of ``gpukit bench transfer``, which ``gk.trace`` ranks its
   findings with); default ``$XDG_CACHE_HOME/gpukit``, else ``~/.cache/gpukit``.
 
+Numbers are written in ASCII digits: ``int()`` and ``float()`` would also read '٣٠' or
+full-width '３０' as 30, which is refused, naming the variable.
+
 ``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines with
 restarts. The CUDA variables that gpukit reads only to explain things
@@ -50,6 +53,7 @@ def fault_oom_above() -> int | None:
     value = os.environ.get("GPUKIT_FAULT_OOM_ABOVE", "").strip()
     if not value:
         return None
+    _require_ascii("GPUKIT_FAULT_OOM_ABOVE", value)
     if not value.isdigit() or int(value) < 1:
         from gpukit.errors import ConfigError
 
@@ -75,6 +79,9 @@ def job_dir() -> Path | None:
 def attempt() -> int:
     """``GPUKIT_ATTEMPT``: 0 for the first start of a job, K after K restarts."""
     value = os.environ.get("GPUKIT_ATTEMPT", "").strip()
+    if not value:
+        return 0
+    _require_ascii("GPUKIT_ATTEMPT", value)
     return int(value) if value.isdigit() else 0
 
 
@@ -98,6 +105,7 @@ def _seconds(name: str, default: float, meaning: str) -> float:
     value = os.environ.get(name, "").strip()
     if not value:
         return default
+    _require_ascii(name, value)
     try:
         seconds = float(value)
     except ValueError:
@@ -109,6 +117,28 @@ def _seconds(name: str, default: float, meaning: str) -> float:
             f"{name}={value!r}: give a positive number of seconds ({meaning}), or unset it"
         )
     return seconds
+
+
+def _require_ascii(name: str, value: str) -> None:
+    """Refuse a number written with other than ASCII characters: Python's int() and float()
+    read the digits of every script ('٣٠', full-width '３０'), which a reader of the
+    environment would take for text, so the number a run uses is never in doubt.
+
+    >>> _require_ascii("GPUKIT_RENDEZVOUS_TIMEOUT", "30")
+    >>> _require_ascii("GPUKIT_RENDEZVOUS_TIMEOUT", "３０")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: GPUKIT_RENDEZVOUS_TIMEOUT='３０' holds characters other than ...
+    """
+    if value.isascii():
+        return
+    from gpukit.errors import ConfigError
+
+    odd = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in dict.fromkeys(value) if not c.isascii())
+    raise ConfigError(
+        f"{name}={value!r} holds characters other than ASCII: {odd}. Write the number with "
+        f"the ASCII digits 0-9 (e.g. {name}=30), or unset it"
+    )
 
 
 def master_endpoint() -> tuple[str | None, str | None]:

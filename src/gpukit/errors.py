@@ -40,7 +40,11 @@ class DeviceError(GpukitError, ValueError):
 
 def warn_user(message: str) -> None:
     """``warnings.warn`` attributed to the first caller outside gpukit, so the warning names
-    the user's line however deep inside gpukit it was raised."""
+    the user's line however deep inside gpukit it was raised. Under several processes only
+    rank 0 warns: what gpukit warns about (a checkpoint folder, a setting) is the same on every
+    rank, and N copies of one line bury it."""
+    if not _rank_zero():
+        return
     level = 2  # 1 is this function's own warnings.warn line, 2 its caller
     frame = sys._getframe(1)
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
@@ -49,6 +53,14 @@ def warn_user(message: str) -> None:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def _rank_zero() -> bool:
+    """Whether this process is rank 0 of its process group, or in none (a launched rank joins
+    its group as its Runtime is made, before gpukit has anything to warn about)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 class ConfigError(GpukitError, ValueError):

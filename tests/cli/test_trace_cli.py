@@ -167,6 +167,29 @@ def test_bad_requests_are_one_line_errors(args: list[str], message: str, capsys)
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("import torch\ndef f(:\n    pass\n", "line 2 does not compile: invalid syntax (def f(:)"),
+        ("x = 1\n  y = 2\n", "line 2 does not compile: unexpected indent"),
+        ('x = "\x00"\n', "does not compile"),
+    ],
+    ids=["syntax", "indent", "null-byte"],
+)
+def test_a_script_that_does_not_compile_is_one_line_and_no_report(
+    tmp_path: Path, capsys, text: str, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Refused before the trace starts: no empty report of a program that never ran."""
+    (tmp_path / "out.json").unlink(missing_ok=True)
+    args = ["trace", "--out", str(tmp_path / "out.json"), str(_script(tmp_path, text))]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"gpukit trace: error: script '{tmp_path / 'train.py'}' {message}")
+    assert "py_compile" in captured.err and not (tmp_path / "out.json").exists()
+
+
 def test_an_unknown_error_keeps_its_traceback(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     script = _script(tmp_path, "settings = {}\nprint(settings['missing'])\n")
     assert main(["trace", str(script)]) == 1

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 import gpukit as gk
 from gpukit.runtime.data import DeviceLoader
@@ -84,6 +84,59 @@ def test_custom_sampler_is_kept_on_one_rank_and_strided_on_several() -> None:
 def test_fewer_samples_than_ranks_is_refused() -> None:
     with pytest.raises(gk.ConfigError, match="1 samples, fewer than the 2 ranks"):
         DeviceLoader(DataLoader(TensorDataset(torch.arange(1))), CPU, 2, 0, seed=0)
+
+
+class _Stream(IterableDataset[torch.Tensor]):
+    """A stream without a length: only iterating it tells whether it is empty."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([torch.zeros(2)])
+
+
+class _DeclaredEmpty(_Stream):
+    def __len__(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        (DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4), r"dataset is empty \(0"),
+        (
+            DataLoader(TensorDataset(torch.zeros(3, 2)), batch_size=4, drop_last=True),
+            "dataset has 3 samples, fewer than batch_size=4, and drop_last=True drops them all",
+        ),
+        (DataLoader(TensorDataset(torch.zeros(3, 2)), batch_sampler=[]), "sampler yields no"),
+        (DataLoader(_DeclaredEmpty(), batch_size=2), r"dataset is empty \(0"),
+    ],
+    ids=["empty-dataset", "drop-last", "empty-batch-sampler", "iterable-of-length-0"],
+)
+def test_a_loader_without_batches_is_refused_at_setup(loader: DataLoader, message: str) -> None:
+    """A loop over it would run no step and end as if done."""
+    rt = gk.Runtime(devices="cpu")
+    with pytest.raises(
+        gk.ConfigError, match="rt.setup got a DataLoader with no batches: its " + message
+    ):
+        rt.setup(torch.nn.Linear(2, 1), loader)
+
+
+def test_a_stream_without_a_length_is_not_checked() -> None:
+    rt = gk.Runtime(devices="cpu")
+    _, loader = rt.setup(torch.nn.Linear(2, 1), DataLoader(_Stream(), batch_size=1))
+    assert [b.shape for b in loader] == [torch.Size([1, 2])]
+
+
+def _five_samples_in_threes(rt: gk.Runtime) -> int:
+    data = DataLoader(TensorDataset(torch.zeros(5, 2)), batch_size=3, drop_last=True)
+    _, loader = rt.setup(torch.nn.Linear(2, 1), data)
+    return len(loader)
+
+
+def test_a_rank_left_without_batches_is_refused_under_several_processes() -> None:
+    """One batch of 3 in one process; 2 or 3 samples a rank under 2 ranks: no batch left."""
+    assert gk.Runtime(devices="cpu").launch(_five_samples_in_threes) == 1
+    with pytest.raises(gk.ConfigError, match=r"split over 2 ranks, 5 samples \(1 batch in one"):
+        gk.Runtime(devices=2).launch(_five_samples_in_threes)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import operator
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -138,3 +145,115 @@ def test_auto_picks_mixed_precision_on_a_gpu() -> None:
     name = make_precision("auto", torch.device("cuda:0")).name
     major, _ = torch.cuda.get_device_capability(0)
     assert name == ("bf16-mixed" if major >= 8 else "16-mixed")
+
+
+def test_the_runtime_runs_in_float32_unless_asked() -> None:
+    """A program moved onto gpukit keeps its float32 unless it asks for less: "auto" (mixed
+    precision on a GPU that has it) is gpukit train's default, not the Runtime's."""
+    from gpukit.cli.__main__ import build_parser
+
+    rt = gk.Runtime(devices="cpu")
+    assert rt.config.precision == "32" and rt.precision.name == "32"
+    assert build_parser().parse_args(["train"]).precision == "auto"
+
+
+USER_MODULE = """
+import torch
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+"""
+
+# Loads the file in a process that has torch and the user's module, and not gpukit.
+RELOAD = """
+import sys, torch
+sys.modules["gpukit"] = None  # any import of gpukit while loading fails
+model = torch.load(sys.argv[1], weights_only=False)
+print(type(model).__module__, type(model).__name__)
+torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+def _user_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
+    (tmp_path / "usermodel.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodel
+
+    torch.manual_seed(0)
+    return usermodel.TwoLayers()
+
+
+def _reload_elsewhere(tmp_path: Path, saved: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    out = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(saved), str(tmp_path / "weights.pt")],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip(), torch.load(tmp_path / "weights.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices"), [("single", "cpu"), ("dp", ["cpu", "cpu"])], ids=["single", "dp"]
+)
+def test_a_set_up_model_pickles_as_the_users_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, devices: object
+) -> None:
+    """The program's own torch.save(model, f) of what rt.setup returned (autocast inside dp's
+    devices) writes the user's model, which loads where gpukit is not installed."""
+    model = _user_model(tmp_path, monkeypatch)
+    rt = gk.Runtime(strategy=strategy, devices=devices, precision="bf16-mixed")
+    wrapped = rt.setup(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for _ in range(2):  # trained, so the saved weights are not the initial ones
+        rt.backward(wrapped(torch.randn(6, 4)).square().mean())
+        rt.step(optimizer)
+    torch.save(wrapped, tmp_path / "model.pt")
+    rt.teardown()
+    loaded_type, weights = _reload_elsewhere(tmp_path, tmp_path / "model.pt")
+    assert loaded_type == "usermodel TwoLayers"
+    assert list(weights) == list(model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_set_up_model_writes_the_same_file_as_the_model_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the function that picks the model out again is added; a model saved beside its
+    own parts stays one object; copy.deepcopy gives the user's class too."""
+    model = _user_model(tmp_path, monkeypatch)
+    wrapped = gk.Runtime(devices="cpu", precision="bf16-mixed").setup(model)
+    torch.save({"model": wrapped, "head": model.head}, tmp_path / "both.pt")
+    both = torch.load(tmp_path / "both.pt", weights_only=False)
+    assert type(both["model"]) is type(model) and both["model"].head is both["head"]
+    allowed = [type(model), nn.Sequential, nn.Linear, nn.ReLU, operator.getitem]
+    torch.save(wrapped, tmp_path / "model.pt")
+    if hasattr(torch.serialization, "safe_globals"):  # torch >= 2.5
+        with torch.serialization.safe_globals(allowed):
+            alone = torch.load(tmp_path / "model.pt", weights_only=True)
+        assert type(alone) is type(model)
+    copied = copy.deepcopy(wrapped)
+    assert type(copied) is type(model) and copied is not model
+    assert all(torch.equal(copied.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_state_dict_keys_are_the_plain_programs() -> None:
+    """Autocast adds no level to the keys; dp's wrapper adds `module.`, as torch's
+    DataParallel does (and DDP, tested with it), and rt.unwrap gives the plain keys back."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    plain = list(model.state_dict())
+    wrapped = gk.Runtime(devices="cpu", precision="bf16-mixed").setup(model)
+    assert list(wrapped.state_dict()) == plain == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    rt = gk.Runtime(strategy="dp", devices=["cpu", "cpu"], precision="bf16-mixed")
+    parallel = rt.setup(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)))
+    assert list(parallel.state_dict()) == [f"module.{k}" for k in plain]
+    assert list(rt.unwrap(parallel).state_dict()) == plain

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -220,6 +223,42 @@ def test_log_takes_numbers() -> None:
         rt.log(acc=torch.ones(3))
     with pytest.raises(gk.ConfigError, match="got no metrics"):
         rt.log()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("abc", "'abc', a str"),
+        (None, "None, a NoneType"),
+        ([1.0], r"\[1.0\], a list"),
+        ((0.5,), r"\(0.5,\), a tuple"),
+        (1 + 2j, r"\(1\+2j\), a complex"),
+        (torch.tensor(1 + 1j), "a torch.complex64 tensor"),
+        (torch.ones(2, 2), r"a tensor of shape \(2, 2\)"),
+        (np.ones(1), r"array\(\[1.\]\), a ndarray"),
+    ],
+    ids=["str", "none", "list", "tuple", "complex", "complex-tensor", "matrix", "ndarray"],
+)
+def test_log_refuses_what_is_not_a_number_at_the_call(value: object, shown: str) -> None:
+    """Refused where it was logged, naming the metric and what it got, and nothing of the
+    call is kept: the window holds only the good values logged around it."""
+    rt = gk.Runtime(devices="cpu", log_every=2)
+    rt.log(loss=1.0)
+    with pytest.raises(gk.ConfigError, match=rf"rt.log\(acc=...\) got {shown}: log numbers"):
+        rt.log(acc=value)
+    rt.log(loss=3.0)
+    assert rt.history == [{"step": 0.0, "loss": 2.0}]
+
+
+def test_log_takes_real_numbers_of_every_kind() -> None:
+    """Bools count as 0 and 1 (their mean is a fraction); NumPy scalars and one-element
+    tensors of any real dtype are numbers too."""
+    rt = gk.Runtime(devices="cpu", log_every=4)
+    rt.log(ok=True, n=np.int64(2), x=np.float32(0.5), t=torch.tensor([[4]]))
+    rt.log(ok=False, n=4, x=1.5, t=torch.tensor(True))
+    rt.log(ok=np.bool_(True), n=0, x=0.25, t=torch.tensor(1.0, dtype=torch.float64))
+    rt.log(ok=torch.tensor(False), n=2, x=fractions.Fraction(3, 4), t=torch.tensor(2.0))
+    assert rt.history == [{"step": 0.0, "n": 2.0, "ok": 0.5, "t": 2.0, "x": 0.75}]
 
 
 def test_teardown_collects_garbage_only_where_something_waits_on_it(

@@ -38,7 +38,7 @@ FABRIC_MODULES = ("lightning.fabric", "lightning_fabric")  # `lightning`, or Fab
 # What each wrapper is built with, as its constructor's keyword arguments (recorded in the
 # results).
 GPUKIT: dict[str, Any] = {"devices": "cpu", "precision": "32"}
-TRAIN_STEP: dict[str, Any] = {"devices": "cpu"}  # the rest Runtime's defaults ("auto" is 32 here)
+TRAIN_STEP: dict[str, Any] = {"devices": "cpu"}  # the rest Runtime's defaults (precision 32)
 ACCELERATE: dict[str, Any] = {"cpu": True}
 FABRIC: dict[str, Any] = {"accelerator": "cpu", "devices": 1}
 

@@ -25,6 +25,7 @@ from gpukit.cli import bench, devices, doctor, launch, plan, trace, train
 from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
+from gpukit.runtime import _launched_script
 
 COMMANDS = (doctor, devices, train, launch, trace, bench, plan)
 
@@ -56,7 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # from the record of this exception its runner keeps). It exits 143 on its own.
         raise
     except GpukitError as err:
-        print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
+        # One rank of a job that gpukit's launcher started: it prints this once for all.
+        launched = _launched_script
+        if not (launched.is_bad_input(err) and launched.report_bad_input(err)):
+            print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2 if err.will_repeat else 1
     except KeyboardInterrupt:
         return 130

@@ -244,23 +244,42 @@ def _check_out(out: Path | None) -> tuple[Path | None, Path | None]:
     """(folder, JSON file) for ``--out``, made and checked writable before any measuring."""
     if out is None:
         return None, None
-    if out.suffix == ".json":
+    if out.suffix == ".json" and not out.is_dir():
         if not out.parent.is_dir():
             raise ConfigError(f"--out {out}: the folder {out.parent} does not exist; create it")
+        _check_writable(out, out.parent)
+        if out.exists():
+            try:  # the file's own permissions (opened without changing it)
+                out.open("r+b").close()
+            except OSError as err:
+                raise _unwritable(out, err) from None
         return None, out
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: a file is there; give a folder for the results")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".gpukit-write-check"
+    except OSError as err:
+        raise _unwritable(out, err) from None
+    _check_writable(out, out)
+    return out, None
+
+
+def _check_writable(out: Path, folder: Path) -> None:
+    """Write and remove a file in ``folder``: what fails there fails now, before the run
+    (``os.access`` would not do: it answers yes to root on a read-only mount)."""
+    probe = folder / ".gpukit-write-check"
+    try:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(
-            f"--out {out}: cannot write there ({err.strerror or err}); give a folder you can "
-            "write to"
-        ) from None
-    return out, None
+        raise _unwritable(out, err) from None
+
+
+def _unwritable(out: Path, err: OSError) -> ConfigError:
+    return ConfigError(
+        f"--out {out}: cannot write there ({err.strerror or err}); give a folder you can "
+        "write to, or a NAME.json file in one"
+    )
 
 
 def _show(result: BenchResult, as_json: bool, files: list[Path]) -> None:

@@ -126,7 +126,25 @@ def _check(args: argparse.Namespace) -> Path | str:
     path = Path(args.script)
     if not path.is_file():
         raise ConfigError(f"script {args.script!r} not found (from {Path.cwd()})")
+    _check_compiles(path)
     return path
+
+
+def _check_compiles(path: Path) -> None:
+    """A script that Python cannot compile fails here, in one line, before the trace starts
+    (and before an empty report of a program that never ran)."""
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as err:  # ValueError: null bytes, on Python < 3.12
+        syntax = err if isinstance(err, SyntaxError) else None
+        where = f" line {syntax.lineno}" if syntax and syntax.lineno else ""
+        text = ((syntax.text if syntax else None) or "").strip()
+        shown = f" ({text})" if text else ""
+        what = (syntax.msg if syntax else None) or str(err)
+        raise ConfigError(
+            f"script {str(path)!r}{where} does not compile: {what}{shown}; fix it (python "
+            f"-m py_compile {path} shows the same error)"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -166,9 +184,10 @@ def _run_script(path: Path, script_args: list[str]) -> int:
 
 def _run_workload(name: str, steps: int) -> None:
     from gpukit.runtime.runtime import Runtime
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 
-    rt = Runtime(seed=0, oom="recover")
+    # gpukit train's precision ("auto"), the loop this traces.
+    rt = Runtime(seed=0, oom="recover", precision=RUNTIME_DEFAULTS["precision"])
     try:
         fit(rt, TrainConfig(workload=name, max_steps=steps, progress=False, sample=False))
     finally:

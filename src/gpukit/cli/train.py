@@ -111,7 +111,10 @@ def register(sub: Any) -> None:
         help="fsdp only: torch.compile each repeated block before sharding it",
     )
     parser.add_argument(
-        "--precision", default=default["precision"], help="auto, 32, bf16-mixed or 16-mixed"
+        "--precision",
+        default=default["precision"],
+        help="auto (default here: bf16-mixed or 16-mixed on a GPU that has it, 32 on the CPU; "
+        "gk.Runtime itself defaults to 32), 32, bf16-mixed or 16-mixed",
     )
     parser.add_argument(
         "--devices", default=default["devices"], help="auto, all, N, or a list like 0,1"

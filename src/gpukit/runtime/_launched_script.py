@@ -9,7 +9,9 @@ first on ``sys.path``). When it raises, the error goes to the per-process error 
 process that failed from the ones that failed a few milliseconds later because it had gone. The
 traceback printed is the script's own, without this file's frames. An error with an integer
 ``exit_code`` attribute (gpukit's ``Preempted``: 143) ends the process with that code, after
-one line saying what it was.
+one line saying what it was. Under gpukit's launcher, bad input (gpukit's ``ConfigError`` or
+``DeviceError``) is recorded with the script's line and ends the process with code 2, silently:
+the launcher prints it once for every rank that raised it, as one process would print it.
 
 Before the script starts, ``SIGUSR1`` is set to write every thread's Python stack to
 ``GPUKIT_JOB_DIR/stack-<rank>-<attempt>.txt`` (when the launcher set ``GPUKIT_JOB_DIR``): the
@@ -85,10 +87,12 @@ def main() -> None:
     try:
         target()
     except SystemExit as stop:
-        if stop.code not in (None, 0):
+        if stop.code not in (None, 0) and not _recorded():  # gpukit train's own record stays
             record(stop)
         raise
     except Exception as err:  # KeyboardInterrupt and the like end the process as usual
+        if is_bad_input(err) and report_bad_input(err, _raised_at(err, script)):
+            sys.exit(2)
         record(err)
         code = getattr(err, "exit_code", None)
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
@@ -103,8 +107,8 @@ def main() -> None:
         sys.exit(1)
 
 
-def record(err: BaseException) -> None:
-    """Write ``err`` to the error file, in torchrun's format plus ``time_ns``."""
+def record(err: BaseException, extra: dict[str, str] | None = None) -> None:
+    """Write ``err`` to the error file, in torchrun's format plus ``time_ns`` (and ``extra``)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -117,6 +121,7 @@ def record(err: BaseException) -> None:
                 "time_ns": str(time.time_ns()),
                 # gpukit's errors that a restart would meet again (bad input, a full disk)
                 "will_repeat": getattr(err, "will_repeat", False) is True,
+                **(extra or {}),
             },
         }
     }
@@ -125,6 +130,45 @@ def record(err: BaseException) -> None:
             json.dump(data, file)
     except OSError:
         pass  # the script's own error matters more than our record of it
+
+
+# gpukit's errors for input a user can fix (checked by name: this file imports no gpukit).
+_BAD_INPUT = ("ConfigError", "DeviceError")
+
+
+def is_bad_input(err: BaseException) -> bool:
+    """Whether ``err`` is gpukit's refusal of bad input (a ``ConfigError`` or ``DeviceError``)."""
+    return any(
+        c.__module__ == "gpukit.errors" and c.__name__ in _BAD_INPUT for c in type(err).__mro__
+    )
+
+
+def report_bad_input(err: BaseException, where: str | None = None) -> bool:
+    """Under gpukit's launcher, record ``err`` as bad input for the launcher to print once for
+    the whole job (it then exits 2, as a command does on bad input), and return True: the
+    rank prints nothing itself, or every rank would print the same lines. False elsewhere
+    (torchrun, a single process): the caller reports it as usual."""
+    if not os.environ.get("GPUKIT_JOB_DIR") or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
+    record(err, {"bad_input": str(err), **({"where": where} if where else {})})
+    return True
+
+
+def _recorded() -> bool:
+    """Whether this process already wrote its error file (its own record is the better one)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return path is not None and os.path.exists(path)
+
+
+def _raised_at(err: BaseException, script: str | None) -> str | None:
+    """``train.py:12``: the script's own line the error came from (its innermost frame)."""
+    tb, where = err.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if script is not None and code.co_filename == script:
+            where = f"{os.path.basename(script)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def scripts_frames(tb: TracebackType | None, script: str) -> TracebackType | None:

@@ -47,7 +47,7 @@ class RuntimeConfig:
     """The settings of a :class:`~gpukit.Runtime` (see its docstring for each one)."""
 
     strategy: str | Strategy = "auto"
-    precision: str = "auto"
+    precision: str = "32"
     devices: DevicesSpec = "auto"
     accumulate: int = 1
     clip: float | None = None

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gpukit._util.tree import tensors
 from gpukit.devices.move import move_to
+from gpukit.errors import ConfigError
 from gpukit.runtime import sampling
 from gpukit.runtime.sampling import PassSampler
 
@@ -110,6 +111,7 @@ class DeviceLoader:
         self._unit = 1  # sampler items per batch: batch_size for an index sampler
         self._epoch_owned = True  # False once the program calls set_epoch itself
         self.loader = self._rebuilt(loader, num_shards, shard, seed)
+        _check_has_batches(loader, self.loader, num_shards)
         self._epoch_set = getattr(self.sampler, "epoch", None)
 
     # -- the loader actually iterated ------------------------------------------------------------
@@ -374,3 +376,41 @@ def _ready(batch: Any, copy_stream: torch.cuda.Stream) -> Any:
     for t in tensors(batch):  # every tensor of any batch structure the copy made
         t.record_stream(current)
     return batch
+
+
+def _check_has_batches(given: DataLoader[Any], sharded: DataLoader[Any], shards: int) -> None:
+    """Refuse a loader that yields no batch: its training loop would run no step and the run
+    would end "done" with nothing trained. A loader without a length (an iterable dataset
+    without ``__len__``, a stream) is not checked: only iterating it would tell.
+
+    >>> from torch.utils.data import TensorDataset
+    >>> empty = DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4)
+    >>> _check_has_batches(empty, empty, 1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: rt.setup got a DataLoader with no batches: its dataset is empty ...
+    """
+    try:
+        batches, mine = len(given), len(sharded)
+        samples: int | None = len(given.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    if batches and mine:
+        return
+    size = given.batch_size
+    if not samples:
+        why = "its dataset is empty (0 samples): check the path, split or filter that built it"
+    elif batches == 0 and size is not None and given.drop_last:
+        why = (
+            f"its dataset has {samples} samples, fewer than batch_size={size}, and "
+            "drop_last=True drops them all: use a smaller batch_size, or drop_last=False"
+        )
+    elif batches == 0:
+        why = "its sampler yields no indices: check the sampler given to the DataLoader"
+    else:
+        why = (
+            f"split over {shards} ranks, {samples} samples ({batches} "
+            f"batch{'es' if batches > 1 else ''} in one process) leave this rank none: use "
+            "more samples, a smaller batch_size, or fewer ranks"
+        )
+    raise ConfigError(f"rt.setup got a DataLoader with no batches: {why}")

@@ -24,10 +24,13 @@ same sums and raises together, without a second collective or read.
 
 from __future__ import annotations
 
+import numbers
 import zlib
 
+import numpy as np
 import torch
 
+from gpukit._util.text import safe_repr, type_name
 from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
 
@@ -58,12 +61,7 @@ class Metrics:
         for name, value in metrics.items():
             # Added now, not kept: a tensor changed in place later (a counter, a parameter)
             # must count with the value it had when it was logged. One device op, no read.
-            t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            if t.numel() != 1:
-                raise ConfigError(
-                    f"rt.log({name}=...) got a tensor of shape {tuple(t.shape)}: log numbers "
-                    "(a one-element tensor or a float), e.g. the mean of what you measured"
-                )
+            t = _as_tensor(name, value)
             total = sums.get(name)
             if total is None:
                 sums[name] = t.to(self.device, torch.float32, copy=True)
@@ -139,3 +137,30 @@ class Metrics:
             values = [float(i) for i in ints] + [float(i * i) for i in ints]
             self._checks[names] = torch.tensor(values, dtype=torch.float64).to(self.device)
         return self._checks[names]
+
+
+def _as_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` as a one-element tensor to add to the sums: a real number (Python's or
+    NumPy's; bools count as 0 and 1, so their mean is a fraction) or a one-element tensor that
+    is not complex. Anything else is refused here, at the call that logged it.
+
+    >>> _as_tensor("acc", True), _as_tensor("loss", torch.tensor([2.5]))
+    (tensor(1.), tensor(2.5000))
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return value.detach().reshape(())  # a [[x]] must stack with the other means
+        shown = (
+            f"a {value.dtype} tensor"
+            if value.is_complex()
+            else f"a tensor of shape {tuple(value.shape)}"
+        )
+    elif isinstance(value, (numbers.Real, np.bool_)):
+        return torch.tensor(float(value))
+    else:
+        shown = f"{safe_repr(value, 80)}, a {type_name(value)}"
+    raise ConfigError(
+        f"rt.log({name}=...) got {shown}: log numbers (an int, a float, or a one-element real "
+        f"tensor), e.g. rt.log({name}=loss) or the mean of what you measured, "
+        f"rt.log({name}=values.mean())"
+    )

@@ -1,12 +1,14 @@
 """Numeric precision of training: one small class per setting.
 
-- ``"32"``: plain float32; nothing wraps the forward.
+- ``"32"``: plain float32; nothing wraps the forward. The Runtime's default: a program moved
+  onto gpukit computes as it did before unless it asks for less.
 - ``"bf16-mixed"``: the forward runs under ``torch.autocast`` in bfloat16; weights and
   gradients stay float32. ``setup`` puts the model inside a thin :class:`MixedPrecision`
   module that enters autocast around each call: the user's module itself is never changed.
 - ``"16-mixed"``: autocast in float16 plus a gradient scaler, which skips the optimizer step
   when gradients overflow (inf/NaN) and lowers the scale, or raises it after a run of good steps.
-- ``"auto"``: bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32 on the CPU.
+- ``"auto"``: bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32 on the CPU
+  (``gpukit train``'s default).
 
 >>> from gpukit.runtime.precision import make_precision
 >>> import torch
@@ -24,6 +26,7 @@ from torch import nn
 from gpukit._util.checks import require_module
 from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
+from gpukit._util.wrapping import pickled_as_model
 from gpukit.errors import ConfigError
 
 PrecisionName = Literal["32", "bf16-mixed", "16-mixed", "auto"]
@@ -195,12 +198,16 @@ class MixedPrecision(nn.Module):
     be: attributes, indexing, ``state_dict`` and ``load_state_dict`` are the wrapped model's
     own, and a wrapper above it (DDP) saves and loads the same keys as without mixed precision.
     What still shows it: ``named_parameters()`` and ``isinstance``; ``rt.unwrap(model)`` gives
-    the model itself.
+    the model itself. Pickled (``torch.save(model, f)``) or copied (``copy.deepcopy``), it is
+    the model alone, of the user's own class (see ``gpukit._util.wrapping``).
 
     >>> import torch
     >>> m = MixedPrecision(torch.nn.Linear(2, 2), "cpu", torch.bfloat16)
     >>> m(torch.ones(1, 2)).dtype, m.in_features, list(m.state_dict())
     (torch.float32, 2, ['weight', 'bias'])
+    >>> import copy
+    >>> type(copy.deepcopy(m)).__name__
+    'Linear'
     """
 
     gpukit_thin_wrapper = True  # holds only the model: fsdp shards the model inside it
@@ -248,6 +255,9 @@ class MixedPrecision(nn.Module):
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.load_state_dict(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return pickled_as_model(self.module)
 
 
 def _add_level(

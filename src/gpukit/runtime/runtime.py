@@ -64,7 +64,7 @@ class Runtime(RuntimeViews, Registry):
         strategy: "auto" (ddp under a launcher or with several devices, else single),
             "single", "dp", "dp-balanced", "ddp", or a strategy object such as
             ``gk.strategies.DDP(...)`` (see ``gpukit.strategies``).
-        precision: "auto", "32", "bf16-mixed" or "16-mixed" (see ``gpukit.runtime.precision``).
+        precision: "32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.precision).
         devices: "auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes
             on a machine without GPUs), a spec such as "cuda:1", or a list of specs.
         accumulate: micro-batches per optimizer step; gradients are averaged over them and
@@ -98,7 +98,7 @@ class Runtime(RuntimeViews, Registry):
     def __init__(
         self,
         strategy: str | Strategy = "auto",
-        precision: str = "auto",
+        precision: str = "32",
         devices: DevicesSpec = "auto",
         accumulate: int = 1,
         clip: float | None = None,
@@ -442,14 +442,14 @@ class Runtime(RuntimeViews, Registry):
         return guard.skipped
 
     def resume(self) -> dict[str, int] | None:
-        """Continue from the newest good checkpoint in ``checkpoints`` when there is one
-        (its epoch and step), else nothing (None). ``resume="auto"`` calls it by itself
-        before the first pass or step."""
+        """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
+        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
         self.lifecycle.resumed = True
         folder = self.lifecycle.folder
-        if folder is None or checkpoint.resumable(folder) is None:
+        found = checkpoint.resumable(folder) if folder is not None else None
+        if found is None:
             return None
-        progress = self.load(folder)
+        progress = self.load(found)  # the one found: looking again would warn again
         self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress
 

@@ -29,6 +29,7 @@ from torch import nn
 from gpukit import _env
 from gpukit._util.batch import batch_size, chunk_sizes
 from gpukit._util.text import described
+from gpukit._util.wrapping import pickled_as_model
 from gpukit.devices.device import Device, DeviceSpec
 from gpukit.devices.device import device as resolve_device
 from gpukit.devices.spec import SpecError, parse
@@ -66,6 +67,9 @@ class DataParallelModule(nn.Module):
         if self.gather_outputs:
             return gather(outputs, self.output_device)
         return PerDevice(tuple(outputs), tuple(devices), tuple(sizes))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return pickled_as_model(self.module)  # the devices are this process's, not the model's
 
 
 class DP(Strategy):

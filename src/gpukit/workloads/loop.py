@@ -22,6 +22,7 @@ import datetime
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,12 +127,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
         # (the checkpoint's tensors read before they are copied into the model and optimizer).
         progress = rt.load(_resume_folder(config)) if config.resume else rt.resume()
         resumed = progress["step"] if progress else None
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"one optimizer step needs {per_rank * rt.world_size * rt.accumulate} samples but "
-            f"the {workload.name} dataset has {len(workload.dataset)}: use a smaller --batch-size"  # type: ignore[arg-type]
-        )
+    steps_per_epoch = len(loader)  # at least 1: rt.setup refuses a loader without batches
     total = epochs * steps_per_epoch
     if config.max_steps is not None:
         total = min(total, config.max_steps)
@@ -209,11 +205,20 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
     """Refuse a bad request before any process starts: the workload must load, the batch must
     split, and a resumed run needs its checkpoint."""
     workload = load_workload(config.workload, seed=config.seed)
-    micro_batch(config.batch_size or workload.batch_size, world_size, accumulate)
+    step_batch = config.batch_size or workload.batch_size
+    micro_batch(step_batch, world_size, accumulate)
+    samples = len(workload.dataset) if hasattr(workload.dataset, "__len__") else step_batch
+    if samples < step_batch:  # the loader drops the last, short batch: it would have none
+        raise ConfigError(
+            f"one optimizer step needs {step_batch} samples but the {workload.name} dataset "
+            f"has {samples}: use a smaller --batch-size"
+        )
     if config.resume:
         from gpukit.runtime.checkpoint import latest
 
-        latest(_resume_folder(config))
+        with warnings.catch_warnings():  # the load itself warns, once, about a fallback
+            warnings.simplefilter("ignore")
+            latest(_resume_folder(config))
         read_history(Path(str(config.out)) / "metrics.csv")  # one it cannot extend stops here
     if config.lr is not None and not 0 < config.lr < float("inf"):  # also refuses NaN
         raise ConfigError(

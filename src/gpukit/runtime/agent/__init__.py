@@ -32,7 +32,14 @@ from typing import TextIO
 
 from gpukit import _env
 from gpukit.errors import ConfigError
-from gpukit.runtime.agent.failures import PREEMPTED_EXIT, Fault, headline, rank_lines
+from gpukit.runtime.agent.failures import (
+    BAD_INPUT_EXIT,
+    PREEMPTED_EXIT,
+    Fault,
+    bad_input,
+    headline,
+    rank_lines,
+)
 from gpukit.runtime.agent.hangs import REPORT_FILE
 from gpukit.runtime.agent.restarts import (
     DEFAULT_CRASH_LOOP,
@@ -72,7 +79,8 @@ def run_job(
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
     0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
-    second Ctrl-C, 1 failed or hung.
+    second Ctrl-C, 2 bad input (a rank refused what it was given: its error is printed once, as
+    one process prints it, and the job is not restarted), 1 failed or hung.
 
     ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
     is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
@@ -154,6 +162,10 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
             _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
             return PREEMPTED_EXIT
         if outcome.status == "failed":
+            mistake = bad_input(outcome.ends, s.name)
+            if mistake:  # as the command says it in one process; a restart would repeat it
+                _say(s, mistake + _ended(s, faults, restarts, "failed"))
+                return BAD_INPUT_EXIT
             _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
         assert outcome.fault is not None
         faults.append(outcome.fault)

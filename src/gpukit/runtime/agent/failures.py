@@ -43,10 +43,14 @@ BAD_INPUT_EXIT = 2
 
 @dataclass(frozen=True)
 class ErrorRecord:
-    """The error a rank's runner recorded: ``"ValueError: bad shape"`` and when."""
+    """The error a rank's runner recorded: ``"ValueError: bad shape"`` and when; for bad
+    input (a gpukit ``ConfigError`` and the like, exit code 2), the message alone and where
+    the script raised it (``"train.py:12"``; None for gpukit's own commands)."""
 
     message: str
     time_ns: int | None = None
+    bad_input: str | None = None
+    where: str | None = None
     will_repeat: bool = False  # a gpukit error that a restart would meet again
 
     @property
@@ -62,8 +66,14 @@ def read_error(path: Path) -> ErrorRecord | None:
         extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
         text = message.get("message", "") if isinstance(message, dict) else str(message)
         when = extra.get("time_ns")
-        repeats = extra.get("will_repeat") is True
-        return ErrorRecord(str(text), int(when) if when is not None else None, repeats)
+        bad, where = extra.get("bad_input"), extra.get("where")
+        return ErrorRecord(
+            str(text),
+            int(when) if when is not None else None,
+            str(bad) if bad is not None else None,
+            str(where) if where is not None else None,
+            will_repeat=extra.get("will_repeat") is True,
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -242,6 +252,35 @@ def failures(ends: list[RankEnd]) -> list[RankEnd]:
         (e for e in ends if e.failed), key=lambda e: (e.consequence, e.failed_at_ns, e.rank)
     )
     return failed if split is None else [split[0], *(e for e in failed if e is not split[0])]
+
+
+def bad_input(ends: list[RankEnd], name: str) -> list[str]:
+    """When the first failure is bad input (a rank exited 2 on a gpukit ``ConfigError`` and
+    the like), its error as a command line shows it, once however many ranks raised it:
+    ``NAME: error: MESSAGE``, one line per different message. Empty otherwise: the failure
+    is reported as a crash.
+
+    >>> ends = [RankEnd(r, 2, 1_000, ErrorRecord("ConfigError: x", None, "x")) for r in (0, 1)]
+    >>> bad_input(ends, "gpukit train")
+    ['gpukit train: error: x']
+    """
+    failed = failures(ends)
+    if not failed or not _is_bad_input(failed[0]):
+        return []
+    lines: list[str] = []
+    for end in failed:
+        if _is_bad_input(end):
+            assert end.error is not None and end.error.bad_input is not None
+            kind = end.error.message.split(":", 1)[0]
+            where = f" ({kind} at {end.error.where})" if end.error.where else ""
+            line = f"{name}: error: {end.error.bad_input}{where}"
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
+def _is_bad_input(end: RankEnd) -> bool:
+    return end.code == 2 and end.error is not None and end.error.bad_input is not None
 
 
 def headline(ends: list[RankEnd], name: str) -> str:

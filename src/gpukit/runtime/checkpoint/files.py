@@ -183,7 +183,10 @@ def latest(directory: str | os.PathLike[str]) -> Path:
             raise ConfigError(damaged_message(directory, reason))
         return directory
     pointer = directory / LATEST
-    named = directory / pointer.read_text().strip() if pointer.is_file() else None
+    text = _pointer_text(pointer)
+    named = _inside(directory, text) if text is not None else None
+    if text is not None and named is None:
+        return _instead_of_outside(directory, pointer, text)
     reason = problem(named) if named is not None else None
     if named is not None and reason is None:
         return named
@@ -210,6 +213,51 @@ def latest(directory: str | os.PathLike[str]) -> Path:
             f"checkpoint {named} named by {pointer} {reason}: resuming from {good.name}, the "
             "newest good checkpoint there, instead"
         )
+    return good
+
+
+def _pointer_text(pointer: Path) -> str | None:
+    """What the ``latest`` file says (stripped); None when there is no such file."""
+    if not pointer.is_file():
+        return None
+    try:
+        return pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""  # unreadable: names no folder, which _inside refuses
+
+
+def _inside(directory: Path, name: str) -> Path | None:
+    """``directory/name`` when ``name`` is one folder name inside ``directory`` (as the writer
+    writes it), also once links are followed; None for anything else: '..', a path, an
+    absolute path, a link out. A run never loads state from outside its checkpoint folder."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return None
+    folder = directory / name
+    if folder.resolve().parent != directory.resolve():
+        return None
+    return folder
+
+
+def _instead_of_outside(directory: Path, pointer: Path, text: str) -> Path:
+    """The newest good checkpoint in ``directory``, with a warning that the ``latest`` file,
+    which names something outside it, was ignored; ConfigError when there is none."""
+    why = (
+        f"{pointer} names {text!r}, which is not a checkpoint folder inside {directory}"
+        if text
+        else f"{pointer} names no folder"
+    )
+    good, refused = newest_good(directory)
+    if good is None:
+        found = "".join(f"; {p.name} {r}" for p, r in refused[:3])
+        raise ConfigError(
+            f"no checkpoint in {directory} can be resumed from: {why} (ignored: a checkpoint "
+            f"is only loaded from its own folder){found}. Nothing was changed: start without "
+            "resuming, in a new folder"
+        )
+    warn_user(
+        f"{why}: ignored (a checkpoint is only loaded from its own folder); resuming from "
+        f"{good.name}, the newest good checkpoint there, instead"
+    )
     return good
 
 
@@ -308,7 +356,8 @@ def remove(folder: Path) -> None:
 
 def _folders(directory: Path) -> list[Path]:
     """The checkpoint folders in ``directory``: ``step-*``, and ``.old-step-*`` whose
-    ``step-*`` is gone (a save of the same step swapped them and was cut short)."""
+    ``step-*`` is gone (a save of the same step swapped them and was cut short); never a link
+    to a folder elsewhere."""
     if not directory.is_dir():
         return []
     return [
@@ -317,6 +366,7 @@ def _folders(directory: Path) -> list[Path]:
         if _STEP.match(p.name)
         and p.is_dir()
         and not (p.name.startswith(".old-") and (directory / p.name[5:]).exists())
+        and _inside(directory, p.name) is not None
     ]
 
 
