@@ -40,15 +40,15 @@ def _train(rt: gk.Runtime, crash_at: int | None) -> dict[str, Any] | None:
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
             rt.backward(loss)
-            # The program's own values change before the step: a periodic save happens inside
-            # rt.step, and holds what the program did up to there.
-            stats["losses"][rt.global_step] = loss.detach()
+            rt.step(optimizer)
+            scheduler.step()
+            # The program's own values change after the step, as programs write it: a periodic
+            # save is made at the next batch, and holds them.
+            stats["losses"][rt.global_step - 1] = loss.detach()
             if loss.item() < stats["best"]:
                 stats["best"], stats["patience"] = loss.item(), 0
             else:
                 stats["patience"] += 1
-            rt.step(optimizer)
-            scheduler.step()
             if rt.global_step == crash_at:
                 return None  # the process dies: what the last periodic save kept survives
             if rt.global_step == STEPS:

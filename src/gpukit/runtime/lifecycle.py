@@ -30,6 +30,7 @@ from gpukit import _env
 from gpukit.errors import ConfigError, Preempted
 from gpukit.runtime import folder_lock
 from gpukit.runtime.boundaries import StepBoundaries
+from gpukit.runtime.checkpoint import files
 from gpukit.runtime.faults import FaultPlan
 from gpukit.runtime.heartbeat import Heartbeat
 from gpukit.runtime.preemption import Preemption
@@ -206,7 +207,10 @@ class Lifecycle(StepBoundaries):
         preempt = self.preemption
         if kind == "stop" and preempt is not None:
             preempt.saving()
-        path = self._save()
+        if self.saved_step == step and self.folder is not None:
+            path = self.folder / files.folder_name(step)  # the program saved it itself
+        else:
+            path = self._save()
         if kind == "save":
             return
         assert preempt is not None
@@ -235,7 +239,7 @@ class Lifecycle(StepBoundaries):
         """The rank's work returned normally (a failure keeps the phase it failed in): a save
         still pending is made (every rank is here), without stopping: the work is done."""
         if self._pending is not None:
-            self._pending = ("save", self._pending[1])
+            self._pending = ("save", self._pending[1])  # the work is done: no stop, a save
             self.at_boundary()
         self.beat("end", step)
 

@@ -211,24 +211,34 @@ def check_saveable(where: str, obj: Any) -> None:
 
 
 def not_plain(value: Any, path: str = "") -> str | None:
-    """Where ``value`` holds something ``torch.load(weights_only=True)`` refuses, or None."""
-    if isinstance(value, (dict, OrderedDict)):
-        for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
-                return f"key {key!r} at {path or 'the top'} is a {type_name(key)}"
-            found = not_plain(item, f"{path}[{key!r}]")
-            if found is not None:
-                return found
-        return None
-    if type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            found = not_plain(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-        return None
-    if isinstance(value, _LEAVES):
-        return None
-    return f"{path or 'value'} is a {type_name(value)}"
+    """Where ``value`` holds something ``torch.load(weights_only=True)`` refuses, or None.
+    Plain data only: dicts with plain keys, lists and tuples (no namedtuples or dataclasses),
+    and leaves; a container met twice (shared, or a cycle) is looked at once.
+
+    >>> not_plain({"best": 0.5, "history": [1, 2]}) is None
+    True
+    >>> not_plain({"fn": print})
+    "['fn'] is a builtin_function_or_method"
+    """
+    pending: list[tuple[str, Any]] = [(path, value)]
+    seen: set[int] = set()
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, (dict, OrderedDict)) or type(item) in (list, tuple):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            pairs = list(item.items()) if isinstance(item, dict) else list(enumerate(item))
+            for key, _ in pairs:
+                if isinstance(item, dict) and not isinstance(key, _KEYS):
+                    return f"key {key!r} at {where or 'the top'} is a {type_name(key)}"
+            pending.extend(reversed([(f"{where}[{key!r}]", v) for key, v in pairs]))
+        elif not isinstance(item, _LEAVES):
+            return f"{where or 'value'} is a {type_name(item)}"
+    return None
+
+
+_KEYS = (str, int, float, bool, type(None), tuple)
 
 
 def _stateful(obj: Any) -> bool:
