@@ -376,3 +376,41 @@ def test_a_save_between_steps_holds_what_the_program_did_after_its_step(
     assert stats == plain_stats
     for a, b in zip(plain_net.parameters(), net.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_request_with_no_step_end_to_save_at_ends_the_process_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    # The training loop is over (an evaluation runs): no step end will come to save at. The
+    # process must not stay deaf to the scheduler until its SIGKILL.
+    script = tmp_path / "after.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time, torch, gpukit as gk
+            rt = gk.Runtime(devices="cpu", checkpoints={str(tmp_path / "ck")!r}, save_every=2)
+            net = torch.nn.Linear(2, 1)
+            model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            for _ in range(2):
+                rt.train_step(opt, torch.ones(2, 2), lambda b: model(b).sum())
+            print("evaluating", flush=True)
+            for _ in range(1200):
+                time.sleep(0.05)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": SRC, "GPUKIT_STOP_GRACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "evaluating"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert proc.stderr is not None
+    said = proc.stderr.read()
+    assert "SIGTERM received 1 s ago, and no step ended since to save at" in said, said
+    assert "the newest checkpoint is step 2" in said, said

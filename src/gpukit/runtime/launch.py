@@ -40,9 +40,10 @@ from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 GRACE_S = 1.5  # after the first failure, for the other ranks to fail on their own
-# How a rank ends when a signal stops it with nothing to save: by the signal itself, or as
-# torch's process wrapper ends on KeyboardInterrupt (0 is a rank that finished).
-_STOPPED = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGINT, -signal.SIGKILL)
+# How a rank ends when a signal stops it with nothing saved: by the signal itself, as torch's
+# process wrapper ends on KeyboardInterrupt (0 is a rank that finished), killed at the grace
+# period's end, or giving up itself then (143, without a record of a save).
+_STOPPED = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGINT, -signal.SIGKILL, 143)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

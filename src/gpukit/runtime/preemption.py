@@ -13,7 +13,8 @@ does that anyway), and neither do copies of SIGINT handled within :data:`SECOND_
 of the first. A SIGINT later than that is the user pressing Ctrl-C again: the process exits at
 once (code 130), without saving. A request that finds no step end to save at within
 ``GPUKIT_STOP_GRACE`` seconds (the loop is over, or stuck) ends the process with 143 then,
-saying that nothing was saved.
+saying that nothing was saved (under gpukit's launcher, which keeps that deadline itself and
+says it once for the job, the launcher does).
 
 **Telling every rank.** A rank that gets a signal posts the request in the process group's
 store at once and passes it on to the ranks on its machine (SIGUSR2, to the process ids each
@@ -166,6 +167,8 @@ class Preemption:
         if self._heartbeat is not None:
             # Written with the next beat, by the main thread alone (one writer per record).
             self._heartbeat.stop_requested = True
+        if _env.job_dir() is not None:
+            return  # gpukit's launcher keeps the grace period, and says once how it ended
         grace = _env.stop_grace()
         self._deadline = threading.Timer(grace, self._give_up, args=(grace,))
         self._deadline.daemon = True
@@ -176,12 +179,13 @@ class Preemption:
         so (a scheduler's SIGKILL would end it without a word)."""
         newest = self._newest()
         saved = f"the newest checkpoint is step {newest}" if newest >= 0 else "no checkpoint"
-        print(
-            f"gpukit: {self.requested} {grace:.0f} s ago, and no step ended since to save at "
-            f"(GPUKIT_STOP_GRACE): exiting without a save ({saved})",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.rank == 0:  # every rank gives up alike: said once
+            print(
+                f"gpukit: {self.requested} {grace:.0f} s ago, and no step ended since to save "
+                f"at (GPUKIT_STOP_GRACE): exiting without a save ({saved})",
+                file=sys.stderr,
+                flush=True,
+            )
         os._exit(143)
 
     def saving(self) -> None:
