@@ -166,15 +166,19 @@ def _slow_program(tmp_path: Path, sleep: float) -> subprocess.Popen[str]:
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": SRC}
+    return _started(script, "in step")
+
+
+def _started(script: Path, says: str, **env: str) -> subprocess.Popen[str]:
+    """``script`` running in a process of its own, once it has printed ``says``."""
     proc = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": SRC, **env},
     )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "in step"
+    assert proc.stdout is not None and proc.stdout.readline().strip() == says
     return proc
 
 
@@ -399,15 +403,7 @@ def test_a_request_with_no_step_end_to_save_at_ends_the_process_after_the_grace(
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": SRC, "GPUKIT_STOP_GRACE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "evaluating"
+    proc = _started(script, "evaluating", GPUKIT_STOP_GRACE="1")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert proc.stderr is not None
