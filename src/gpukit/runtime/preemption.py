@@ -41,9 +41,11 @@ to all of them, also when it stops them to change the job's size) the agent is l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import select
 import signal
 import sys
 import threading
@@ -107,27 +109,39 @@ class Preemption:
         self._posted = False
         self._previous: dict[int, Any] = {}
         self._watcher: threading.Thread | None = None
-        self._closing = threading.Event()
-        self._wake = threading.Event()  # the watcher's nap, cut short by a signal or the end
-        self._deadline: threading.Timer | None = None
+        self._requested_at = 0.0
+        self._closing = False
+        # Signal handlers only set attributes and write a byte here: a handler that took a
+        # lock (an Event's) could deadlock against itself when a second signal lands inside.
+        self._wake_r, self._wake_w = -1, -1
+        self._saving = False
         self.installed = False
 
     def install(self) -> None:
         """Take over SIGTERM and SIGINT (only from the main thread, where Python runs signal
-        handlers); ``uninstall`` puts the previous handlers back."""
+        handlers) and start the watcher (the process group exists by now); ``uninstall``
+        puts the previous handlers back."""
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self._previous[_PEER_SIGNAL] = signal.signal(_PEER_SIGNAL, self._on_peer)
         self.installed = True
+        store = self._store() if self.world_size > 1 else None
+        self._watcher = threading.Thread(
+            target=self._watch, args=(store,), name="gpukit-preemption", daemon=True
+        )
+        self._watcher.start()
+        # Before the interpreter tears the process group down, so that no store call of the
+        # watcher's is under way then (torch aborts the process if one is).
+        atexit.register(self._stop_watching)
 
     def uninstall(self) -> None:
-        """Give the handlers back, stop the watcher and the deadline (before the process group
-        goes), and take this process off the list the other ranks signal."""
+        """Give the handlers back and stop the watcher (before the process group goes)."""
         self._stop_watching()
-        if self._deadline is not None:
-            self._deadline.cancel()
+        atexit.unregister(self._stop_watching)
         if not self.installed:
             return
         for sig, handler in self._previous.items():
@@ -138,13 +152,22 @@ class Preemption:
             signal.signal(sig, handler)
         self._previous.clear()
         self.installed = False
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def _stop_watching(self) -> None:
-        self._closing.set()
-        self._wake.set()
+        self._closing = True
+        self._wake()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2 * WATCH_S + 5)
         self._watcher = None
+
+    def _wake(self) -> None:
+        """Cut the watcher's nap short (safe in a signal handler: one write, no lock)."""
+        with contextlib.suppress(OSError):  # full (it will wake anyway), or closed
+            os.write(self._wake_w, b"!")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -152,27 +175,22 @@ class Preemption:
             self._signalled_at = now
             by = f" by rank {self.rank}" if self.world_size > 1 else ""
             self._request(f"{signal.Signals(signum).name} received{by}")
-            self._wake.set()  # the watcher tells the other ranks now
+            self._wake()  # the watcher tells the other ranks now
         elif signum == signal.SIGINT and now - self._signalled_at >= SECOND_SIGNAL_AFTER_S:
             os._exit(128 + signum)  # the user's second Ctrl-C: no more waiting
 
     def _on_peer(self, signum: int, frame: Any) -> None:
         """Another rank on this machine was signalled: the watcher reads its request now."""
-        self._wake.set()
+        self._wake()
 
     def _request(self, what: str) -> None:
-        if self.requested is not None:
-            return
-        self.requested = what
-        if self._heartbeat is not None:
-            # Written with the next beat, by the main thread alone (one writer per record).
-            self._heartbeat.stop_requested = True
-        if _env.job_dir() is not None:
-            return  # gpukit's launcher keeps the grace period, and says once how it ended
-        grace = _env.stop_grace()
-        self._deadline = threading.Timer(grace, self._give_up, args=(grace,))
-        self._deadline.daemon = True
-        self._deadline.start()
+        """Attributes only: called from a signal handler and from the watcher."""
+        if self.requested is None:
+            self.requested = what
+            self._requested_at = time.monotonic()
+            if self._heartbeat is not None:
+                # Written with the next beat, by the main thread alone (one writer per record).
+                self._heartbeat.stop_requested = True
 
     def _give_up(self, grace: float) -> None:
         """No step end came to save at within the grace period: end the process now, saying
@@ -190,15 +208,12 @@ class Preemption:
 
     def saving(self) -> None:
         """The stop's save begins: the grace period's deadline no longer applies."""
-        if self._deadline is not None:
-            self._deadline.cancel()
+        self._saving = True
 
     def should_stop(self, step: int) -> bool:
         """At the end of optimizer step ``step``: whether to save and stop now. One flag read
-        per step until a request arrives (the watcher starts at the first step end, when the
-        process group exists); then a store lookup per step until the ranks agree."""
-        if self.world_size > 1 and self._watcher is None and not self._closing.is_set():
-            self._start_watcher()
+        per step until a request arrives; then a store lookup per step until the ranks
+        agree."""
         if self.requested is None:
             return False
         if self.world_size == 1:
@@ -207,29 +222,35 @@ class Preemption:
             self._agree(step)
         return self.stop_at is not None and step >= self.stop_at
 
-    def _start_watcher(self) -> None:
-        self._watcher = threading.Thread(
-            target=self._watch, args=(self._store(),), name="gpukit-preemption", daemon=True
-        )
-        self._watcher.start()
-
     def _watch(self, store: Any) -> None:
-        """Post where this process runs; then post this rank's request in the store and pass it
-        on at once to the ranks on this machine, or find another rank's request there."""
-        key = f"{self._prefix}request"
+        """Beside the steps: post where this process runs; post this rank's request in the
+        store and pass it on at once to the ranks on this machine, or find another rank's
+        request there; and end the process when a request found no step end to save at within
+        the grace period (unless gpukit's launcher keeps that deadline)."""
+        grace = None if _env.job_dir() is not None else _env.stop_grace()
+        told = store is None  # nothing to tell in a world of one
         with contextlib.suppress(Exception):  # the store is gone (the run is ending)
-            store.set(f"{self._prefix}pid/{self.rank}", f"{_MACHINE} {os.getpid()}")
-            while not self._closing.is_set():
-                if self._signalled_at is not None:
+            if store is not None:
+                store.set(f"{self._prefix}pid/{self.rank}", f"{_MACHINE} {os.getpid()}")
+            while not self._closing:
+                if not told and self._signalled_at is not None:
+                    key = f"{self._prefix}request"
                     store.set(key, str(self.requested))
                     store.check([key])  # answered once the store holds it: then pass it on
                     self._pass_on(store)
-                    return
-                if store.check([key]):
-                    self._request(store.get(key).decode())
-                    return
-                self._wake.wait(WATCH_S)
-                self._wake.clear()
+                    told = True
+                elif not told and store.check([f"{self._prefix}request"]):
+                    self._request(store.get(f"{self._prefix}request").decode())
+                    told = True
+                nap = WATCH_S if not told else None
+                if grace is not None and self.requested is not None and not self._saving:
+                    left = self._requested_at + grace - time.monotonic()
+                    if left <= 0:
+                        self._give_up(grace)
+                    nap = left if nap is None else min(nap, left)
+                ready, _, _ = select.select([self._wake_r], [], [], nap)
+                if ready:
+                    os.read(self._wake_r, 512)
 
     def _peers(self, store: Any) -> dict[int, int]:
         """Rank to process id of the other ranks on this machine that are still running."""
