@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from gpukit._util.checks import require_module
@@ -228,9 +229,7 @@ class MixedPrecision(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=self.dtype):
             output = self.module(*args, **kwargs)
-        return map_tensors(
-            output, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        )
+        return _float_outputs(output)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -258,6 +257,41 @@ class MixedPrecision(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return pickled_as_model(self.module)
+
+
+def _to_float(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _float_outputs(output: Any) -> Any:
+    """``output`` with its half-precision tensors turned float32.
+
+    Under ``torch.compile`` (a program may compile the wrapped model), the walk must leave no
+    guard on the objects it meets: map_tensors keys its memo by ``id()``, which dynamo guards
+    on, so every step's new output tensor recompiled the frame until dynamo gave up (seen on
+    torch 2.11, CUDA). A tensor, or plain lists, tuples and dicts of them (nanoGPT's
+    ``(logits, loss)``), go through pytree, which compiles into the graph; anything else runs
+    outside the graph (one graph break at the end of the forward), with the same result."""
+    if isinstance(output, torch.Tensor):
+        return _to_float(output)
+    if not _compiling():
+        return map_tensors(output, _to_float)
+    leaves = pytree.tree_leaves(output)
+    if all(isinstance(leaf, _PLAIN_LEAVES) for leaf in leaves):
+        return pytree.tree_map_only(torch.Tensor, _to_float, output)
+    return _eager_map_tensors(output, _to_float)
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _eager_map_tensors(output: Any, fn: Any) -> Any:
+    # Built on first use: decorating at import would import dynamo with gpukit.
+    return torch.compiler.disable(map_tensors)(output, fn)
 
 
 def _add_level(
