@@ -13,8 +13,8 @@ PACKAGE = Path(gpukit.__file__).resolve().parent
 SRC = PACKAGE.parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Packages by concept, as the README's "Architecture" section describes them.
-ROOMS = {"_util", "bench", "cli", "devices", "diagnostics", "doctor", "planning", "runtime",
-         "strategies", "workloads"}  # fmt: skip
+ROOMS = {"_util", "bench", "checkpoint", "cli", "devices", "diagnostics", "doctor", "lifecycle",
+         "planning", "runtime", "strategies", "train", "workloads"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:

@@ -11,7 +11,7 @@ from gpukit.bench import trace_cost
 from gpukit.bench.train_defaults import runtime_settings
 from gpukit.cli.__main__ import build_parser
 from gpukit.runtime.runtime import Runtime
-from gpukit.workloads import loop
+from gpukit.train import loop
 
 
 def test_the_settings_are_what_gpukit_train_parses_without_options() -> None:

@@ -129,7 +129,7 @@ def test_a_workload_trace_is_json_too(capsys) -> None:  # type: ignore[no-untype
 
 def test_gpukit_train_reads_back_only_at_its_logging_interval() -> None:
     import gpukit as gk
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.train.loop import TrainConfig, fit
 
     rt = gk.Runtime(devices="cpu", seed=0, log_every=5, oom="recover")
     config = TrainConfig(workload="mlp", max_steps=20, progress=False, sample=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.runtime import folder_lock
+from gpukit.checkpoint import lock as folder_lock
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 MLP = ["--workload", "mlp", "--log-every", "2"]

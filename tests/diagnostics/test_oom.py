@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gpukit.diagnostics.oom import OomNumbers, explain, is_oom, parse
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.runtime.faults import injected_oom
+from gpukit.lifecycle.faults import injected_oom
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)

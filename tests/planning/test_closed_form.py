@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import gpukit as gk
+from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.errors import ConfigError
 from gpukit.planning.closed_form import ModelFacts, closed_form, model_facts
-from gpukit.planning.tracker import LiveTensors
 from gpukit.workloads.base import load_workload
 
 # Peak bytes of live tensors (LiveTensors, cpu) over 3 AdamW train steps through gk.Runtime,

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.errors import GpukitError
 from gpukit.planning.simulate import STEPS, SimulationUnsupported, simulate
-from gpukit.planning.tracker import LiveTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import load_workload
 

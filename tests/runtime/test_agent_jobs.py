@@ -25,7 +25,7 @@ GPUKIT = Path(gpukit.__file__).resolve().parent
 TRAIN = """
 import os, signal, sys
 import torch, torch.distributed as dist
-from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.lifecycle.heartbeat import Heartbeat
 
 out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
 beats = Heartbeat.from_env()
@@ -64,7 +64,7 @@ for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
     package = types.ModuleType(name)
     package.__path__ = [os.path.join(GPUKIT, sub)]
     sys.modules[name] = package
-from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.lifecycle.heartbeat import Heartbeat
 
 out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
 attempt, rank = int(os.environ["GPUKIT_ATTEMPT"]), int(os.environ["RANK"])
@@ -91,7 +91,7 @@ if mode and "stay" in plan:
 HANG = """
 import time
 import torch, torch.distributed as dist
-from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.lifecycle.heartbeat import Heartbeat
 
 
 def stall():
@@ -332,7 +332,7 @@ for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
     package = types.ModuleType(name)
     package.__path__ = [os.path.join(GPUKIT, sub)]
     sys.modules[name] = package
-from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.lifecycle.heartbeat import Heartbeat
 out = sys.argv[1]
 beats = Heartbeat.from_env()
 beats.beat("start", 0)

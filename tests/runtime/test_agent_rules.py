@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpukit.lifecycle.heartbeat import Beat
 from gpukit.runtime.agent.failures import (
     ErrorRecord,
     Fault,
@@ -22,7 +23,6 @@ from gpukit.runtime.agent.failures import (
 )
 from gpukit.runtime.agent.hangs import Frame, Watch, blame, hang_report, main_stack, user_frame
 from gpukit.runtime.agent.restarts import Progress, Restart, crash_loop, redone, stop_reason
-from gpukit.runtime.heartbeat import Beat
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8093"
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.workloads.loop import DEFAULT_OOM
+from gpukit.train.loop import DEFAULT_OOM
 
 STEPS, LOG_EVERY = 30, 10
 FLUSHES = STEPS // LOG_EVERY

@@ -416,7 +416,7 @@ def test_tracked_names_must_match_and_are_restored_in_place(tmp_path: Path) -> N
 def test_a_checkpoint_written_before_these_entries_loads_where_nothing_is_missing(
     tmp_path: Path,
 ) -> None:
-    from gpukit.runtime.checkpoint import files
+    from gpukit.checkpoint import files
 
     path = _saved(tmp_path, scheduler=False)
     state = torch.load(path / files.STATE, weights_only=True)

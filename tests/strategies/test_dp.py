@@ -308,7 +308,7 @@ def test_unknown_strategy_lists_the_new_names() -> None:
 
 
 def _imbalance_after_training(strategy: str) -> float:
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.train.loop import TrainConfig, fit
 
     gk.memory.reset_peaks([0, 1])
     rt = gk.Runtime(strategy=strategy, devices=2, precision="32", seed=0)
@@ -397,8 +397,8 @@ def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
     from types import SimpleNamespace
 
     import gpukit as gk
+    from gpukit.train.report import gpu_count
     from gpukit.workloads.flops import mfu
-    from gpukit.workloads.report import gpu_count
 
     one_process = gk.Runtime(strategy="dp", devices=["cpu", "cpu"])
     # Each of two DDP processes drives one device.

@@ -34,7 +34,7 @@ STEPS = 3
 def _peak_of_one_step(batch: int, device: torch.device) -> int:
     """Bytes at the peak of one optimizer step of gpt at ``batch`` samples on ``device``."""
     from gpukit.runtime.runtime import Runtime
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.train.loop import TrainConfig, fit
 
     torch.cuda.init()  # the allocator's statistics can only be reset once CUDA has started
     gc.collect()  # an earlier run's model sits in reference cycles until collected
@@ -54,7 +54,7 @@ def _peak_of_one_step(batch: int, device: torch.device) -> int:
 def probe(device: torch.device) -> dict[str, Any]:
     """Run the probe on ``device`` (a CUDA GPU); what happened, as a JSON-ready dict."""
     from gpukit.runtime.runtime import Runtime
-    from gpukit.workloads.loop import TrainConfig, fit
+    from gpukit.train.loop import TrainConfig, fit
 
     one, two = _peak_of_one_step(BATCH, device), _peak_of_one_step(2 * BATCH, device)
     per_batch = max(two - one, 1)

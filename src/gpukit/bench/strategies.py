@@ -3,7 +3,7 @@ first GPU.
 
 Every strategy of the registry (:data:`gpukit.strategies.STRATEGIES`: one added there joins by
 itself; ``auto`` only picks one of them) trains the ``cnn`` and ``gpt`` workloads through the
-loop behind ``gpukit train`` (:func:`gpukit.workloads.loop.fit`, with that command's default
+loop behind ``gpukit train`` (:func:`gpukit.train.loop.fit`, with that command's default
 Runtime settings) on 1, 2, ... N GPUs. Per configuration: samples/s, scaling efficiency, GPU
 utilisation, peak memory of the first device and of the others, and their ratio; the peak of
 live tensors of the first device and of the fullest other, beside the planner's prediction.
@@ -61,8 +61,8 @@ from gpukit.diagnostics.memory import reset_peaks
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import STRATEGIES, make_strategy
+from gpukit.train.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 from gpukit.workloads import load_workload
-from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 
 TITLE = "Which multi-GPU strategy is fastest, and what does it do to memory on the first GPU?"
 WORKLOADS = ("cnn", "gpt")

@@ -1,7 +1,7 @@
 """The Runtime settings of ``gpukit train`` run without options, for the benchmarks that time
 "the loop as ``gpukit train`` runs it".
 
-They live beside the training loop (``gpukit.workloads.loop.RUNTIME_DEFAULTS``), where the
+They live beside the training loop (``gpukit.train.loop.RUNTIME_DEFAULTS``), where the
 command line takes its defaults from too, so that a benchmark follows the command line when one
 of them (``--oom``, ``--log-every``, ``--seed``, ...) changes, instead of keeping a copy.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpukit.workloads.loop import RUNTIME_DEFAULTS
+from gpukit.train.loop import RUNTIME_DEFAULTS
 
 
 def runtime_settings(devices: Any = None) -> dict[str, Any]:

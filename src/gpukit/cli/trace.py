@@ -184,7 +184,7 @@ def _run_script(path: Path, script_args: list[str]) -> int:
 
 def _run_workload(name: str, steps: int) -> None:
     from gpukit.runtime.runtime import Runtime
-    from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
+    from gpukit.train.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 
     # gpukit train's precision ("auto"), the loop this traces.
     rt = Runtime(seed=0, oom="recover", precision=RUNTIME_DEFAULTS["precision"])

@@ -74,16 +74,16 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
-from gpukit.runtime.outdir import check_out, claim_out
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
-from gpukit.workloads.loop import (
+from gpukit.train.loop import (
     DEFAULT_PROGRESS_EVERY,
     RUNTIME_DEFAULTS,
     TrainConfig,
     check,
     fit,
 )
+from gpukit.train.outdir import check_out, claim_out
 
 NAME = "train"
 

@@ -46,7 +46,8 @@ class DeviceMemory:
     """One device as seen by one process, in bytes (see :func:`report` for where each comes from).
 
     ``peak_tensors`` is the peak of what tensors alone held over a measured stretch (``gpukit
-    train``'s first steps, see :mod:`gpukit.planning.measure`): None where it was not measured.
+    train``'s first steps, see :mod:`gpukit.diagnostics.peak_tensors`): None where it was not
+    measured.
 
     >>> DeviceMemory("cpu", None, 10, 10, 12, 100, 50, None).to_dict()["peak"]
     12

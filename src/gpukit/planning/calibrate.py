@@ -30,8 +30,8 @@ from gpukit._util.tree import tensors
 from gpukit.bench.timing import synchronizer, time_once
 from gpukit.devices import hw
 from gpukit.devices.move import to
+from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.errors import ConfigError
-from gpukit.planning.tracker import LiveTensors
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload, load_workload
 

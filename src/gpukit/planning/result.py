@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpukit.planning.tracker import CATEGORIES
+from gpukit.diagnostics.live_tensors import CATEGORIES
 
-# What a device's peak is made of: the tensors the counter files (see gpukit.planning.tracker),
-# and on a GPU what no tensor accounts for: the CUDA context (the driver's, per process) and
-# the caching allocator's reserve above what tensors hold (rounding, fragmentation).
+# What a device's peak is made of: the tensors the counter files (see
+# gpukit.diagnostics.live_tensors), and on a GPU what no tensor accounts for: the CUDA context
+# (the driver's, per process) and the caching allocator's reserve above what tensors hold
+# (rounding, fragmentation).
 BREAKDOWN = (*CATEGORIES, "cuda_context", "allocator_reserve")
 
 Method = Literal["simulation", "closed-form"]

@@ -7,8 +7,8 @@ store that answers every request) lets the real strategy code build what it buil
 ranks: FSDP2 shards each parameter 1/N, DDP's buckets, the sampler's 1/N of each batch. The
 simulation then runs the same sequence as ``gpukit train`` (the model, AdamW, the Runtime's
 setup, batches from a DataLoader, ``rt.train_step`` and ``rt.log``) for three optimizer steps
-under :class:`~gpukit.planning.tracker.LiveTensors`, the counter ``gpukit train`` measures with:
-what it predicts is the peak of the same quantity, counted the same way.
+under :class:`~gpukit.diagnostics.live_tensors.LiveTensors`, the counter ``gpukit train``
+measures with: what it predicts is the peak of the same quantity, counted the same way.
 
 What it cannot run, it says (:class:`SimulationUnsupported`) and the planner falls back to the
 closed form: dp and dp-balanced (one process driving N GPUs with threads), a process that
@@ -43,10 +43,10 @@ from torch import nn
 from gpukit import _env
 from gpukit._util.fake import real_tensors
 from gpukit._util.tree import map_tensors
+from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import GpukitError, SimulationUnsupported
 from gpukit.planning.result import DevicePeak
-from gpukit.planning.tracker import LiveTensors
 from gpukit.workloads.base import Workload, load_workload
 
 # Optimizer steps run: the peak of a steady step is reached by the second, once the

@@ -3,8 +3,10 @@
 ``runtime`` (the thin ``Runtime``), ``config`` (its frozen settings), ``state`` (what a run
 has: models, optimizers, loaders, counters), ``step`` (one optimizer step in micro-batches, with
 out-of-memory retry), ``metrics`` (values kept on the device, read back once per flush),
-``precision``, ``data`` (the device-aware loader), ``checkpoint``, ``launch`` (processes),
-``targets`` (loss-target checks) and ``faults`` (injected failures for tests and drills).
+``precision``, ``data`` (the device-aware loader), ``collectives``, ``targets`` (loss-target
+checks), ``step_hooks`` (what the step calls at its boundaries), and, until they move to a
+launch package of their own, the process starters ``launch`` and ``agent``. Checkpoints are
+:mod:`gpukit.checkpoint`; the run's boundaries, :mod:`gpukit.lifecycle`.
 """
 
 from gpukit.runtime.runtime import Runtime

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from gpukit import _env, errors
 from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
-from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
+from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 GRACE_S = 1.5  # after the first failure, for the other ranks to fail on their own
 # How a rank ends when a signal stops it with nothing saved: by the signal itself, as torch's
@@ -118,7 +118,7 @@ def spawn(
 class _PassedOn:
     """While the ranks run: SIGTERM and SIGINT to this process are passed on to them (a
     terminal's Ctrl-C reaches them too; copies never count twice, see
-    ``gpukit.runtime.preemption``). A SIGINT that comes ``SECOND_SIGNAL_AFTER_S`` or more after
+    ``gpukit.lifecycle.preemption``). A SIGINT that comes ``SECOND_SIGNAL_AFTER_S`` or more after
     the first is the user's second Ctrl-C: the ranks are killed at once."""
 
     def __init__(self, processes: list[Any]) -> None:

@@ -35,16 +35,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gpukit import _env
+from gpukit import _env, checkpoint
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.runtime import checkpoint, collectives, owned
+from gpukit.lifecycle.boundaries import Lifecycle, LifecycleConfig, ResumePolicy
+from gpukit.lifecycle.faults import OomFault
+from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
 from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.faults import OomFault
 from gpukit.runtime.launch import spawn
-from gpukit.runtime.lifecycle import Lifecycle, LifecycleConfig, ResumePolicy
 from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard, NonFinitePolicy
 from gpukit.runtime.owned import Registry
@@ -82,7 +82,7 @@ class Runtime(RuntimeViews, Registry):
         checkpoints: the folder of this run's checkpoints: where ``rt.save()`` writes by
             default, where ``save_every`` and a preemption save, and where ``resume="auto"``
             looks. With it, SIGTERM and SIGINT stop the run cleanly at a step every rank
-            reaches, after saving there (``gk.Preempted``; see ``gpukit.runtime.preemption``).
+            reaches, after saving there (``gk.Preempted``; see ``gpukit.lifecycle.preemption``).
         save_every: a checkpoint every N optimizer steps (``4``), or every so much time
             (``"10m"``, ``"90s"``, ``"1h"``); None: only when ``rt.save`` is called.
         keep: how many of the newest checkpoints to keep.
@@ -379,7 +379,7 @@ class Runtime(RuntimeViews, Registry):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, directory: str | Path | None = None, keep: int | None = None) -> Path:
-        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.runtime.checkpoint``)
+        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)
         into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
         (default: the Runtime's ``keep``).
 

@@ -40,15 +40,15 @@ from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime.adopt import StaleOptimizers
-from gpukit.runtime.boundaries import StepBoundaries
 from gpukit.runtime.config import RuntimeConfig
-from gpukit.runtime.faults import OomFault
 from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.step_hooks import StepBoundaries
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")

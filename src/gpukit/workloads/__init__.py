@@ -5,8 +5,7 @@ and ``gpt`` (a character-level transformer on bundled public-domain text). Any f
 yours loads the same way as ``"package.module:function"``.
 
 The modules: ``base`` (:class:`Workload`, :func:`load_workload`), ``flops`` (FLOP counting and
-MFU), ``loop`` (the training loop behind ``gpukit train``), ``report`` (its metrics and files),
-and one module per built-in workload.
+MFU), and one module per built-in workload. The loop that trains them is :mod:`gpukit.train`.
 
 >>> from gpukit.workloads import WORKLOADS, load_workload
 >>> WORKLOADS

@@ -27,8 +27,9 @@ guard makes one ``print(loss)`` one "print", not also the ``item()`` it does ins
 
 Attribution goes to the innermost Python frame of the user's own code: not a library's (torch,
 numpy, anything installed in a ``site-packages`` or ``dist-packages`` folder, the standard
-library with its frozen modules), and not gpukit's, except ``gpukit/workloads/`` (the loop that
-``gpukit trace --workload`` runs is user code) and the bench's nanoGPT-style loop.
+library with its frozen modules), and not gpukit's, except ``gpukit/train/`` and
+``gpukit/workloads/`` (the loop and models ``gpukit trace --workload`` runs are user code) and
+the bench's nanoGPT-style loop.
 Not reported: copies to or from the ``meta`` device (no data moves; tests treat it as a device
 through ``records._IGNORED_DEVICE_TYPES``); reads of CPU tensors by ``torch.optim`` (step
 counters) and ``torch.utils.data`` (samplers' random numbers), which stay on the CPU on GPU runs

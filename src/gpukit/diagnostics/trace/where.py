@@ -4,9 +4,9 @@ The innermost Python frame of the user's own code: not a library's, that is not 
 or numpy's package directory, not in any ``site-packages`` or ``dist-packages`` folder (every
 installed package: numpy reading a tensor index, a trainer's logging call), not in the standard
 library (``contextlib``, ``logging``, the frozen ``runpy``...), and not under gpukit's own
-directory, except ``gpukit/workloads/`` and the bench's nanoGPT-style loop, which stand in for
-the user's code (``gpukit trace --workload`` shows gpukit train's loop). Files are classified
-once and cached.
+directory, except ``gpukit/train/`` and ``gpukit/workloads/`` and the bench's nanoGPT-style
+loop, which stand in for the user's code (``gpukit trace --workload`` shows gpukit train's
+loop). Files are classified once and cached.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ _HOST_SIDE_DIRS = tuple(_TORCH_DIR + d + os.sep for d in ("optim", os.path.join(
 # gpukit/diagnostics/trace/where.py -> gpukit/
 _GPUKIT_DIR = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..")) + os.sep
 _GPUKIT_USER = (
+    _GPUKIT_DIR + "train" + os.sep,
     _GPUKIT_DIR + "workloads" + os.sep,
     os.path.join(_GPUKIT_DIR, "bench", "nanogpt_loop.py"),
 )

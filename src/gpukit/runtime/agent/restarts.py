@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpukit.lifecycle.heartbeat import Beat
 from gpukit.runtime.agent.failures import Fault
-from gpukit.runtime.heartbeat import Beat
 
 # Phases a rank beats in before its training loop; only "load" carries the step the attempt
 # resumes from ("start" and "setup" come before the checkpoint is read).

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpukit.runtime import heartbeat
+from gpukit.lifecycle import heartbeat
+from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 from gpukit.runtime.agent.failures import (
     ErrorRecord,
     Fault,
@@ -47,7 +48,6 @@ from gpukit.runtime.agent.hangs import (
 )
 from gpukit.runtime.agent.restarts import Progress
 from gpukit.runtime.agent.workers import Worker, start_worker
-from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
 

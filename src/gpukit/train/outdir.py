@@ -4,7 +4,7 @@ A run writes its metrics, plot and checkpoints there at the end of an epoch or o
 a folder it cannot write, or one holding another run's checkpoints, would fail or do harm
 only then. :func:`check_out` refuses those at once, and changes nothing on disk when it does.
 :func:`claim_out` locks the folder first (one run per folder, see
-``gpukit.runtime.folder_lock``): a second run into it is refused, naming the one there.
+``gpukit.checkpoint.lock``): a second run into it is refused, naming the one there.
 
 >>> check_out(None, resume=False, overwrite=False) is None
 True
@@ -16,9 +16,9 @@ import os
 import time
 from pathlib import Path
 
+from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint.files import LATEST, has_checkpoints, newest_step
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime import folder_lock
-from gpukit.runtime.checkpoint.files import LATEST, has_checkpoints, newest_step
 
 CHECKPOINTS = "checkpoints"
 

@@ -16,8 +16,9 @@ import torch
 
 import gpukit as gk
 from gpukit.cli.__main__ import main
-from gpukit.workloads import Workload, report
-from gpukit.workloads.loop import ProgressLines, TrainConfig, fit, micro_batch
+from gpukit.train import report
+from gpukit.train.loop import ProgressLines, TrainConfig, fit, micro_batch
+from gpukit.workloads import Workload
 
 
 def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -> None:
@@ -110,7 +111,7 @@ def test_resume_appends_to_metrics_csv_after_a_run_that_died(
 
     monkeypatch.setattr(report, "_plot_loss", spy)
     config = TrainConfig(
-        workload="tests.workloads.test_loop:small_workload", out=str(tmp_path), progress=False
+        workload="tests.train.test_loop:small_workload", out=str(tmp_path), progress=False
     )
     # Dies in the 7th step: the checkpoint of epoch 1 (step 4) is the newest, but metrics.csv,
     # written as the run goes, already has the rows of steps 2, 4 and 6.

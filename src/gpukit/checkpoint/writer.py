@@ -22,16 +22,16 @@ import numpy as np
 import torch
 from safetensors.torch import save_model
 
-from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime import folder_lock
-from gpukit.runtime.checkpoint import files, finite, objects, sharded
-from gpukit.runtime.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
-from gpukit.runtime.checkpoint.fit import (
+from gpukit.checkpoint import files, finite, objects, sharded
+from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
+from gpukit.checkpoint.fit import (
     optimizer_entries,
     parameter_names,
     user_models,
     weights_name,
 )
+from gpukit.errors import ConfigError, warn_user
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState
@@ -50,7 +50,7 @@ def save(
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
-    too). See :mod:`gpukit.runtime.checkpoint`.
+    too). See :mod:`gpukit.checkpoint`.
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import gpukit as gk
+from gpukit import checkpoint as gk_checkpoint
 from gpukit.errors import CheckpointWriteError
-from gpukit.runtime import checkpoint as gk_checkpoint
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -6,7 +6,7 @@ seconds and at the start and end of each epoch), logging that reads the loss bac
 ``log_every`` steps, a checkpoint at the end of each epoch (and when ``max_steps`` stops the
 run), and at the end a summary with throughput, MFU on GPUs and peak memory per device, written
 under ``out`` as ``metrics.json``, ``metrics.csv`` and ``loss.png`` (see
-:mod:`gpukit.workloads.report`). A resumed run appends to ``metrics.csv`` and draws ``loss.png``
+:mod:`gpukit.train.report`). A resumed run appends to ``metrics.csv`` and draws ``loss.png``
 from the whole run.
 
 >>> import gpukit as gk
@@ -34,12 +34,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpukit import _env
 from gpukit.diagnostics.memory import breakdown
+from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
-from gpukit.planning.measure import PeakTensors
 from gpukit.runtime.runtime import Runtime
-from gpukit.workloads.base import load_workload
-from gpukit.workloads.report import (
+from gpukit.train.report import (
     MetricsCsv,
     metrics,
     read_history,
@@ -47,6 +46,7 @@ from gpukit.workloads.report import (
     with_peak_tensors,
     write_outputs,
 )
+from gpukit.workloads.base import load_workload
 
 # The Runtime settings `gpukit train` uses when given no option: its command line's defaults,
 # and what the benchmarks time as "gpukit train's default settings". oom "auto": recovery
@@ -86,8 +86,8 @@ class TrainConfig:
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     """Train ``config.workload`` with ``rt``; rank 0 returns the metrics (others an empty dict)."""
-    # Each device's peak of tensor memory over the first steps (gpukit.planning.measure); a run
-    # that fails inside that window takes the counter off too.
+    # Each device's peak of tensor memory over the first steps (gpukit.diagnostics.peak_tensors);
+    # a run that fails inside that window takes the counter off too.
     peaks = PeakTensors([d.torch for d in rt.strategy.driven_devices])
     try:
         return _fit(rt, config, peaks)
@@ -214,7 +214,7 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
             f"has {samples}: use a smaller --batch-size"
         )
     if config.resume:
-        from gpukit.runtime.checkpoint import latest
+        from gpukit.checkpoint import latest
 
         with warnings.catch_warnings():  # the load itself warns, once, about a fallback
             warnings.simplefilter("ignore")

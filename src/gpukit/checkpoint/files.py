@@ -331,7 +331,7 @@ def prune(directory: Path, keep: int, saved: Path, leftovers: bool = True) -> No
 
     Only gpukit's checkpoints are removed: a ``step-*`` folder holding neither a manifest nor
     a ``state.pt`` is someone else's and stays. ``leftovers`` is for a writer that holds the
-    folder's lock (``gpukit.runtime.folder_lock``): only then can no other live run be writing
+    folder's lock (``gpukit.checkpoint.lock``): only then can no other live run be writing
     a ``.tmp-step-*`` there."""
     folders = sorted(_folders(directory), key=_order)
     for old in folders[:-keep]:

@@ -120,7 +120,8 @@ def with_peak_tensors(
     rt: Runtime, memory: MemoryReport, peaks: Mapping[str, int | None]
 ) -> MemoryReport:
     """``memory`` (:func:`run_memory`'s rows, every rank's) with each row's ``peak_tensors``:
-    ``peaks`` is this rank's, by device (:meth:`gpukit.planning.measure.PeakTensors.result`).
+    ``peaks`` is this rank's, by device
+    (:meth:`gpukit.diagnostics.peak_tensors.PeakTensors.result`).
     Every rank's values are gathered in one collective, so **every rank must call it**; each
     rank sends its own rows' values, in their order, so the gathered values line up with the
     rows.

@@ -4,8 +4,8 @@ A prediction of the planner and a measurement must be the same quantity to compa
 tensors hold at the step's peak, not what the allocator reserves or the process's resident
 memory. CUDA's caching allocator counts it already (``torch.cuda.max_memory_allocated``): the
 counter is reset when the window opens and read once when it closes, nothing per step. A CPU
-has no such counter, so :class:`~gpukit.planning.tracker.LiveTensors` counts live tensor storages
-op by op; that costs one Python call per op, so it runs only through the window:
+has no such counter, so :class:`~gpukit.diagnostics.live_tensors.LiveTensors` counts live
+tensor storages op by op; that costs one Python call per op, so it runs only through the window:
 
 - it opens just before ``rt.setup``, so that what setup makes (DDP's buckets, FSDP's shards)
   is counted, and files what setup made beside the model as communication;
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.planning.tracker import LiveTensors
+from gpukit.diagnostics.live_tensors import LiveTensors
 
 # Optimizer steps measured: the first builds the optimizer's state, the second is a steady
 # step, the third confirms it.
@@ -49,7 +49,7 @@ class PeakTensors:
     """The peak bytes of tensors on each of ``devices`` over a run's first optimizer steps.
 
     CUDA devices are read from the caching allocator, others (the CPU) counted by a
-    :class:`~gpukit.planning.tracker.LiveTensors` that is active only inside the window. Call
+    :class:`~gpukit.diagnostics.live_tensors.LiveTensors` active only inside the window. Call
     :meth:`start` just before ``rt.setup``, :meth:`after_setup` right after it,
     :meth:`after_step` after each optimizer step, and :meth:`stop` when the run ends (or
     fails): it closes a window the run was too short to fill. ``steps`` defaults to

@@ -16,9 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.checkpoint import files, finite, objects, sharded
-from gpukit.runtime.checkpoint.fit import (
+from gpukit.checkpoint import files, finite, objects, sharded
+from gpukit.checkpoint.fit import (
     model_mismatches,
     optimizer_entries,
     optimizer_mismatches,
@@ -27,6 +26,7 @@ from gpukit.runtime.checkpoint.fit import (
     user_models,
     weights_name,
 )
+from gpukit.errors import ConfigError, warn_user
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState

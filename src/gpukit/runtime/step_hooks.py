@@ -1,6 +1,6 @@
 """The points of a step where the Runtime does more than step: the hooks :class:`Stepper`
 calls, so that the step does not need to know what happens there (the heartbeat, injected
-faults, periodic checkpoints, preemption: see ``gpukit.runtime.lifecycle``).
+faults, periodic checkpoints, preemption: see ``gpukit.lifecycle.boundaries``).
 
 >>> StepBoundaries().poison_loss()
 False
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class StepBoundaries:
-    """What the Runtime does where a step begins and ends (see ``gpukit.runtime.lifecycle``);
+    """What the Runtime does where a step begins and ends (see ``gpukit.lifecycle.boundaries``);
     these defaults do nothing."""
 
     def step_begins(self, step: int) -> None:

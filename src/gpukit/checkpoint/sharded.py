@@ -31,8 +31,8 @@ from torch import nn
 
 from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
+from gpukit.checkpoint import finite
 from gpukit.errors import ConfigError
-from gpukit.runtime.checkpoint import finite
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.strategies import Strategy

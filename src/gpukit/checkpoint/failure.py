@@ -32,8 +32,8 @@ from typing import Any
 
 from gpukit._util.text import format_bytes
 from gpukit._util.tree import tensors
+from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import CheckpointWriteError, ConfigError
-from gpukit.runtime import folder_lock
 
 try:
     import resource

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.runtime import checkpoint
+from gpukit import checkpoint
 
 
 def _run(checkpoints: Path, steps: int) -> gk.Runtime:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
+from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS = 400  # far more than a test waits for: every run here ends by its signal

@@ -14,13 +14,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import gpukit as gk
 from gpukit.cli.__main__ import main
+from gpukit.diagnostics import peak_tensors as measure
+from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
-from gpukit.planning import measure
-from gpukit.planning.measure import MEASURED_STEPS, PeakTensors
-from gpukit.planning.tracker import LiveTensors
+from gpukit.diagnostics.peak_tensors import MEASURED_STEPS, PeakTensors
+from gpukit.train.loop import RUNTIME_DEFAULTS, TrainConfig, fit
+from gpukit.train.report import run_memory, with_peak_tensors
 from gpukit.workloads import Workload, load_workload
-from gpukit.workloads.loop import RUNTIME_DEFAULTS, TrainConfig, fit
-from gpukit.workloads.report import run_memory, with_peak_tensors
 
 
 def _by_hand(workload_name: str) -> int:
@@ -90,7 +90,7 @@ def test_the_counter_is_off_after_the_window_and_after_a_failure() -> None:
     assert counting == [True] * MEASURED_STEPS + [False, False]  # in the window only
     assert _get_current_dispatch_mode_stack() == [] and torch.UntypedStorage.resize_ is resize
     assert not peaks.active and peaks.result()["cpu"] > 0
-    config = TrainConfig(workload="tests.workloads.test_peak_tensors:_dying", progress=False)
+    config = TrainConfig(workload="tests.train.test_peak_tensors:_dying", progress=False)
     with pytest.raises(RuntimeError, match="went away"):
         gk.Runtime(devices="cpu", seed=0).launch(fit, config)
     assert _get_current_dispatch_mode_stack() == [] and torch.UntypedStorage.resize_ is resize

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import gpukit as gk
-from gpukit.runtime.outdir import check_out
+from gpukit.train.outdir import check_out
 
 
 def _snapshot(root: Path) -> dict[str, tuple[bool, bytes | None, int]]:

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
-from gpukit.runtime.heartbeat import Heartbeat
+from gpukit.lifecycle.heartbeat import Heartbeat
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A rank on this machine was asked to stop: the same request, passed on (never a second one).

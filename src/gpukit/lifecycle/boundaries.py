@@ -10,7 +10,7 @@ time, one small agreement every ``log_every`` steps (the ranks' clocks differ, s
 agree on the step to save at), and after a preemption signal a store lookup per step until the
 ranks agree where to stop. With a checkpoint folder, under several ranks, a watcher thread asks
 the store every half second whether a rank was signalled, beside the steps, never on them (see
-``gpukit.runtime.preemption``).
+``gpukit.lifecycle.preemption``).
 
 >>> parse_save_every("10m"), parse_save_every(4), parse_save_every("90s")
 ((None, 600.0), (4, None), (None, 90.0))
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpukit import _env
+from gpukit.checkpoint import files
+from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import ConfigError, Preempted
-from gpukit.runtime import folder_lock
-from gpukit.runtime.boundaries import StepBoundaries
-from gpukit.runtime.checkpoint import files
-from gpukit.runtime.faults import FaultPlan
-from gpukit.runtime.heartbeat import Heartbeat
-from gpukit.runtime.preemption import Preemption
+from gpukit.lifecycle.faults import FaultPlan
+from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.lifecycle.preemption import Preemption
+from gpukit.runtime.step_hooks import StepBoundaries
 
 ResumePolicy = Literal["auto"] | None
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}

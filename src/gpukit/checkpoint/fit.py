@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.runtime.checkpoint import finite
+from gpukit.checkpoint import finite
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.strategies import Strategy

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import gpukit as gk
-from gpukit.runtime import checkpoint
-from gpukit.runtime.checkpoint.files import write_manifest
+from gpukit import checkpoint
+from gpukit.checkpoint.files import write_manifest
 
 TORCH_ADVICE = ("weights_only=False", "weights_only", "Re-running", "WeightsUnpickler")
 
@@ -453,7 +453,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import gpukit as gk
-from gpukit.runtime import checkpoint
+from gpukit import checkpoint
 
 folder, trials = Path(sys.argv[1]), int(sys.argv[2])
 

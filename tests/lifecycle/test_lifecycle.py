@@ -21,13 +21,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
+from gpukit.checkpoint import has_checkpoints
 from gpukit.errors import ConfigError, NonFiniteError, Preempted
-from gpukit.runtime import heartbeat
-from gpukit.runtime.checkpoint import has_checkpoints
-from gpukit.runtime.faults import FaultPlan, parse_faults
-from gpukit.runtime.lifecycle import parse_save_every
+from gpukit.lifecycle import heartbeat
+from gpukit.lifecycle.boundaries import parse_save_every
+from gpukit.lifecycle.faults import FaultPlan, parse_faults
+from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 from gpukit.runtime.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
-from gpukit.runtime.preemption import SECOND_SIGNAL_AFTER_S
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -313,7 +313,7 @@ def test_stopped_ranks_leave_together_rank_zero_last() -> None:
 
     import torch.distributed as dist
 
-    from gpukit.runtime.preemption import Preemption
+    from gpukit.lifecycle.preemption import Preemption
 
     store = dist.HashStore()
     order: list[str] = []

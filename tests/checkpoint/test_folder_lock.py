@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import gpukit as gk
-from gpukit.runtime import folder_lock
-from gpukit.runtime.checkpoint import files
-from gpukit.runtime.outdir import check_out, claim_out
+from gpukit.checkpoint import files
+from gpukit.checkpoint import lock as folder_lock
+from gpukit.train.outdir import check_out, claim_out
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

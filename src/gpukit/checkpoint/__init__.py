@@ -9,7 +9,7 @@ A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
   (the resumed pass redoes that start's draws: its order and its workers' seeds);
 - under fsdp, ``sharded/``: every rank's shards of the weights and optimizer states, written
   by torch.distributed.checkpoint (loadable onto any number of ranks; ``state.pt`` then holds
-  no optimizer state; see :mod:`~gpukit.runtime.checkpoint.sharded`);
+  no optimizer state; see :mod:`~gpukit.checkpoint.sharded`);
 - ``manifest.json``, written last: the format, the step, whether every value was finite, and
   each file's size and sha256.
 
@@ -34,7 +34,7 @@ manifests existed load without verification.
 False None
 """
 
-from gpukit.runtime.checkpoint.files import (
+from gpukit.checkpoint.files import (
     FORMAT,
     LATEST,
     MANIFEST,
@@ -45,9 +45,9 @@ from gpukit.runtime.checkpoint.files import (
     problem,
     resumable,
 )
-from gpukit.runtime.checkpoint.reader import load
-from gpukit.runtime.checkpoint.sharded import full_state_dict
-from gpukit.runtime.checkpoint.writer import save
+from gpukit.checkpoint.reader import load
+from gpukit.checkpoint.sharded import full_state_dict
+from gpukit.checkpoint.writer import save
 
 __all__ = [
     "FORMAT",

@@ -59,8 +59,12 @@ _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "sav
 _WHERE_BYTES = 120
 _FORMAT = f"<QdqqiiiIQ{_WHERE_BYTES}s"
 _SIZE = struct.calcsize(_FORMAT)
-# Where a beat comes from: the Runtime's own modules are skipped to reach the caller's line.
-_RUNTIME_DIR = str(Path(__file__).resolve().parent) + os.sep
+# Where a beat comes from: the Runtime's own modules (the step, the run's boundaries, the
+# checkpoints) are skipped to reach the caller's line.
+_PACKAGE = Path(__file__).resolve().parents[1]
+_RUNTIME_DIRS = tuple(
+    str(_PACKAGE / room) + os.sep for room in ("runtime", "lifecycle", "checkpoint")
+)
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,7 @@ def _caller(frame: FrameType | None) -> str:
         code = frame.f_code
         own = _IN_RUNTIME.get(code)
         if own is None:
-            own = _IN_RUNTIME[code] = code.co_filename.startswith(_RUNTIME_DIR)
+            own = _IN_RUNTIME[code] = code.co_filename.startswith(_RUNTIME_DIRS)
         if not own:
             break
         inside, frame = frame, frame.f_back
