@@ -151,3 +151,38 @@ def test_the_runtime_never_asks_which_strategy_it_holds() -> None:
             ):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, found
+
+
+# The rooms in layers: a module imports from its own layer and those below, never above, so
+# data flows one way (cli -> bench/doctor -> the public API -> train -> planning -> workloads ->
+# the training core -> diagnostics -> strategies -> devices -> the shared helpers).
+LAYERS = [
+    {"errors", "_env", "_util"},
+    {"devices"},
+    {"strategies"},
+    {"diagnostics"},
+    {"runtime", "checkpoint", "lifecycle"},  # the training core: the step, its saves, its run
+    {"workloads"},
+    {"planning"},
+    {"train"},
+    {"(root)"},  # gpukit/__init__.py: the public API
+    {"bench", "doctor"},
+    {"cli", "__main__"},
+]
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(root)"
+
+
+def test_rooms_import_only_their_layer_and_the_layers_below() -> None:
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    found = []
+    for me, targets in edges().items():
+        for target in targets:
+            a, b = room_of(me), room_of(target)
+            assert a in layer and b in layer, f"place {a if a not in layer else b} in LAYERS"
+            if layer[b] > layer[a]:
+                found.append(f"{me} imports {target} (a layer above)")
+    assert not found, found

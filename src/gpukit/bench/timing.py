@@ -9,8 +9,9 @@ measure the same way.
   so one variant's garbage is not collected on another's clock; the objects alive after the
   warm-up are frozen out of the collections, which then take milliseconds instead of a fifth
   of a second with torch's objects in the heap.
-- ``synchronize`` (see :func:`synchronizer`) runs before each clock read: a GPU returns before
-  its work is done, and a clock read without it would time the launches, not the work.
+- ``synchronize`` (see :func:`gpukit.devices.clock.synchronizer`) runs before each clock read:
+  a GPU returns before its work is done, and a clock read without it would time the launches,
+  not the work.
 - Ratios: per round, then the median of those; each compares timings taken moments apart, so
   a drift between rounds cancels out, which the ratio of two medians would not do.
 
@@ -24,13 +25,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from gpukit.devices.clock import synchronizer, time_once
 from gpukit.errors import ConfigError
+
+__all__ = ["check_count", "synchronizer", "time_once", "time_rounds", "torch_threads"]
 
 
 @dataclass(frozen=True)
@@ -97,44 +100,6 @@ def time_rounds(
     finally:
         gc.unfreeze()
     return Timings({name: tuple(s) for name, s in seconds.items()})
-
-
-def time_once(run: Callable[[], object], synchronize: Callable[[], None] | None = None) -> float:
-    """Seconds ``run()`` takes, the garbage collector off and the device synchronised before
-    each clock read.
-
-    >>> time_once(lambda: None) >= 0
-    True
-    """
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        if synchronize is not None:
-            synchronize()
-        start = time.perf_counter()
-        run()
-        if synchronize is not None:
-            synchronize()
-        return time.perf_counter() - start
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def synchronizer(device: torch.device | str) -> Callable[[], None] | None:
-    """What waits for ``device``'s queued work: None on the CPU, where every op has finished
-    when it returns.
-
-    >>> synchronizer("cpu") is None
-    True
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return lambda: torch.cuda.synchronize(dev)
-    if dev.type == "mps":
-        return torch.mps.synchronize
-    return None
 
 
 @contextlib.contextmanager

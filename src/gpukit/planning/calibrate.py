@@ -7,7 +7,7 @@ A step's time is close to linear in the micro-batch, ``t(b) = fixed + per_sample
 sizes fit the line. Each size trains a copy of the model (the caller's stays untouched) with
 AdamW through a single-device Runtime, as ``gpukit train`` does; two warm-up steps build the
 optimizer's state, one more is measured for memory, then ``steps`` are timed with the device
-synchronised before each clock read (:func:`gpukit.bench.timing.time_once`) and their median
+synchronised before each clock read (:func:`gpukit.devices.clock.time_once`) and their median
 kept.
 
 >>> cal = calibrate("mlp", micro_batches=(8, 1024), steps=1, device="cpu")
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from gpukit._util.tree import tensors
-from gpukit.bench.timing import synchronizer, time_once
 from gpukit.devices import hw
+from gpukit.devices.clock import synchronizer, time_once
 from gpukit.devices.move import to
 from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.errors import ConfigError
