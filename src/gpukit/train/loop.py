@@ -195,9 +195,10 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
 
 def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
     """The run as ``metrics.json`` records it: what it was asked, with the values it used
-    where the workload chose them (``used``), and every setting of its Runtime (which gives
-    ``seed`` and ``nonfinite`` to both)."""
-    return {**asdict(config), **used, **record(rt.settings, strategy=rt.strategy.name)}
+    where the workload chose them (``used``), and under ``runtime`` every setting of its
+    Runtime (apart: ``resume`` there is the Runtime's policy, here ``--resume``)."""
+    runtime = record(rt.settings, strategy=rt.strategy.name)
+    return {**asdict(config), **used, "runtime": runtime}
 
 
 def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
