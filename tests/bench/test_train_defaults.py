@@ -1,8 +1,9 @@
 """The benchmarks and the command line take `gpukit train`'s default Runtime settings from one
-place, so that they follow each other when a default changes."""
+place (their declarations), so that they follow each other when a default changes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -10,32 +11,34 @@ import pytest
 from gpukit.bench import trace_cost
 from gpukit.bench.train_defaults import runtime_settings
 from gpukit.cli.__main__ import build_parser
+from gpukit.runtime import settings
 from gpukit.runtime.runtime import Runtime
-from gpukit.train import loop
 
 
 def test_the_settings_are_what_gpukit_train_parses_without_options() -> None:
     args = build_parser().parse_args(["train"])
     settings = runtime_settings()
-    assert settings == {
-        "strategy": args.strategy,
-        "precision": args.precision,
-        "devices": args.devices,
-        "accumulate": args.accumulate,
-        "seed": args.seed,
-        "log_every": args.log_every,
-        "oom": args.oom,
-    }
+    assert settings == {name: getattr(args, name) for name in settings}
+    assert {"strategy", "precision", "devices", "accumulate", "seed", "log_every", "oom"} <= set(
+        settings
+    )
     assert runtime_settings(devices="cpu") == {**settings, "devices": "cpu"}
 
 
 def test_a_changed_default_reaches_the_command_line_and_the_benchmarks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(loop.RUNTIME_DEFAULTS, "oom", "raise")
-    monkeypatch.setitem(loop.RUNTIME_DEFAULTS, "log_every", 7)
-    settings = runtime_settings(devices="cpu")
-    assert (settings["oom"], settings["log_every"]) == ("raise", 7)
+    declared = settings.option
+
+    def changed(f: Any) -> settings.Option:
+        train = {"oom": "raise", "log_every": 7}
+        if f.name in train:
+            return dataclasses.replace(declared(f), train_default=train[f.name], why="changed")
+        return declared(f)
+
+    monkeypatch.setattr(settings, "option", changed)
+    chosen = runtime_settings(devices="cpu")
+    assert (chosen["oom"], chosen["log_every"]) == ("raise", 7)
     args = build_parser().parse_args(["train"])
     assert (args.oom, args.log_every) == ("raise", 7)
 

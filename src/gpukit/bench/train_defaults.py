@@ -1,9 +1,9 @@
 """The Runtime settings of ``gpukit train`` run without options, for the benchmarks that time
 "the loop as ``gpukit train`` runs it".
 
-They live beside the training loop (``gpukit.train.loop.RUNTIME_DEFAULTS``), where the
-command line takes its defaults from too, so that a benchmark follows the command line when one
-of them (``--oom``, ``--log-every``, ``--seed``, ...) changes, instead of keeping a copy.
+They are read from the settings' declarations (``gpukit.runtime.settings``), where the command
+line takes its defaults from too, so that a benchmark follows the command line when one of them
+(``--oom``, ``--log-every``, ``--seed``, ...) changes, instead of keeping a copy.
 
 >>> settings = runtime_settings(devices="cpu")
 >>> settings["devices"], settings["seed"], settings["log_every"]
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpukit.train.loop import RUNTIME_DEFAULTS
+from gpukit.runtime.settings import train_defaults
 
 
 def runtime_settings(devices: Any = None) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def runtime_settings(devices: Any = None) -> dict[str, Any]:
     >>> runtime_settings()["oom"] in ("raise", "recover", "auto")
     True
     """
-    settings = dict(RUNTIME_DEFAULTS)
+    settings = train_defaults()
     if devices is not None:
         settings["devices"] = devices
     return settings

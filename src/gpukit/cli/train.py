@@ -60,7 +60,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,7 @@ from typing import Any
 from gpukit import _env
 from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, console
+from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain, is_oom
 from gpukit.errors import ConfigError, OutOfMemory
@@ -76,13 +76,7 @@ from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
-from gpukit.train.loop import (
-    DEFAULT_PROGRESS_EVERY,
-    RUNTIME_DEFAULTS,
-    TrainConfig,
-    check,
-    fit,
-)
+from gpukit.train.loop import DEFAULT_PROGRESS_EVERY, TrainConfig, check, fit
 from gpukit.train.outdir import check_out, claim_out
 
 NAME = "train"
@@ -93,12 +87,6 @@ def register(sub: Any) -> None:
         sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
-    default = RUNTIME_DEFAULTS
-    parser.add_argument(
-        "--strategy",
-        default=default["strategy"],
-        help="auto, single, dp, dp-balanced, ddp or fsdp",
-    )
     parser.add_argument(
         "--activation-checkpointing",
         choices=("off", "full", "selective"),
@@ -110,33 +98,10 @@ def register(sub: Any) -> None:
         action="store_true",
         help="fsdp only: torch.compile each repeated block before sharding it",
     )
-    parser.add_argument(
-        "--precision",
-        default=default["precision"],
-        help="auto (default here: bf16-mixed or 16-mixed on a GPU that has it, 32 on the CPU; "
-        "gk.Runtime itself defaults to 32), 32, bf16-mixed or 16-mixed",
-    )
-    parser.add_argument(
-        "--devices", default=default["devices"], help="auto, all, N, or a list like 0,1"
-    )
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after S optimizer steps")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch per step")
     parser.add_argument("--lr", type=float, default=None, help="default: the workload's")
-    parser.add_argument(
-        "--accumulate", type=int, default=default["accumulate"], help="micro-steps per step"
-    )
-    parser.add_argument("--seed", type=int, default=default["seed"])
-    parser.add_argument(
-        "--log-every", type=int, default=default["log_every"], help="read metrics back every N"
-    )
-    parser.add_argument(
-        "--oom",
-        choices=("auto", "recover", "raise"),
-        default=default["oom"],
-        help="out of memory: auto (recover in one process, stop and explain under several), "
-        "recover (re-split the batch and redo the step), raise (stop and explain)",
-    )
     parser.add_argument(
         "--progress-every",
         type=float,
@@ -153,13 +118,6 @@ def register(sub: Any) -> None:
         help="start over in an --out that holds checkpoints (they are moved aside)",
     )
     parser.add_argument(
-        "--save-every",
-        default=None,
-        metavar="N|TIME",
-        help="a checkpoint every N steps, or every TIME (90s, 10m, 1h); needs --out",
-    )
-    parser.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (default 3)")
-    parser.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -174,12 +132,9 @@ def register(sub: Any) -> None:
         help="with several processes or restarts: end the run when no rank makes progress for "
         "this long, naming the stuck one (default 300; 0: never)",
     )
-    parser.add_argument(
-        "--nonfinite",
-        choices=("skip", "raise"),
-        default=None,
-        help="NaN/Inf gradients: skip the step on the device, or stop naming it",
-    )
+    # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
+    # their one declaration, gpukit.runtime.settings.
+    add_setting_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -196,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, worker: bool) -> int:
-    devices = _devices(args.devices)
     for flag in ("epochs", "max_steps", "batch_size", "keep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -213,19 +167,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     checkpoints = Path(args.out) / "checkpoints" if args.out else None
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
-    rt = Runtime(
-        strategy=_strategy(args),
-        precision=args.precision,
-        devices=devices,
-        accumulate=args.accumulate,
-        seed=args.seed,
-        log_every=args.log_every,
-        oom=args.oom,
-        checkpoints=checkpoints,
-        save_every=_save_every(args.save_every),
-        keep=args.keep,
-        nonfinite=args.nonfinite,
-    )
+    # The settings without a flag keep gk.Runtime's defaults, but checkpoints: under --out.
+    rt = Runtime(**{**values(args), "strategy": _strategy(args), "checkpoints": checkpoints})
     config = TrainConfig(
         workload=args.workload,
         epochs=args.epochs,
@@ -236,7 +179,6 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         out=args.out,
         resume=args.resume,
         progress_every=args.progress_every,
-        nonfinite=args.nonfinite,
     )
     oom: tuple[BaseException, dict[str, Any] | None] | None = None
     try:
@@ -325,16 +267,6 @@ def _strategy(args: argparse.Namespace) -> Any:
     )
 
 
-def _devices(text: str) -> Any:
-    """``--devices``: a count (ASCII digits only: int() would read other scripts' digits too)
-    or a spec for the Runtime."""
-    return int(text) if re.fullmatch(r"[0-9]+", text) else text
-
-
-def _save_every(text: str | None) -> int | str | None:
-    return int(text) if text is not None and re.fullmatch(r"[0-9]+", text) else text
-
-
 def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
     """This command line for one rank of the job: the same training, with the strategy the
     launcher resolved (a launched process would otherwise pick ddp even for one device)."""
@@ -342,11 +274,8 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
     # writes its stack when the launcher asks, as gpukit launch runs scripts.
     runner = [sys.executable, str(Path(_launched_script.__file__))]
     command = [*runner, "-m", "gpukit", "train", "--strategy", strategy]
-    for name in (
-        "workload", "precision", "devices", "epochs", "max_steps", "batch_size", "lr",
-        "accumulate", "seed", "log_every", "oom", "progress_every", "out", "save_every",
-        "keep", "nonfinite",
-    ):  # fmt: skip
+    command += command_line(args, skip=("strategy",))
+    for name in ("workload", "epochs", "max_steps", "batch_size", "lr", "progress_every", "out"):
         value = getattr(args, name)
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]

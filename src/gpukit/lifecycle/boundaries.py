@@ -22,9 +22,8 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from gpukit import _env
 from gpukit.checkpoint import files
@@ -58,33 +57,49 @@ def parse_save_every(value: int | str | None) -> tuple[int | None, float | None]
     )
 
 
-@dataclass(frozen=True)
-class LifecycleConfig:
-    """The Runtime's settings for checkpoints and resuming (see ``gk.Runtime``)."""
+class LifecycleSettings(Protocol):
+    """The settings the boundaries read: checkpoints and resuming (declared, with their
+    defaults, in :class:`gpukit.runtime.settings.Settings`)."""
 
-    checkpoints: str | Path | None = None
-    save_every: int | str | None = None
-    keep: int = 3
-    resume: ResumePolicy = None
+    @property
+    def checkpoints(self) -> str | Path | None: ...
+    @property
+    def save_every(self) -> int | str | None: ...
+    @property
+    def keep(self) -> int: ...
+    @property
+    def resume(self) -> ResumePolicy: ...
 
-    def __post_init__(self) -> None:
-        if self.checkpoints is not None and not str(self.checkpoints).strip():
-            raise ConfigError(
-                "checkpoints='': give the folder for checkpoints, or None to keep none"
-            )
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"keep={self.keep!r}: keep at least the newest checkpoint (keep=1)")
-        if self.resume not in ("auto", None):
-            raise ConfigError(
-                f"resume={self.resume!r}: use 'auto' (continue from the newest good checkpoint "
-                "in checkpoints= when there is one, else start fresh) or None"
-            )
-        steps, seconds = parse_save_every(self.save_every)
-        if (steps or seconds or self.resume) and self.checkpoints is None:
-            what = "save_every" if steps or seconds else "resume='auto'"
-            raise ConfigError(
-                f"{what} needs a folder for the checkpoints: gk.Runtime(checkpoints='ckpt', ...)"
-            )
+
+def check_checkpoints(checkpoints: object) -> None:
+    """ConfigError for an empty folder name (None: no checkpoints)."""
+    if checkpoints is not None and not str(checkpoints).strip():
+        raise ConfigError("checkpoints='': give the folder for checkpoints, or None to keep none")
+
+
+def check_keep(keep: object) -> None:
+    """ConfigError unless ``keep`` keeps at least one checkpoint."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"keep={keep!r}: keep at least the newest checkpoint (keep=1)")
+
+
+def check_resume(resume: object) -> None:
+    """ConfigError unless ``resume`` is a resume policy."""
+    if resume not in ("auto", None):
+        raise ConfigError(
+            f"resume={resume!r}: use 'auto' (continue from the newest good checkpoint "
+            "in checkpoints= when there is one, else start fresh) or None"
+        )
+
+
+def check_needs_folder(settings: LifecycleSettings) -> None:
+    """Saving by itself and resuming both need a checkpoints folder."""
+    steps, seconds = parse_save_every(settings.save_every)
+    if (steps or seconds or settings.resume) and settings.checkpoints is None:
+        what = "save_every" if steps or seconds else "resume='auto'"
+        raise ConfigError(
+            f"{what} needs a folder for the checkpoints: gk.Runtime(checkpoints='ckpt', ...)"
+        )
 
 
 class Lifecycle(StepBoundaries):
@@ -97,7 +112,7 @@ class Lifecycle(StepBoundaries):
 
     def __init__(
         self,
-        config: LifecycleConfig,
+        config: LifecycleSettings,
         rank: int,
         world_size: int,
         log_every: int,

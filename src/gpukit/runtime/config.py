@@ -1,9 +1,7 @@
-"""What a Runtime was asked for: its settings, frozen and checked once, and the devices they
-name.
+"""The checks behind the Runtime's settings (declared in :mod:`gpukit.runtime.settings`), and
+the devices a ``devices=`` setting names.
 
->>> RuntimeConfig(accumulate=2).accumulate
-2
->>> RuntimeConfig(oom="sometimes")
+>>> check_oom("sometimes")
 Traceback (most recent call last):
 ...
 gpukit.errors.ConfigError: oom='sometimes': use 'raise' (explain and stop), 'recover' ...
@@ -14,7 +12,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from gpukit import _env
@@ -24,8 +21,6 @@ from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
 from gpukit.devices import hw as _hw
 from gpukit.errors import ConfigError
-from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
-from gpukit.strategies import Strategy
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
 OomPolicy = Literal["raise", "recover", "auto"]
@@ -40,39 +35,6 @@ MAX_COUNT = 2**31 - 1
 # replica of the model); a floor of 64 still lets a small machine rehearse a large job.
 CPU_PROCESSES_PER_CORE = 4
 MIN_CPU_PROCESS_LIMIT = 64
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """The settings of a :class:`~gpukit.Runtime` (see its docstring for each one)."""
-
-    strategy: str | Strategy = "auto"
-    precision: str = "32"
-    devices: DevicesSpec = "auto"
-    accumulate: int = 1
-    clip: float | None = None
-    seed: int | None = None
-    log_every: int = 50
-    oom: OomPolicy = "raise"
-    scheduler_steps: SchedulerSteps = "per-sample"
-
-    def __post_init__(self) -> None:
-        _check_count("accumulate", self.accumulate, "micro-batches per optimizer step")
-        _check_count("log_every", self.log_every, "rt.log calls between read-backs")
-        if not (isinstance(self.oom, str) and self.oom in get_args(OomPolicy)):
-            raise ConfigError(
-                f"oom={described(self.oom)}: use 'raise' (explain and stop), 'recover' (re-split "
-                "the batch and redo the step) or 'auto' (recover where it costs nothing per "
-                "step: one process; raise under several)"
-            )
-        _check_clip(self.clip)
-        _check_seed(self.seed)
-        check_scheduler_steps(self.scheduler_steps)
-
-    def recovers(self, distributed: bool) -> bool:
-        """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:
-        "auto" recovers only where it costs nothing per step (one process)."""
-        return self.oom == "recover" or (self.oom == "auto" and not distributed)
 
 
 def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
@@ -156,7 +118,17 @@ def _check_cpu_processes(count: int, given: str) -> None:
         )
 
 
-def _check_count(name: str, value: object, meaning: str) -> None:
+def check_oom(oom: object) -> None:
+    """ConfigError unless ``oom`` names an out-of-memory policy."""
+    if not (isinstance(oom, str) and oom in get_args(OomPolicy)):
+        raise ConfigError(
+            f"oom={described(oom)}: use 'raise' (explain and stop), 'recover' (re-split "
+            "the batch and redo the step) or 'auto' (recover where it costs nothing per "
+            "step: one process; raise under several)"
+        )
+
+
+def check_count(name: str, value: object, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
         raise ConfigError(
             f"{name}={described(value)}: give a whole number of at least 1 and at most "
@@ -164,7 +136,7 @@ def _check_count(name: str, value: object, meaning: str) -> None:
         )
 
 
-def _check_clip(clip: object) -> None:
+def check_clip(clip: object) -> None:
     if clip is None:
         return
     value = math.nan
@@ -180,7 +152,7 @@ def _check_clip(clip: object) -> None:
         )
 
 
-def _check_seed(seed: object) -> None:
+def check_seed(seed: object) -> None:
     if seed is None:
         return
     low, high = SEED_RANGE

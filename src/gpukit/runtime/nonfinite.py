@@ -32,17 +32,22 @@ NonFinitePolicy = Literal["skip", "raise"]
 MAX_SKIPS_IN_A_ROW = 10
 
 
+def check_policy(policy: object) -> None:
+    """ConfigError unless ``policy`` is "skip" or "raise"."""
+    if policy not in ("skip", "raise"):
+        raise ConfigError(
+            f"nonfinite={policy!r}: use 'skip' (a step with NaN/Inf gradients is skipped "
+            "on the device), 'raise' (stop at the next read-back naming the step), or None"
+        )
+
+
 class NonFiniteGuard:
     """See the module docstring. Per step: ``loss`` notes the rank's loss, ``found`` makes the
     step's flag, ``skip_step`` hands it to the optimizer, ``update`` counts it; at the end of a
     logging window ``read`` reads the counters back."""
 
     def __init__(self, policy: NonFinitePolicy, log_every: int, precision: str = "32") -> None:
-        if policy not in ("skip", "raise"):
-            raise ConfigError(
-                f"nonfinite={policy!r}: use 'skip' (a step with NaN/Inf gradients is skipped "
-                "on the device), 'raise' (stop at the next read-back naming the step), or None"
-            )
+        check_policy(policy)
         if precision == "16-mixed":
             raise ConfigError(
                 f"nonfinite={policy!r} with precision='16-mixed': its gradient scaler already "

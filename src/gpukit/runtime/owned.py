@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader
 
 from gpukit._util.text import described, type_name
 from gpukit.errors import ConfigError
-from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler, is_scheduler
+from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
@@ -43,7 +43,7 @@ class Registry:
 
     state: TrainState
     strategy: Strategy
-    config: RuntimeConfig
+    config: Settings
 
     def track(self, **objects: Any) -> None:
         """Save the program's own state in every checkpoint, with the rest of it (atomically),

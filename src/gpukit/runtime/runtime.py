@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import functools
 import gc
+import inspect
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,103 +38,48 @@ from torch.utils.data import DataLoader
 from gpukit import _env, checkpoint
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.lifecycle.boundaries import Lifecycle, LifecycleConfig, ResumePolicy
+from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
-from gpukit.runtime.config import DevicesSpec, OomPolicy, RuntimeConfig, resolve_devices
+from gpukit.runtime.config import resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.launch import spawn
 from gpukit.runtime.metrics import Metrics
-from gpukit.runtime.nonfinite import NonFiniteGuard, NonFinitePolicy
+from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
-from gpukit.runtime.schedulers import SchedulerSteps
+from gpukit.runtime.settings import Settings, arguments_doc
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
 from gpukit.runtime.targets import with_target_check
 from gpukit.runtime.views import RuntimeViews
-from gpukit.strategies import ReduceOp, Strategy, choose
+from gpukit.strategies import ReduceOp, choose
 
 
 class Runtime(RuntimeViews, Registry):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
-    Args:
-        strategy: "auto" (ddp under a launcher or with several devices, else single),
-            "single", "dp", "dp-balanced", "ddp", or a strategy object such as
-            ``gk.strategies.DDP(...)`` (see ``gpukit.strategies``).
-        precision: "32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.precision).
-        devices: "auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes
-            on a machine without GPUs), a spec such as "cuda:1", or a list of specs.
-        accumulate: micro-batches per optimizer step; gradients are averaged over them and
-            DDP synchronises only on the last one.
-        clip: max gradient norm, or None.
-        seed: seeds Python, NumPy and torch (the same on every rank, so replicas start equal);
-            also seeds the data order. None: 0 for the data order, RNGs untouched.
-        log_every: ``rt.log`` reads values back from the device only every this many calls.
-        oom: what ``rt.train_step`` does when a device runs out of memory: "raise" (an
-            ``OutOfMemory`` error that explains the numbers and what to try), "recover" (cut
-            the batch into more micro-batches and redo the step; under several processes this
-            costs DDP its overlap of communication with the backward and one read per step),
-            or "auto" (recover in one process, where it costs nothing per step; raise under
-            several). See ``gpukit.runtime.step``.
-        checkpoints: the folder of this run's checkpoints: where ``rt.save()`` writes by
-            default, where ``save_every`` and a preemption save, and where ``resume="auto"``
-            looks. With it, SIGTERM and SIGINT stop the run cleanly at a step every rank
-            reaches, after saving there (``gk.Preempted``; see ``gpukit.lifecycle.preemption``).
-        save_every: a checkpoint every N optimizer steps (``4``), or every so much time
-            (``"10m"``, ``"90s"``, ``"1h"``); None: only when ``rt.save`` is called.
-        keep: how many of the newest checkpoints to keep.
-        resume: "auto": continue from the newest good checkpoint in ``checkpoints`` when there
-            is one (before the first pass over a loader or the first step), else start fresh.
-        nonfinite: None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs
-            an optimizer built with ``fused=True``) or "raise" (stop naming the step); both
-            read back only once per ``log_every`` steps (see ``gpukit.runtime.nonfinite``).
-        scheduler_steps: "per-sample" (a scheduler given to ``setup`` follows the samples seen)
-            or "per-optimizer-step" (see ``gpukit.runtime.schedulers``).
+    Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
+    table: ``docs/settings.md``), each described below.
     """
 
-    def __init__(
-        self,
-        strategy: str | Strategy = "auto",
-        precision: str = "32",
-        devices: DevicesSpec = "auto",
-        accumulate: int = 1,
-        clip: float | None = None,
-        seed: int | None = None,
-        log_every: int = 50,
-        oom: OomPolicy = "raise",
-        checkpoints: str | Path | None = None,
-        save_every: int | str | None = None,
-        keep: int = 3,
-        resume: ResumePolicy = None,
-        nonfinite: NonFinitePolicy | None = None,
-        scheduler_steps: SchedulerSteps = "per-sample",
-    ) -> None:
-        self.lifecycle_config = LifecycleConfig(checkpoints, save_every, keep, resume)
-        self.nonfinite = nonfinite
-        self.config = config = RuntimeConfig(
-            strategy=strategy,
-            precision=precision,
-            devices=devices,
-            accumulate=accumulate,
-            clip=clip,
-            seed=seed,
-            log_every=log_every,
-            oom=oom,
-            scheduler_steps=scheduler_steps,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The same keywords, defaults and checks as Settings (see the signature set below).
+        self.config = settings = Settings(*args, **kwargs)
+        log_every = settings.log_every
         launched = _env.launched() is not None
-        self.strategy = choose(strategy, resolve_devices(devices, launched), launched)
-        self.precision = make_precision(precision, self.strategy.device.torch)
+        self.strategy = choose(
+            settings.strategy, resolve_devices(settings.devices, launched), launched
+        )
+        self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
         self.state = TrainState()
         guard = None
-        if nonfinite is not None:
-            guard = NonFiniteGuard(nonfinite, log_every, self.precision.name)
+        if settings.nonfinite is not None:
+            guard = NonFiniteGuard(settings.nonfinite, log_every, self.precision.name)
         self.lifecycle = Lifecycle(
-            self.lifecycle_config,
+            settings,
             self.rank,
             self.world_size,
             log_every,
@@ -145,7 +90,7 @@ class Runtime(RuntimeViews, Registry):
             deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
         self.stepper = Stepper(
-            config,
+            settings,
             self.state,
             self.strategy,
             self.precision,
@@ -155,8 +100,8 @@ class Runtime(RuntimeViews, Registry):
         )
         self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
         self._ready = False
-        if seed is not None:
-            seed_everything(seed)
+        if settings.seed is not None:
+            seed_everything(settings.seed)
         if launched and not self.strategy.needs_launch:
             # One rank of a launched job joins its process group now, as Accelerate's
             # constructor does: what the program builds before rt.setup (a
@@ -176,10 +121,7 @@ class Runtime(RuntimeViews, Registry):
         if not self.strategy.needs_launch:
             return run(self, *args)
         # Each process builds its own Runtime from the same settings (its rank: from its env).
-        settings = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        lifecycle = self.lifecycle_config
-        settings |= {f.name: getattr(lifecycle, f.name) for f in dataclasses.fields(lifecycle)}
-        settings["nonfinite"] = self.nonfinite
+        settings = self.config.keywords()
         return spawn(functools.partial(Runtime, **settings), self.world_size, run, args)
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
@@ -399,7 +341,7 @@ class Runtime(RuntimeViews, Registry):
             self.strategy,
             self.precision,
             accumulate=self.config.accumulate,
-            keep=keep if keep is not None else self.lifecycle_config.keep,
+            keep=keep if keep is not None else self.config.keep,
         )
         self.lifecycle.saved(self.state.global_step)
         return path
@@ -475,6 +417,11 @@ class Runtime(RuntimeViews, Registry):
             )
         self.strategy.setup_environment()
         self._ready = True
+
+
+# help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
+Runtime.__init__.__signature__ = inspect.signature(Settings.__init__)  # type: ignore[attr-defined]
+Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 
 def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:

@@ -42,10 +42,10 @@ from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime.adopt import StaleOptimizers
-from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.precision import Precision
+from gpukit.runtime.settings import Settings
 from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step_hooks import StepBoundaries
@@ -69,7 +69,7 @@ class Stepper:
 
     def __init__(
         self,
-        config: RuntimeConfig,
+        config: Settings,
         state: TrainState,
         strategy: Strategy,
         precision: Precision,

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from gpukit.devices import Device
-from gpukit.runtime.config import RuntimeConfig
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
@@ -21,7 +21,7 @@ from gpukit.strategies import Strategy
 class RuntimeViews:
     """The properties of :class:`~gpukit.Runtime` that only read (or set a counter)."""
 
-    config: RuntimeConfig
+    config: Settings
     state: TrainState
     metrics: Metrics
     strategy: Strategy
@@ -46,6 +46,15 @@ class RuntimeViews:
     @property
     def oom(self) -> str:
         return self.config.oom
+
+    @property
+    def nonfinite(self) -> str | None:
+        return self.config.nonfinite
+
+    @property
+    def settings(self) -> Settings:
+        """Every setting this Runtime was made with (``gpukit.runtime.settings``)."""
+        return self.config
 
     @property
     def global_step(self) -> int:

@@ -38,6 +38,7 @@ from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
 from gpukit.runtime.runtime import Runtime
+from gpukit.runtime.settings import record, train_defaults
 from gpukit.train.report import (
     MetricsCsv,
     metrics,
@@ -48,18 +49,10 @@ from gpukit.train.report import (
 )
 from gpukit.workloads.base import load_workload
 
-# The Runtime settings `gpukit train` uses when given no option: its command line's defaults,
-# and what the benchmarks time as "gpukit train's default settings". oom "auto": recovery
-# where it costs nothing per step (one process; see gpukit.runtime.step).
-RUNTIME_DEFAULTS: dict[str, Any] = {
-    "strategy": "auto",
-    "precision": "auto",
-    "devices": "auto",
-    "accumulate": 1,
-    "seed": 0,
-    "log_every": 10,
-    "oom": "auto",
-}
+# The Runtime settings `gpukit train` uses when given no option (its flags' defaults, and what
+# the benchmarks time as "gpukit train's default settings"): declared, with why they differ
+# from gk.Runtime's, in gpukit.runtime.settings.
+RUNTIME_DEFAULTS: dict[str, Any] = train_defaults()
 DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
 # Seconds between progress lines when stdout is not a terminal: often enough to see a run is
 # alive in a CI log, rarely enough not to flood it.
@@ -78,7 +71,6 @@ class TrainConfig:
     seed: int = 0
     out: str | None = None
     resume: bool = False  # continue from out's newest checkpoint (restarted attempts always do)
-    nonfinite: str | None = None  # "skip" builds the optimizer fused, to skip on the device
     progress: bool = True  # progress on rank 0 (off when stdout carries JSON)
     progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between lines off a terminal
     sample: bool = True  # generate text at the end, for workloads that can
@@ -103,7 +95,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     lr = config.lr if config.lr is not None else workload.lr
     # fused: the only AdamW that can skip a step on the device (nonfinite="skip"); otherwise
     # torch's default, as a plain program gets it.
-    fused: dict[str, Any] = {"fused": True} if config.nonfinite == "skip" else {}
+    fused: dict[str, Any] = {"fused": True} if rt.nonfinite == "skip" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
     # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
     # accumulation micro-batches (and into more if memory runs out).
@@ -187,7 +179,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
         seconds=seconds,
         global_batch=global_batch,
         memory=memory,
-        config=asdict(config),
+        config=_recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr),
         history=history,
         resumed_from_step=resumed,
     )
@@ -199,6 +191,14 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     if config.out:
         write_outputs(Path(config.out), summary, history, resumed)
     return summary
+
+
+def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
+    """The run as ``metrics.json`` records it: what it was asked, with the values it used
+    where the workload chose them (``used``), and under ``runtime`` every setting of its
+    Runtime (apart: ``resume`` there is the Runtime's policy, here ``--resume``)."""
+    runtime = record(rt.settings, strategy=rt.strategy.name)
+    return {**asdict(config), **used, "runtime": runtime}
 
 
 def check(config: TrainConfig, world_size: int, accumulate: int) -> None:

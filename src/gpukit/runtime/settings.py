@@ -1,0 +1,320 @@
+"""Every setting of a run, declared once: :class:`Settings`.
+
+Each field carries its default, its check, the values it allows, one line of help, whether
+``gpukit train`` has a flag for it, and, where ``gpukit train`` uses another default, that
+default and why. From these come ``gk.Runtime``'s keywords and their checks, ``gpukit train``'s
+flags (:mod:`gpukit.cli._settings`), the ``config`` in ``metrics.json`` (:func:`record`) and
+the table in ``docs/settings.md`` (:mod:`gpukit.runtime.settings_doc`). A new option is one
+more field here.
+
+>>> Settings(accumulate=2).accumulate
+2
+>>> Settings(oom="sometimes")
+Traceback (most recent call last):
+...
+gpukit.errors.ConfigError: oom='sometimes': use 'raise' (explain and stop), 'recover' ...
+>>> train_defaults()["log_every"], Settings().log_every
+(10, 50)
+"""
+
+# ruff: noqa: RUF009  (setting() is dataclasses.field() with metadata, not a shared default)
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpukit.lifecycle.boundaries import (
+    ResumePolicy,
+    check_checkpoints,
+    check_keep,
+    check_needs_folder,
+    check_resume,
+    parse_save_every,
+)
+from gpukit.runtime.config import (
+    DevicesSpec,
+    OomPolicy,
+    check_clip,
+    check_count,
+    check_oom,
+    check_seed,
+)
+from gpukit.runtime.nonfinite import NonFinitePolicy, check_policy
+from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
+from gpukit.strategies import Strategy
+
+SAME: Any = object()  # gpukit train's default is the API's
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a :class:`Settings` field says about itself (see the module docstring)."""
+
+    help: str  # one line: --help and the table
+    allowed: str  # the values it takes, in words
+    doc: str = ""  # the longer text of gk.Runtime's docstring (default: help)
+    check: Callable[[Any], None] | None = None  # raises ConfigError for a bad value
+    flag: bool = True  # gpukit train has --name-with-dashes for it
+    no_flag: str = ""  # without a flag: what gpukit train does instead
+    parse: Callable[[str], Any] = str  # the flag's text to the value
+    choices: tuple[str, ...] | None = None  # the flag's closed set of values
+    metavar: str | None = None
+    train_default: Any = SAME
+    why: str = ""  # why gpukit train's default differs from the API's
+
+
+def setting(default: Any, **option: Any) -> Any:
+    """A :class:`Settings` field: its default and its :class:`Option`."""
+    return field(default=default, metadata={"option": Option(**option)})
+
+
+def _count(name: str, meaning: str) -> Callable[[Any], None]:
+    return lambda value: check_count(name, value, meaning)
+
+
+def _count_or_text(text: str) -> int | str:
+    """A flag's text as a count when it is one (ASCII digits only: int() would read other
+    scripts' digits too), else as given."""
+    return int(text) if text.isascii() and text.isdigit() else text
+
+
+def _save_every(value: object) -> None:
+    parse_save_every(value)  # type: ignore[arg-type]  # checks whatever it is given
+
+
+def _nonfinite(value: object) -> None:
+    if value is not None:
+        check_policy(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of a run (``gk.Runtime``'s keywords), checked once when made."""
+
+    strategy: str | Strategy = setting(
+        "auto",
+        help="how the run uses its devices: auto, single, dp, dp-balanced, ddp or fsdp",
+        allowed="auto, single, dp, dp-balanced, ddp, fsdp, or a strategy object",
+        doc='"auto" (ddp under a launcher or with several devices, else single), "single", '
+        '"dp", "dp-balanced", "ddp", or a strategy object such as ``gk.strategies.DDP(...)`` '
+        "(see ``gpukit.strategies``).",
+    )
+    precision: str = setting(
+        "32",
+        help="the number format of the step: auto, 32, bf16-mixed or 16-mixed",
+        allowed="32, bf16-mixed, 16-mixed, auto",
+        doc='"32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.precision).',
+        train_default="auto",
+        why="a command runs as fast as the device allows (auto: bf16-mixed or 16-mixed on a GPU "
+        "that has it, 32 on a CPU); a program keeps 32 so that it computes what it did before",
+    )
+    devices: DevicesSpec = setting(
+        "auto",
+        help="the devices to train on: auto, all, N, or a list like 0,1",
+        allowed="auto, all, N, a spec (cuda:1), a list (0,1)",
+        doc='"auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes on a '
+        'machine without GPUs), a spec such as "cuda:1", or a list of specs.',
+        parse=_count_or_text,
+    )
+    accumulate: int = setting(
+        1,
+        help="micro-steps per optimizer step",
+        allowed="1 or more",
+        doc="micro-batches per optimizer step; gradients are averaged over them and DDP "
+        "synchronises only on the last one.",
+        check=_count("accumulate", "micro-batches per optimizer step"),
+        parse=int,
+    )
+    clip: float | None = setting(
+        None,
+        help="the max gradient norm to clip to, or None",
+        allowed="a positive number, or None",
+        doc="max gradient norm, or None.",
+        check=check_clip,
+        flag=False,
+        no_flag="none (the built-in workloads train without clipping)",
+    )
+    seed: int | None = setting(
+        None,
+        help="seeds Python, NumPy and torch, and the data order",
+        allowed="a signed 64-bit integer, or None",
+        doc="seeds Python, NumPy and torch (the same on every rank, so replicas start equal); "
+        "also seeds the data order. None: 0 for the data order, RNGs untouched.",
+        check=check_seed,
+        parse=int,
+        train_default=0,
+        why="a command's run is repeatable as given; a program's own random generators are left "
+        "as it set them",
+    )
+    log_every: int = setting(
+        50,
+        help="read metrics back from the device every N rt.log calls",
+        allowed="1 or more",
+        doc="``rt.log`` reads values back from the device only every this many calls.",
+        check=_count("log_every", "rt.log calls between read-backs"),
+        parse=int,
+        train_default=10,
+        why="the command's progress shows the last loss read back, so it reads more often; a "
+        "program's loop waits for the device fewer times",
+    )
+    oom: OomPolicy = setting(
+        "raise",
+        help="out of memory: auto (recover in one process, stop and explain under several), "
+        "recover (re-split the batch and redo the step), raise (stop and explain)",
+        allowed="raise, recover, auto",
+        doc='what ``rt.train_step`` does when a device runs out of memory: "raise" (an '
+        '``OutOfMemory`` error that explains the numbers and what to try), "recover" (cut the '
+        "batch into more micro-batches and redo the step; under several processes this costs "
+        'DDP its overlap of communication with the backward and one read per step), or "auto" '
+        "(recover in one process, where it costs nothing per step; raise under several). See "
+        "``gpukit.runtime.step``.",
+        check=check_oom,
+        choices=("auto", "recover", "raise"),
+        train_default="auto",
+        why="the command recovers where recovery costs nothing per step (one process); a "
+        "program's batches are never re-cut unless it asks",
+    )
+    checkpoints: str | Path | None = setting(
+        None,
+        help="the folder of this run's checkpoints",
+        allowed="a folder, or None",
+        doc="the folder of this run's checkpoints: where ``rt.save()`` writes by default, "
+        'where ``save_every`` and a preemption save, and where ``resume="auto"`` looks. With '
+        "it, SIGTERM and SIGINT stop the run cleanly at a step every rank reaches, after saving "
+        "there (``gk.Preempted``; see ``gpukit.lifecycle.preemption``).",
+        check=check_checkpoints,
+        flag=False,
+        no_flag="none: --out DIR keeps them in DIR/checkpoints",
+    )
+    save_every: int | str | None = setting(
+        None,
+        help="a checkpoint every N steps, or every TIME (90s, 10m, 1h); needs --out",
+        allowed="N steps, a time (90s, 10m, 1h), or None",
+        doc='a checkpoint every N optimizer steps (``4``), or every so much time (``"10m"``, '
+        '``"90s"``, ``"1h"``); None: only when ``rt.save`` is called.',
+        check=_save_every,
+        parse=_count_or_text,
+        metavar="N|TIME",
+    )
+    keep: int = setting(
+        3,
+        help="newest checkpoints kept",
+        allowed="1 or more",
+        doc="how many of the newest checkpoints to keep.",
+        check=check_keep,
+        parse=int,
+    )
+    resume: ResumePolicy = setting(
+        None,
+        help="auto: continue from the newest good checkpoint in checkpoints",
+        allowed="auto, None",
+        doc='"auto": continue from the newest good checkpoint in ``checkpoints`` when there '
+        "is one (before the first pass over a loader or the first step), else start fresh.",
+        check=check_resume,
+        flag=False,
+        no_flag="none: --resume continues from --out's newest checkpoint",
+    )
+    nonfinite: NonFinitePolicy | None = setting(
+        None,
+        help="NaN/Inf gradients: skip the step on the device, or stop naming it",
+        allowed="skip, raise, None",
+        doc='None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs an '
+        'optimizer built with ``fused=True``) or "raise" (stop naming the step); both read back '
+        "only once per ``log_every`` steps (see ``gpukit.runtime.nonfinite``).",
+        check=_nonfinite,
+        choices=("skip", "raise"),
+    )
+    scheduler_steps: SchedulerSteps = setting(
+        "per-sample",
+        help="how a scheduler given to setup steps",
+        allowed="per-sample, per-optimizer-step",
+        doc='"per-sample" (a scheduler given to ``setup`` follows the samples seen) or '
+        '"per-optimizer-step" (see ``gpukit.runtime.schedulers``).',
+        check=check_scheduler_steps,
+        flag=False,
+        no_flag="none (gpukit train's loop has no scheduler)",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check = option(f).check
+            if check is not None:
+                check(getattr(self, f.name))
+        check_needs_folder(self)
+
+    def recovers(self, distributed: bool) -> bool:
+        """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:
+        "auto" recovers only where it costs nothing per step (one process)."""
+        return self.oom == "recover" or (self.oom == "auto" and not distributed)
+
+    def keywords(self) -> dict[str, Any]:
+        """The settings as keyword arguments (``gk.Runtime(**s.keywords())`` makes them
+        again)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def option(f: dataclasses.Field[Any]) -> Option:
+    """The :class:`Option` of a :class:`Settings` field."""
+    found = f.metadata.get("option")
+    assert isinstance(found, Option), f"Settings.{f.name} is declared without setting()"
+    return found
+
+
+def fields(cls: type[Settings] = Settings) -> tuple[dataclasses.Field[Any], ...]:
+    """The settings of ``cls`` (a subclass may add some), in their order."""
+    return dataclasses.fields(cls)
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str | None:
+    """``gpukit train``'s flag for a setting, or None where it has none."""
+    return "--" + f.name.replace("_", "-") if option(f).flag else None
+
+
+def train_default(f: dataclasses.Field[Any]) -> Any:
+    """The value ``gpukit train`` gives a setting when its flag is not given."""
+    meta = option(f)
+    return f.default if meta.train_default is SAME else meta.train_default
+
+
+def train_defaults(cls: type[Settings] = Settings) -> dict[str, Any]:
+    """The keywords ``gpukit train`` gives ``gk.Runtime`` for the settings it has flags for,
+    when given none of them."""
+    return {f.name: train_default(f) for f in fields(cls) if option(f).flag}
+
+
+def record(settings: Settings, strategy: str | None = None) -> dict[str, Any]:
+    """Every setting of ``settings``, as ``metrics.json`` holds them: ``strategy`` (the one the
+    Runtime chose, the same in every process of a launched job) in place of the one asked for,
+    paths and devices as text.
+
+    >>> record(Settings(seed=3), strategy="single")["seed"]
+    3
+    """
+    out = {f.name: _plain(getattr(settings, f.name)) for f in fields(type(settings))}
+    if strategy is not None:
+        out["strategy"] = strategy
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Sequence):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def arguments_doc(cls: type[Settings] = Settings, indent: int = 0) -> str:
+    """An ``Args:`` section describing every setting, for ``gk.Runtime``'s docstring."""
+    pad = " " * indent
+    lines = [f"{pad}Args:"]
+    for f in fields(cls):
+        text = f"{f.name}: {option(f).doc or option(f).help}"
+        lines += textwrap.wrap(
+            text, 96 - indent, initial_indent=pad + "    ", subsequent_indent=pad + "        "
+        )
+    return "\n".join(lines) + "\n"
