@@ -46,7 +46,7 @@ NEEDS = {
 LANGUAGES = {"python", "console", "sh", "json", "text"}
 # Generated pages that a link may name before the generator has written them.
 GENERATED = {ROOT / "docs" / "settings.md"}
-STARTS_PROCESSES = re.compile(r"rt\.launch\(|run_job\(|devices=2|gpukit launch")
+STARTS_PROCESSES = re.compile(r"rt\.launch\(|run_job\(|Runtime\(.*devices=2|gpukit launch")
 
 
 @dataclass(frozen=True)
