@@ -26,9 +26,21 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# About a minute on 2 CPU cores: 150 steps of the gpt workload into runs/demo/, started afresh.
+DEMO_OUT ?= runs/demo
+DEMO_STEPS ?= 150
+
 demo: $(STAMP)
-	$(BIN)/gpukit doctor
-	$(BIN)/gpukit train
+	@if [ -e $(DEMO_OUT) ]; then echo "make demo: removing the previous demo's $(DEMO_OUT)/"; rm -rf $(DEMO_OUT); fi
+	$(BIN)/gpukit devices
+	$(BIN)/gpukit train --workload gpt --max-steps $(DEMO_STEPS) --out $(DEMO_OUT)
+	@$(BIN)/python -c "import json, gpukit as gk; m = json.load(open('$(DEMO_OUT)/metrics.json')); \
+	d = gk.device(m['devices'][0]); \
+	print(f\"speed: {m['samples_per_s']:.0f} samples/s on {d.name or d} ({d}), {m['precision']} precision\")"
+	@echo "files: $(DEMO_OUT)/metrics.json  $(DEMO_OUT)/metrics.csv  $(DEMO_OUT)/loss.png  $(DEMO_OUT)/checkpoints/"
+	@echo "next:  $(BIN)/gpukit train --workload gpt --max-steps 300 --out $(DEMO_OUT) --resume   # continue this run"
+	@echo "       $(BIN)/gpukit plan --workload gpt --devices 1,2   # memory and speed per strategy, before running"
+	@echo "       README.md, then docs/ (docs/training-runtime.md: your own model and loop)"
 
 gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) -m gpukit.bench.gpu_check $(GPU_CHECK_ARGS)

@@ -1,4 +1,4 @@
-"""The README's whole-program example runs as written, in 1 and 2 processes."""
+"""The training runtime's whole-program example runs as written, in 1 and 2 processes."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "training-runtime.md"
+
+pytestmark = pytest.mark.processes
 
 
 def _training_example() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index("One loop for one CPU, one GPU, or one process per device under DDP:")
     block = re.search(r"```python\n(.*?)```", text[start:], re.S)
     assert block, "the Training runtime section lost its example"
@@ -22,7 +25,7 @@ def _training_example() -> str:
 
 
 def _run(folder: Path, *command: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(README.parent / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run(
         command, cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False
     )
