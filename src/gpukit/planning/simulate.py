@@ -12,9 +12,9 @@ measures with: what it predicts is the peak of the same quantity, counted the sa
 
 What it cannot run, it says (:class:`SimulationUnsupported`) and the planner falls back to the
 closed form: a strategy whose traits say one process drives every device with threads (dp,
-dp-balanced), a process that
-already joined a process group, a torch without a fake process group, a model whose forward
-needs values (data-dependent Python), more ranks than a Runtime may address here.
+dp-balanced), a process that already joined a process group, a torch without a fake process
+group, a model whose forward needs values (data-dependent Python), more ranks than a Runtime
+may address here.
 
 Fidelity: the simulation saves and restores the process's random state, and leaves no process
 group, mode or patch behind, so a program that plans and then trains trains as it would have.
