@@ -127,27 +127,30 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert not borrowed, borrowed
 
 
+STRATEGY_NAMES = {"single", "dp", "dp-balanced", "ddp", "fsdp"}
+STRATEGY_CLASSES = {"SingleDevice", "DP", "DPBalanced", "DDP", "FSDP"}
+
+
 def test_the_runtime_never_asks_which_strategy_it_holds() -> None:
     """What differs between strategies is a method of the strategy: no isinstance checks on
     strategy classes and no comparisons of strategy names outside strategies/."""
-    names = {"single", "dp", "dp-balanced", "ddp", "fsdp"}
-    classes = {"SingleDevice", "DP", "DPBalanced", "DDP"}
     found = []
     for path in MODULES:
         rel = path.relative_to(PACKAGE)
-        # The planner models each strategy from outside (its memory and time), by name.
-        if rel.parts[0] in ("strategies", "cli", "bench", "planning"):
+        if rel.parts[0] in ("strategies", "cli", "bench"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(
-                isinstance(c, ast.Constant) and c.value in names for c in node.comparators
+                isinstance(c, ast.Constant) and c.value in STRATEGY_NAMES for c in node.comparators
             ):
                 found.append(f"{rel}:{node.lineno}")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id == "isinstance"
-                and any(isinstance(n, ast.Name) and n.id in classes for n in ast.walk(node))
+                and any(
+                    isinstance(n, ast.Name) and n.id in STRATEGY_CLASSES for n in ast.walk(node)
+                )
             ):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, found
@@ -186,3 +189,56 @@ def test_rooms_import_only_their_layer_and_the_layers_below() -> None:
             if layer[b] > layer[a]:
                 found.append(f"{me} imports {target} (a layer above)")
     assert not found, found
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (of the module, classes, functions)."""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, kinds) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def names_in_planning(source: str) -> list[str]:
+    """Where ``source`` names a strategy outside its docstrings: a name string anywhere (a
+    comparison, a dict key, a set, tuple or list of names, an argument) or a strategy class.
+    """
+    tree = ast.parse(source)
+    skip = docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in STRATEGY_NAMES and id(node) not in skip:
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Name) and node.id in STRATEGY_CLASSES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.alias) and node.name.split(".")[-1] in STRATEGY_CLASSES:
+            found.append(f"{node.lineno}: import {node.name}")
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+def test_the_planner_reads_traits_and_never_names_a_strategy() -> None:
+    """The planner models every strategy from its traits (strategies/traits.py), read through
+    the registry: no strategy name in comparisons, dict keys, collections or calls, and no
+    strategy class, anywhere in planning/ outside docstrings."""
+    found = []
+    for path in sorted((PACKAGE / "planning").rglob("*.py")):
+        found += [f"{path.relative_to(PACKAGE)}:{f}" for f in names_in_planning(path.read_text())]
+    assert not found, found
+
+
+def test_the_planning_check_catches_each_way_of_naming_a_strategy() -> None:
+    source = """\
+'''The planner (fsdp, ddp in words).'''
+from gpukit.strategies.fsdp import FSDP
+TRAITS = {"single": 1}
+ORDER = ("dp", "dp-balanced")
+def f(strategy: str) -> bool:
+    '''Whether it is fsdp.'''
+    return strategy in ["ddp"] or strategy != "fsdp" or isinstance(strategy, FSDP)
+"""
+    found = names_in_planning(source)
+    assert [f.split(":")[0] for f in found] == ["2", "3", "4", "4", "7", "7", "7"], found

@@ -26,6 +26,7 @@ from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
 from gpukit.planning.planner import CHECKPOINTING, PRECISIONS, plan
 from gpukit.planning.targets import parse_bytes
+from gpukit.strategies import STRATEGIES
 
 NAME = "plan"
 
@@ -40,7 +41,7 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated among single,dp,dp-balanced,ddp,fsdp (default: all that apply)",
+        help=f"comma-separated among {','.join(STRATEGIES)} (default: all that apply)",
     )
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
     parser.add_argument("--accumulate", type=int, default=1)

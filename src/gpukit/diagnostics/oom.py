@@ -437,7 +437,7 @@ def _rank(
     advice = None
     if strategy is not None:
         peak = None if allocated is None else allocated + (unused or 0)
-        advice = strategy.oom_advice(peak, imbalance)
+        advice = strategy.recovery.advice(peak, imbalance)
     if advice is not None:  # what only the strategy knows: how it spreads memory
         covered = 0.5 if advice.freed is None or not need else min(1.0, advice.freed / need)
         remedy = Remedy(advice.title, advice.detail, 0.0)

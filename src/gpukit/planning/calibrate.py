@@ -32,6 +32,7 @@ from gpukit.devices.clock import synchronizer, time_once
 from gpukit.devices.move import to
 from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.errors import ConfigError
+from gpukit.planning.registered import one_device
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload, load_workload
 
@@ -147,7 +148,7 @@ def calibrate(
     fractions: list[float] = []
     name = where = used = ""
     for b in sizes:
-        rt = Runtime(strategy="single", devices=device or "auto", precision=precision)
+        rt = Runtime(strategy=one_device(), devices=device or "auto", precision=precision)
         dev = rt.strategy.device.torch
         if context is None:  # first: before this run puts tensors on the device
             context = cuda_context_bytes(dev) if dev.type == "cuda" else 0

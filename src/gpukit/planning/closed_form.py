@@ -7,13 +7,14 @@ No simulation: the peak is the larger of two moments of a step, summed category 
 - the optimizer step: parameters, gradients, optimizer state and the step's temporaries
   (AdamW's foreach step holds one trainable-sized tensor, the denominator), with the batch.
 
-Per strategy: ``ddp`` adds its reducer's gradient buckets (trainable bytes); ``fsdp`` divides
-parameters, gradients and optimizer state by N (``ceil(rows / N)`` rows per tensor, as FSDP2
-shards dim 0) and adds the root's gathered weights, two gathered blocks (one prefetched), one
-block's unsharded gradients and its reduce-scatter buffer; ``dp`` keeps the model, gradients
-and optimizer state on the first device, parameter replicas (and their gradients in the
-backward) on the others, and the whole batch, its gathered outputs and the loss on the first;
-``dp-balanced`` computes the loss on each device. Mixed precision keeps float32 weights and
+Per strategy, from its :class:`~gpukit.strategies.Traits`: reducer buckets (ddp) add the
+trainable bytes; sharded states (fsdp) are divided by N (``ceil(rows / N)`` rows per tensor,
+as FSDP2 shards dim 0), and gathering weights adds the root's gathered weights, two gathered
+blocks (one prefetched), one block's unsharded gradients and its reduce-scatter buffer; one
+process driving every device (dp) keeps the model, gradients and optimizer state on the first
+device, parameter replicas (and their gradients in the backward) on the others, and the whole
+batch on the first, with its gathered outputs and the loss where the outputs are gathered
+(dp-balanced computes the loss on each device). Mixed precision keeps float32 weights and
 gradients (gpukit autocasts the forward only), so only activations change dtype.
 ``granularity`` rounds each tensor up (512 on CUDA); activations by half a granule on average.
 
@@ -25,21 +26,13 @@ gradients (gpukit autocasts the forward only), so only activations change dtype.
 from __future__ import annotations
 
 from gpukit.errors import ConfigError
+from gpukit.planning import registered
 from gpukit.planning.facts import PRECISIONS, ModelFacts, model_facts
 from gpukit.planning.result import BREAKDOWN, DevicePeak
+from gpukit.strategies.traits import State, Traits
 
-__all__ = ["OPTIMIZERS", "STRATEGIES", "ModelFacts", "closed_form", "model_facts"]
+__all__ = ["OPTIMIZERS", "ModelFacts", "closed_form", "model_facts"]
 
-# What sets each strategy's memory apart: (shards states, reducer buckets, one process over
-# the devices, loss on the first device only, devices it may use: 0 for any).
-_TRAITS = {
-    "single": (False, False, False, False, 1),
-    "dp": (False, False, True, True, 0),
-    "dp-balanced": (False, False, True, False, 0),
-    "ddp": (False, True, False, False, 0),
-    "fsdp": (True, False, False, False, 0),
-}
-STRATEGIES = tuple(_TRAITS)
 # Optimizer state per trainable float32 element and the step's temporaries, in copies of it.
 OPTIMIZERS = {"adamw": (2, 1), "adam": (2, 1), "sgd": (0, 0), "sgd-momentum": (1, 0)}
 
@@ -58,22 +51,29 @@ def closed_form(
     """Each device's predicted peak for ``strategy`` on ``devices`` devices at ``micro_batch``
     samples per device (see the module doc); ``cuda_context`` and ``allocator_reserve`` are
     left at 0 for the calibration to fill."""
-    _check(strategy, devices, micro_batch, accumulate, optimizer, precision, granularity)
+    traits = _check(strategy, devices, micro_batch, accumulate, optimizer, precision, granularity)
     g = granularity
     states, temps = OPTIMIZERS[optimizer]
-    shards, buckets, one_process, _, _ = _TRAITS[strategy]
-    n = devices if shards else 1
+    buckets, one_process = traits.gradient_buckets, traits.drives_all_devices
     rows = facts.parameter_rows or ((1, facts.trainable_bytes, True),)
-    trainable = sum(_round(-(-r // n) * b, g) for r, b, t in rows if t)
-    frozen = sum(_round(-(-r // n) * b, g) for r, b, t in rows if not t)
-    if not facts.parameter_rows:
-        frozen = _round(-(-facts.frozen_bytes // n), g)
+
+    def shard(state: State) -> tuple[int, int]:
+        """Trainable and frozen bytes per device of ``state`` (weights or gradients)."""
+        n = traits.divisor(state, devices)
+        trained = sum(_round(-(-r // n) * b, g) for r, b, t in rows if t)
+        frozen = sum(_round(-(-r // n) * b, g) for r, b, t in rows if not t)
+        if not facts.parameter_rows:
+            frozen = _round(-(-facts.frozen_bytes // n), g)
+        return trained, frozen
+
+    weights, frozen = shard("weights")
+    trainable, _ = shard("gradients")
     tensors_trained = sum(1 for *_, t in rows if t)
     # float32 state per trainable element; Adam's step counters: one scalar per tensor.
-    fp32 = _round(-(-facts.trainable_numel // n) * 4, g)
+    fp32 = _round(-(-facts.trainable_numel // traits.divisor("optimizer_state", devices)) * 4, g)
     optimizer_state = states * fp32 + (tensors_trained * _round(4, g) if states == 2 else 0)
     model = {
-        "parameters": trainable + frozen,
+        "parameters": weights + frozen,
         "buffers": _round(facts.buffer_bytes, g),
         "optimizer_state": optimizer_state,
     }
@@ -84,7 +84,7 @@ def closed_form(
     communication = reducing = 0
     if buckets:
         communication = _round(facts.trainable_bytes, g)
-    elif shards:
+    elif traits.gathers_weights:
         largest, root = facts.largest_group_bytes, facts.root_group_bytes
         gathered = root + (min(2, facts.block_groups) * largest if facts.block_groups else 0)
         # A block's unsharded gradients and its reduce-scatter input: with blocks, while
@@ -94,9 +94,9 @@ def closed_form(
     step_comm = _round(facts.trainable_bytes, g) if buckets else 0
     peaks = []
     for index in range(devices):
-        extra_act, extra_tmp, replica = _data_parallel(facts, strategy, index, devices, micro_batch)
+        extra_act, extra_tmp, replica = _data_parallel(facts, traits, index, devices, micro_batch)
         if replica:
-            own = {"parameters": trainable + frozen, "buffers": model["buffers"]}
+            own = {"parameters": weights + frozen, "buffers": model["buffers"]}
             backward_peak = {
                 **own,
                 "activations": activations + extra_act,
@@ -127,12 +127,12 @@ def closed_form(
 
 
 def _data_parallel(
-    facts: ModelFacts, strategy: str, index: int, devices: int, micro_batch: int
+    facts: ModelFacts, traits: Traits, index: int, devices: int, micro_batch: int
 ) -> tuple[int, int, bool]:
     """Extra activations and temporaries a DataParallel device holds, and whether it is a
     replica (not the first device)."""
-    _, _, one_process, gathers, _ = _TRAITS[strategy]
-    if not one_process or devices == 1:
+    gathers = traits.gathers_outputs
+    if not traits.drives_all_devices or devices == 1:
         return 0, 0, False
     others = devices - 1
     loss = facts.loss_bytes_per_sample * micro_batch
@@ -162,11 +162,14 @@ def _check(
     optimizer: str,
     precision: str,
     granularity: int,
-) -> None:
-    if strategy not in STRATEGIES:
+) -> Traits:
+    """The strategy's traits, once every argument is known good."""
+    if not isinstance(strategy, str) or strategy not in registered.names():
         raise ConfigError(
-            f"unknown strategy {strategy!r} for the closed form: use one of {', '.join(STRATEGIES)}"
+            f"unknown strategy {strategy!r} for the closed form: use one of "
+            f"{', '.join(registered.names())}"
         )
+    traits = registered.traits(strategy)
     if optimizer not in OPTIMIZERS:
         raise ConfigError(
             f"unknown optimizer {optimizer!r}: the closed form knows {', '.join(OPTIMIZERS)}; "
@@ -182,8 +185,9 @@ def _check(
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{name}={value!r}: give an int >= 1")
-    most = _TRAITS[strategy][4]
-    if most and devices > most:
+    most = traits.max_devices
+    if most is not None and devices > most:
         raise ConfigError(
             f"strategy {strategy!r} runs on {most} device(s), got devices={devices}: use {most}"
         )
+    return traits

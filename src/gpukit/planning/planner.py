@@ -2,7 +2,7 @@
 
 For each case the simulation (:mod:`gpukit.planning.simulate`: gpukit's own code over fake
 tensors, one rank standing for N) gives each device's peak tensor memory; where it cannot run
-(dp and dp-balanced, a model whose forward needs values) the closed form
+(one process driving every device, as dp does; a model whose forward needs values) the closed form
 (:mod:`gpukit.planning.closed_form`) does, and the plan says why in its notes. On a GPU target
 the CUDA context and the caching allocator's reserve are added (measured when the plan is
 calibrated on the GPU itself, else the target's documented defaults). The step time comes
@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpukit.errors import ConfigError, GpukitError
+from gpukit.planning import registered
 from gpukit.planning.calibrate import Calibration
-from gpukit.planning.closed_form import STRATEGIES, closed_form, model_facts
+from gpukit.planning.closed_form import closed_form, model_facts
 from gpukit.planning.facts import ModelFacts
 from gpukit.planning.report import PlanReport
 from gpukit.planning.result import DevicePeak, Plan
@@ -115,8 +116,8 @@ def plan(
     skipped: list[str] = []
     for strategy in chosen:
         for n in counts:
-            if (strategy == "single") != (n == 1) and strategy not in ("ddp", "fsdp"):
-                continue  # single is one device; dp's on one device is single
+            if not registered.traits(strategy).runs_on(n):
+                continue  # a count its traits do not plan it on (one device: plain training)
             # No batch given: the workload's, split as far as it goes (one sample per device
             # at least, so any count can be planned).
             asked = setting.batch or max(built.batch_size, n * setting.accumulate)
@@ -401,25 +402,25 @@ def _strategies(
     strategies: Sequence[str] | None, counts: list[int], checkpointing: str
 ) -> list[str]:
     if strategies is None:
-        if checkpointing != "off":
-            return ["fsdp"]  # checkpointing is an fsdp setting
-        many = any(n > 1 for n in counts)
-        return ["single", *(["dp", "dp-balanced"] if many else []), "ddp", "fsdp"]
+        return registered.defaults(counts, checkpointing)
     if isinstance(strategies, str):
         strategies = [strategies]
     chosen = list(strategies)
-    others = [c for c in chosen if c != "fsdp"]
+    known = registered.names()
+    having = registered.with_checkpointing()
+    others = [c for c in chosen if c not in having]
     if checkpointing != "off" and others:
+        first = having[0] if having else "..."
         raise ConfigError(
             f"activation_checkpointing={checkpointing!r} with {', '.join(map(str, others))}: "
-            "activation checkpointing is an fsdp setting in gpukit (gpukit train --strategy "
-            "fsdp --activation-checkpointing ...); plan strategies=['fsdp'], or leave "
-            "activation_checkpointing='off' for the others"
+            f"activation checkpointing is an {' and '.join(having) or 'unused'} setting in "
+            f"gpukit (gpukit train --strategy {first} --activation-checkpointing ...); plan "
+            f"strategies={list(having)!r}, or leave activation_checkpointing='off' for the others"
         )
-    unknown = [s for s in chosen if s not in STRATEGIES]
+    unknown = [s for s in chosen if s not in known]
     if unknown or not chosen:
-        raise ConfigError(f"strategies={chosen!r}: choose among {', '.join(STRATEGIES)}")
-    return [s for s in STRATEGIES if s in chosen]
+        raise ConfigError(f"strategies={chosen!r}: choose among {', '.join(known)}")
+    return [s for s in known if s in chosen]
 
 
 def _target(spec: str | Target | None, memory: int | None) -> Target:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from gpukit._util.text import format_bytes
 from gpukit.diagnostics.oom import parse
 from gpukit.errors import ConfigError, GpukitError, OutOfMemory
+from gpukit.planning import registered
 from gpukit.planning.planner import plan
 from gpukit.planning.result import Plan
 from gpukit.planning.targets import Target, with_memory
@@ -222,19 +223,27 @@ def _figures(run: _Run, strategy: str, deadline: float) -> list[Figure]:
         flags = "--precision bf16-mixed"
         bf16 = _figure(run, deadline, "bf16-mixed", flags, strategy, precision="bf16-mixed")
         figures.append(bf16)
-    if strategy != "fsdp" and n > 1:
+    # The strategy that shards every state, and the one with activation checkpointing, as
+    # their traits say (the same one among the built-in strategies).
+    shard = registered.sharding()
+    if shard is not None and strategy != shard and n > 1:
         figures.append(
-            _figure(run, deadline, f"fsdp on {n}", "--strategy fsdp", "fsdp", checkpointing="off")
+            _figure(
+                run, deadline, f"{shard} on {n}", f"--strategy {shard}", shard, checkpointing="off"
+            )
         )
-    more = {"off": "selective", "selective": "full"}.get(ckpt if strategy == "fsdp" else "off")
-    if more is not None:
+    # An unknown strategy has its figure's reason already (gk.plan refused it).
+    has_ckpt = strategy in registered.with_checkpointing()
+    recompute = strategy if has_ckpt else next(iter(registered.with_checkpointing()), None)
+    more = {"off": "selective", "selective": "full"}.get(ckpt if has_ckpt else "off")
+    if more is not None and recompute is not None:
         figures.append(
             _figure(
                 run,
                 deadline,
-                f"fsdp on {n} + {more} checkpointing",
-                f"--strategy fsdp --activation-checkpointing {more}",
-                "fsdp",
+                f"{recompute} on {n} + {more} checkpointing",
+                f"--strategy {recompute} --activation-checkpointing {more}",
+                recompute,
                 checkpointing=more,
             )
         )

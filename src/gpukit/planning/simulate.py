@@ -11,9 +11,10 @@ under :class:`~gpukit.diagnostics.live_tensors.LiveTensors`, the counter ``gpuki
 measures with: what it predicts is the peak of the same quantity, counted the same way.
 
 What it cannot run, it says (:class:`SimulationUnsupported`) and the planner falls back to the
-closed form: dp and dp-balanced (one process driving N GPUs with threads), a process that
-already joined a process group, a torch without a fake process group, a model whose forward
-needs values (data-dependent Python), more ranks than a Runtime may address here.
+closed form: a strategy whose traits say one process drives every device with threads (dp,
+dp-balanced), a process that already joined a process group, a torch without a fake process
+group, a model whose forward needs values (data-dependent Python), more ranks than a Runtime
+may address here.
 
 Fidelity: the simulation saves and restores the process's random state, and leaves no process
 group, mode or patch behind, so a program that plans and then trains trains as it would have.
@@ -46,13 +47,14 @@ from gpukit._util.tree import map_tensors
 from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import GpukitError, SimulationUnsupported
+from gpukit.planning import registered
 from gpukit.planning.result import DevicePeak
+from gpukit.strategies.registry import STRATEGIES
 from gpukit.workloads.base import Workload, load_workload
 
 # Optimizer steps run: the peak of a steady step is reached by the second, once the
 # optimizer's state exists (gpukit train measures the same window).
 STEPS = 3
-SIMULATED = ("single", "ddp", "fsdp")
 # Samples per step of one rank the simulation reads through the loader (one index and one
 # item reference each); beyond, the closed form answers.
 MAX_SAMPLES = 2**20
@@ -111,22 +113,31 @@ def simulate(
     return tuple(DevicePeak(_name(case, rank), dict(breakdown)) for rank in range(devices))
 
 
+def simulated() -> tuple[str, ...]:
+    """The registered strategies the simulation can run."""
+    return tuple(s for s in registered.names() if not registered.traits(s).drives_all_devices)
+
+
 def _check_supported(case: Case) -> None:
-    if case.strategy not in SIMULATED:
+    traits = registered.traits(case.strategy)
+    if traits.drives_all_devices:
         raise SimulationUnsupported(
-            f"the simulation runs {', '.join(SIMULATED)}: {case.strategy} drives every GPU from "
-            "one process with threads, which one fake rank cannot stand for"
+            f"the simulation runs {', '.join(simulated())}: {case.strategy} drives every GPU "
+            "from one process with threads, which one fake rank cannot stand for"
         )
-    if case.activation_checkpointing != "off" and case.strategy != "fsdp":
+    if case.activation_checkpointing != "off" and not traits.activation_checkpointing:
+        having = " and ".join(registered.with_checkpointing()) or "no strategy"
         raise SimulationUnsupported(
-            f"activation checkpointing is an fsdp setting in gpukit; {case.strategy} has none"
+            f"activation checkpointing is an {having} setting in gpukit; {case.strategy} has none"
         )
-    if case.strategy != "single" and dist.is_available() and dist.is_initialized():
+    if not traits.process_per_device:
+        return  # no process group of its own
+    if dist.is_available() and dist.is_initialized():
         raise SimulationUnsupported(
             "this process already joined a process group; the simulation needs its own (fake) "
             "one: plan before init_process_group or rt.setup, or run `gpukit plan`"
         )
-    if case.strategy != "single" and _fake_store() is None:
+    if _fake_store() is None:
         raise SimulationUnsupported(
             f"torch {torch.__version__} has no fake process group to simulate ranks with"
         )
@@ -142,8 +153,9 @@ def _fake_store() -> Any:
 
 @contextlib.contextmanager
 def _fake_world(case: Case) -> Iterator[None]:
-    """A fake process group of ``case.devices`` ranks, this process rank 0 (none for single)."""
-    if case.strategy == "single":
+    """A fake process group of ``case.devices`` ranks, this process rank 0 (none for a
+    strategy without a process per device)."""
+    if not registered.traits(case.strategy).process_per_device:
         yield
         return
     dist.init_process_group("fake", store=_fake_store()(), rank=0, world_size=case.devices)
@@ -249,20 +261,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def _runtime(case: Case) -> Any:
-    from gpukit.planning.simulated_ddp import SimulatedDDP
     from gpukit.runtime.runtime import Runtime
-    from gpukit.strategies.ddp import DDP
-    from gpukit.strategies.fsdp import FSDP
 
-    class _SimulatedDDPStrategy(DDP):
-        wrapper = SimulatedDDP
-
-    strategy: Any = case.strategy
-    if case.strategy == "ddp":
-        strategy = _SimulatedDDPStrategy()
-    elif case.strategy == "fsdp" and case.activation_checkpointing != "off":
-        strategy = FSDP(activation_checkpointing=case.activation_checkpointing)
-    devices: Any = "cpu" if case.strategy == "single" else ["cpu"] * case.devices
+    # The strategy as it simulates itself (ddp: a stand-in for the reducer, which reads
+    # values), with its own activation checkpointing where it has one.
+    strategy = STRATEGIES[case.strategy].for_simulation(
+        activation_checkpointing=case.activation_checkpointing
+    )
+    one = not registered.traits(case.strategy).process_per_device
+    devices: Any = "cpu" if one else ["cpu"] * case.devices
     # log_every beyond the steps run: a flush reads values, which fake tensors do not have.
     # No seed: seeding would reset every generator of the program that plans (CUDA's too),
     # and values do not matter to memory.
@@ -416,4 +423,4 @@ def _train(
 
 
 def _name(case: Case, rank: int) -> str:
-    return "device 0" if case.strategy == "single" else f"rank {rank}"
+    return f"rank {rank}" if registered.traits(case.strategy).process_per_device else "device 0"

@@ -8,18 +8,22 @@ A closed form, so that it answers instantly for every strategy and device count:
   datasheet peak), or the seconds per sample a calibration measured.
 - **Communication**: the alpha-beta model of ring collectives over ``N`` devices, ``latency``
   per hop and ``bandwidth`` per link. All-reduce moves ``2(N-1)/N`` of the bytes in ``2(N-1)``
-  hops; all-gather and reduce-scatter ``(N-1)/N`` in ``N-1``.
+  hops; all-gather and reduce-scatter ``(N-1)/N`` in ``N-1``. Which collectives a strategy
+  runs, how often and behind which pass, its traits say
+  (:class:`~gpukit.strategies.Collective`). The collectives hidden behind one pass together
+  are exposed where they exceed its compute, and at least their one piece that cannot hide
+  (DDP's last bucket, FSDP's first block); those hidden behind none are exposed whole.
 
   - ddp: one all-reduce of the gradients per optimizer step (accumulation skips the sync),
     overlapped with the last micro-step's backward except the last bucket's.
   - fsdp: per micro-step, an all-gather of the parameters in forward and again in backward and
-    a reduce-scatter of the gradients, each block's behind the compute of the block before;
-    exposed: what exceeds that compute, and at least the first gather of each pass.
+    a reduce-scatter of the gradients, each block's behind the compute of the block before.
   - dp, dp-balanced (one process driving N GPUs): per micro-step, a broadcast of the
     parameters to the N-1 replicas, a reduce of their gradients to the first GPU, and the
     inputs scattered from and outputs gathered to it; nothing overlaps.
 - **Host**: a fixed cost per micro-step (Python, kernel launches; :data:`HOST_SECONDS`, or the
-  calibration's fixed seconds); DataParallel's one process launches every replica's kernels.
+  calibration's fixed seconds); one process driving every device launches every replica's
+  kernels.
 
 >>> from gpukit.planning.targets import target
 >>> for strategy in ("ddp", "fsdp", "dp"):
@@ -35,12 +39,13 @@ dp 0.108 0.0178 0.34
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpukit.errors import ConfigError
+from gpukit.planning import registered
 from gpukit.planning.result import StepTime
 from gpukit.planning.targets import Target
+from gpukit.strategies.traits import Collective, Op, Traits
 
 if TYPE_CHECKING:
     from gpukit.planning.calibrate import Calibration
@@ -70,7 +75,6 @@ PRECISION_DTYPES = {
     "16-mixed": "fp16",
     "fp16": "fp16",
 }
-STRATEGIES = ("single", "dp", "dp-balanced", "ddp", "fsdp")
 
 
 def ring_all_reduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -119,7 +123,7 @@ def step_time(
     >>> t.communication_s, round(per_s, 1)
     (0.0, 8.7)
     """
-    _check(strategy, devices, micro_batch, accumulate, flops_per_sample, calibration)
+    traits = _check(strategy, devices, micro_batch, accumulate, flops_per_sample, calibration)
     for name, value in (
         ("trainable_bytes", trainable_bytes),
         ("largest_group_bytes", largest_group_bytes),
@@ -137,11 +141,11 @@ def step_time(
         micro_s = flops_per_sample * micro_batch / (peak * EFFICIENCY[target.kind])
         host_micro_s = HOST_SECONDS
     compute = micro_s * accumulate
-    model = _COMMUNICATION[strategy]
-    exposed, host_factor = model(
-        _Link(target, devices), micro_s, accumulate, trainable_bytes, largest_group_bytes,
-        io_bytes_per_sample * micro_batch,
+    exposed = _exposed(
+        traits.collectives, _Link(target, devices), micro_s, accumulate, trainable_bytes,
+        largest_group_bytes, io_bytes_per_sample * micro_batch,
     )  # fmt: skip
+    host_factor = float(devices) if traits.drives_all_devices and devices > 1 else 1.0
     time = StepTime(compute, exposed, host_micro_s * accumulate * host_factor)
     global_batch = samples * devices
     samples_per_s = global_batch / time.total_s
@@ -169,58 +173,65 @@ class _Link:
         return 0.0 if self.n < 2 else nbytes / self.bw + (self.n - 1) * self.lat
 
 
-# Each returns (exposed communication seconds per optimizer step, host overhead factor).
-_Model = Callable[[_Link, float, int, int, int, int], tuple[float, float]]
+def _exposed(
+    collectives: tuple[Collective, ...],
+    link: _Link,
+    micro_s: float,
+    acc: int,
+    grads: int,
+    group: int,
+    io: int,
+) -> float:
+    """Exposed communication seconds per optimizer step: the collectives hidden behind one
+    pass (or none) together, per micro-step times ``acc`` plus per step."""
+    passes: dict[tuple[str, str | None], list[Collective]] = {}
+    for c in collectives:
+        passes.setdefault((c.per, c.hidden_by), []).append(c)
+    per_micro = per_step = 0.0
+    for (per, hidden_by), together in passes.items():
+        total = sum(_seconds(c, link, grads, group, io) for c in together)
+        if hidden_by is not None:
+            share = BACKWARD_SHARE if hidden_by == "backward" else 1 - BACKWARD_SHARE
+            total = max(total - share * micro_s, _unhidden(together[0], link, grads, group))
+        if per == "micro-step":
+            per_micro += total
+        else:
+            per_step += total
+    return acc * per_micro + per_step
 
 
-def _none(
-    link: _Link, micro_s: float, acc: int, grads: int, group: int, io: int
-) -> tuple[float, float]:
-    return 0.0, 1.0
+def _seconds(c: Collective, link: _Link, grads: int, group: int, io: int) -> float:
+    """Seconds of one collective ``c`` in one pass, over all its pieces."""
+    if c.payload == "samples":
+        nbytes: float = io
+    else:
+        nbytes = grads  # weights move as many bytes as the gradients of what trains
+    if c.unit == "block" and link.n >= 2:
+        # Each block is its own collective: its latency counts once per block.
+        blocks = max(1, math.ceil(grads / group)) if group else 1
+        return blocks * _cost(c.op, link, nbytes / blocks)
+    return _cost(c.op, link, nbytes)
 
 
-def _ddp(
-    link: _Link, micro_s: float, acc: int, grads: int, group: int, io: int
-) -> tuple[float, float]:
-    total = link.all_reduce(grads)
-    tail = link.all_reduce(min(grads, DDP_BUCKET_BYTES))
-    return max(total - BACKWARD_SHARE * micro_s, tail), 1.0
+def _unhidden(c: Collective, link: _Link, grads: int, group: int) -> float:
+    """What of collective ``c`` no compute hides: DDP's last bucket, FSDP's first block."""
+    if c.unit == "bucket":
+        return _cost(c.op, link, min(grads, DDP_BUCKET_BYTES))
+    if c.unit == "block":
+        return _cost(c.op, link, min(group or grads, grads))
+    return 0.0
 
 
-def _fsdp(
-    link: _Link, micro_s: float, acc: int, grads: int, group: int, io: int
-) -> tuple[float, float]:
-    if link.n < 2:
-        return 0.0, 1.0
-    # Each block is its own collective: its latency counts once per block.
-    blocks = max(1, math.ceil(grads / group)) if group else 1
-    first = link.gather(min(group or grads, grads))
-    forward = blocks * link.gather(grads / blocks)
-    backward = 2 * blocks * link.gather(grads / blocks)  # gather + reduce-scatter
-    exposed_fwd = max(forward - (1 - BACKWARD_SHARE) * micro_s, first)
-    exposed_bwd = max(backward - BACKWARD_SHARE * micro_s, first)
-    return acc * (exposed_fwd + exposed_bwd), 1.0
-
-
-def _dp(
-    link: _Link, micro_s: float, acc: int, grads: int, group: int, io: int
-) -> tuple[float, float]:
-    if link.n < 2:
-        return 0.0, 1.0
-    # The first GPU sends every other replica its share of the inputs and receives its
-    # outputs, one copy after another through its own link.
-    moves = (link.n - 1) / link.n * io * link.n / link.bw
-    per_micro = 2 * link.one_to_all(grads) + moves
-    return acc * per_micro, float(link.n)
-
-
-_COMMUNICATION: dict[str, _Model] = {
-    "single": _none,
-    "dp": _dp,
-    "dp-balanced": _dp,
-    "ddp": _ddp,
-    "fsdp": _fsdp,
-}
+def _cost(op: Op, link: _Link, nbytes: float) -> float:
+    if op == "all-reduce":
+        return link.all_reduce(nbytes)
+    if op in ("all-gather", "reduce-scatter"):
+        return link.gather(nbytes)
+    if op in ("broadcast", "reduce"):
+        return link.one_to_all(nbytes)
+    # scatter-gather: the first device sends every other its share of the inputs and
+    # receives its outputs, one copy after another through its own link.
+    return 0.0 if link.n < 2 else (link.n - 1) / link.n * nbytes * link.n / link.bw
 
 
 def _peak(target: Target, precision: str, *, required: bool) -> float | None:
@@ -249,9 +260,11 @@ def _check(
     accumulate: int,
     flops_per_sample: float,
     calibration: Calibration | None,
-) -> None:
-    if strategy not in _COMMUNICATION:
-        raise ConfigError(f"strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+) -> Traits:
+    """The strategy's traits, once every argument is known good."""
+    if not isinstance(strategy, str) or strategy not in registered.names():
+        raise ConfigError(f"strategy {strategy!r}: use one of {', '.join(registered.names())}")
+    traits = registered.traits(strategy)
     for name, value in (
         ("devices", devices),
         ("micro_batch", micro_batch),
@@ -259,10 +272,11 @@ def _check(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
-    if _COMMUNICATION[strategy] is _none and devices != 1:
+    if traits.max_devices == 1 and devices != 1:
+        several = [s for s in registered.names() if registered.traits(s).process_per_device]
         raise ConfigError(
             f"strategy {strategy!r} runs on one device, not devices={devices}: "
-            "plan it with devices=1, or use ddp or fsdp for several"
+            f"plan it with devices=1, or use {' or '.join(several)} for several"
         )
     bad = not isinstance(flops_per_sample, (int, float)) or not math.isfinite(flops_per_sample)
     if bad or flops_per_sample < 0 or (flops_per_sample == 0 and calibration is None):
@@ -271,6 +285,7 @@ def _check(
             "(about 3x its forward's; gpukit.workloads.flops.forward_flops counts those), "
             "or 0 with a calibration"
         )
+    return traits
 
 
 __all__ = [

@@ -83,8 +83,8 @@ class Stepper:
         self.state = state
         self.strategy = strategy
         self.precision = precision
-        self.fault = fault or OomFault()
-        if config.oom == "recover" and not strategy.recovers_out_of_memory:
+        self.fault, self.recovery = fault or OomFault(), strategy.recovery
+        if config.oom == "recover" and not self.recovery.supported:
             raise ConfigError(
                 f"oom='recover' cannot be used with strategy {strategy.name!r} over "
                 f"{strategy.world_size} ranks: each forward all-gathers the weights from every "
@@ -260,7 +260,7 @@ class Stepper:
             optimizer.zero_grad(set_to_none=True)
             assert saved is not None  # failures come back only when recovering
             for module in state.modules:
-                self.strategy.recover_module(module)
+                self.recovery.reset_module(module)
             self._restore(saved)
             _release()
             if exhausted:
@@ -268,7 +268,7 @@ class Stepper:
             self._log_retry(n, sizes, attempt)
         if self.hold_back:
             for module, flags in zip(state.modules, anywhere, strict=True):
-                self.strategy.sync_held(module, flags)
+                self.recovery.sync_held(module, flags)
         if self._guard is not None and self._guard.changing is None and saved is not None:
             with untraced():  # learns, once, which buffers the steps change
                 self._guard.succeeded(saved[0])
@@ -384,7 +384,7 @@ class Stepper:
             last = i == len(sizes) - 1
             for module in self.state.modules:
                 if self.hold_back:
-                    self.strategy.hold_sync(module, i == 0)
+                    self.recovery.hold_sync(module, i == 0)
                 else:
                     self.strategy.set_backward_sync(module, last)
             try:
@@ -406,7 +406,7 @@ class Stepper:
         exhausted = failed and attempt.failed_size <= 1
         if not self.hold_back:  # this process alone decides: nothing to agree on, no read
             return failed, exhausted, []
-        held = [self.strategy.held_flags(m) for m in self.state.modules]
+        held = [self.recovery.held_flags(m) for m in self.state.modules]
         agreed = self.strategy.any_rank([failed, exhausted, *itertools.chain(*held)])
         anywhere, at = [], 2
         for flags in held:

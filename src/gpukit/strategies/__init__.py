@@ -1,6 +1,8 @@
 """Strategies: how training is spread over devices and processes.
 
-``registry`` (names and the ``"auto"`` choice), ``base`` (the contract: a few hooks), one module
+``registry`` (names, :func:`register` and the ``"auto"`` choice), ``base`` (the contract: a
+few hooks, three of them required, and ``Recovery``, what runs when a device runs out of memory),
+``traits`` (what each costs in memory and communication, which the planner reads), one module
 per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``, ``fsdp``), ``per_device`` (what a
 ``dp-balanced`` forward returns), and the private pieces of single-process data parallelism
 (``_parallel``: scatter, replicate, apply, gather; ``_criterion``: the loss on every device).
@@ -12,25 +14,39 @@ per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``, ``fsdp``), ``per
 
 from __future__ import annotations
 
-from gpukit.strategies.base import MemoryAdvice, ReduceOp, Strategy
+from gpukit.strategies.base import MemoryAdvice, Recovery, ReduceOp, Strategy
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.dp import DP, DPBalanced
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.per_device import PerDevice
-from gpukit.strategies.registry import STRATEGIES, choose, make_strategy
+from gpukit.strategies.registry import (
+    STRATEGIES,
+    choose,
+    make_strategy,
+    register,
+    traits_of,
+    unregister,
+)
 from gpukit.strategies.single import SingleDevice
+from gpukit.strategies.traits import Collective, Traits
 
 __all__ = [
     "DDP",
     "DP",
     "FSDP",
     "STRATEGIES",
+    "Collective",
     "DPBalanced",
     "MemoryAdvice",
     "PerDevice",
+    "Recovery",
     "ReduceOp",
     "SingleDevice",
     "Strategy",
+    "Traits",
     "choose",
     "make_strategy",
+    "register",
+    "traits_of",
+    "unregister",
 ]

@@ -1,11 +1,18 @@
 """The strategy contract: how a model, its gradients and its ranks are spread over devices.
 
 A strategy never imports the Runtime; the Runtime calls these hooks and never asks which
-strategy it holds. Everything that differs between strategies is a method here.
+strategy it holds. Everything that differs between strategies is a method here, its
+out-of-memory recovery an object of its own (:class:`Recovery`), and what it costs in memory
+and communication data that the planner reads (:class:`~gpukit.strategies.traits.Traits`).
+
+A strategy must say which devices it takes (``configure``), how it places or wraps the model
+(``setup_module``) and how to get the user's model back (``unwrap``); every other hook has
+a default that fits one process computing on one device.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -17,6 +24,7 @@ from gpukit._util.checks import require_module
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies.traits import Traits
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
 
@@ -33,10 +41,62 @@ class MemoryAdvice:
     confidence: float
 
 
-class Strategy:
-    """Base class. Subclasses set ``name`` and override what they do differently."""
+class Recovery:
+    """What a strategy does when a device runs out of memory: the hooks the Runtime's retry
+    and ``gk.explain`` call, kept apart from the everyday contract (``strategy.recovery``).
+    This default fits a strategy whose forward and backward run no collective: nothing to
+    hold back, nothing to reset, no advice of its own. Subclasses override what differs.
+
+    >>> import gpukit as gk
+    >>> rt = gk.Runtime(strategy="single", devices="cpu")
+    >>> rt.strategy.recovery.supported, rt.strategy.recovery.advice(None, None)
+    (True, None)
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    @property
+    def supported(self) -> bool:
+        """Whether a step can be redone after some rank ran out of memory halfway (not when
+        the forward itself talks to the other ranks)."""
+        return True
+
+    def hold_sync(self, module: nn.Module, first: bool) -> None:
+        """Make the coming forward and backward run no collective at all (a rank may fail
+        halfway, and no other rank may wait for it). ``first``: the attempt's first
+        micro-batch, before which every rank is still together (where a strategy shares what
+        its forward would have shared)."""
+
+    def held_flags(self, module: nn.Module) -> list[bool]:
+        """What this rank must tell the others before ``sync_held`` (agreed by ``any_rank``
+        together with the step's own flags, so that the whole agreement is one read)."""
+        return []
+
+    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
+        """Do now what ``hold_sync`` held back: average the gradients.
+        ``anywhere``: ``held_flags`` agreed over the ranks."""
+
+    def reset_module(self, module: nn.Module) -> None:
+        """Put ``module`` back in order after a forward or backward failed halfway."""
+
+    def advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        """This strategy's own remedy when a device runs out of memory (``peak``: bytes the
+        failing device held at its peak; ``imbalance``: max/min peak over the devices this
+        process drives), or None when it has none to add."""
+        return None
+
+
+class Strategy(abc.ABC):
+    """Base class. Subclasses set ``name`` and ``traits``, implement the abstract hooks and
+    override what else they do differently."""
 
     name: ClassVar[str]
+    # What the planner reads: memory and communication (see strategies/traits.py).
+    traits: ClassVar[Traits]
+    # What runs when a device runs out of memory (see ``recovery``).
+    recovery_class: ClassVar[type[Recovery]] = Recovery
+    # Hooks with an empty body are optional (B027): doing nothing is right for one process.
 
     def __init__(self) -> None:
         self.devices: list[Device] = []
@@ -49,8 +109,10 @@ class Strategy:
         """The device this process computes on."""
         return self.devices[self.local_rank]
 
+    @abc.abstractmethod
     def configure(self, devices: list[Device]) -> None:
-        """Take the devices asked for; raise ConfigError if this strategy cannot use them."""
+        """Take the devices asked for; raise ConfigError if this strategy cannot use them.
+        The base keeps them: call it once they are checked."""
         self.devices = devices
 
     @property
@@ -65,10 +127,17 @@ class Strategy:
         return self.world_size > 1
 
     @property
-    def recovers_out_of_memory(self) -> bool:
-        """Whether a step can be redone after some rank ran out of memory halfway (not when
-        the forward itself talks to the other ranks)."""
-        return True
+    def recovery(self) -> Recovery:
+        """Out-of-memory recovery under this strategy: holding collectives back, resetting a
+        model after a failed pass, the strategy's own advice."""
+        return self.recovery_class(self)
+
+    @classmethod
+    def for_simulation(cls, *, activation_checkpointing: str = "off") -> Strategy:
+        """A strategy of this kind as the planner's simulation runs it over fake tensors
+        (``activation_checkpointing``: the strategy's own setting, where its traits say it
+        has one)."""
+        return cls()
 
     @property
     def needs_launch(self) -> bool:
@@ -80,11 +149,13 @@ class Strategy:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index)
 
-    def check_precision(self, precision: str) -> None:
+    def check_precision(self, precision: str) -> None:  # noqa: B027
         """Refuse a run ``precision`` (its name) this strategy's own settings cannot go with."""
 
+    @abc.abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Place the model; return what the training loop should call."""
+        """Place the model; return what the training loop should call. The base places it on
+        this process's device."""
         return place(require_module(module, "rt.setup"), self.device.torch)
 
     def setup_criterion(
@@ -95,30 +166,12 @@ class Strategy:
         check_criterion(fn, reduction)
         return fn
 
+    @abc.abstractmethod
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's own model inside whatever ``setup_module`` returned."""
-        return module
 
-    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:  # noqa: B027
         """Whether the next backward should synchronise gradients across ranks."""
-
-    def hold_sync(self, module: nn.Module, first: bool) -> None:
-        """Make the coming forward and backward run no collective at all (out-of-memory
-        recovery: a rank may fail halfway, and no other rank may wait for it). ``first``: the
-        attempt's first micro-batch, before which every rank is still together (where a
-        strategy shares what its forward would have shared)."""
-
-    def held_flags(self, module: nn.Module) -> list[bool]:
-        """What this rank must tell the others before ``sync_held`` (agreed by ``any_rank``
-        together with the step's own flags, so that the whole agreement is one read)."""
-        return []
-
-    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
-        """Do now what ``hold_sync`` held back: average the gradients.
-        ``anywhere``: ``held_flags`` agreed over the ranks."""
-
-    def recover_module(self, module: nn.Module) -> None:
-        """Put ``module`` back in order after a forward or backward failed halfway."""
 
     def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` to a total norm of at most ``max_norm``; the
@@ -130,19 +183,13 @@ class Strategy:
         on several device meshes); None: the plain norm of the tensors is right."""
         return None
 
-    def check_gradients(self, module: nn.Module) -> None:
+    def check_gradients(self, module: nn.Module) -> None:  # noqa: B027
         """Called once after the first backward, to catch setups that fail a step later."""
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Each flag, True where it is True on at least one rank: how ranks agree on a
         decision (one small all-reduce and one read under several processes; free alone)."""
         return list(flags)
-
-    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
-        """This strategy's own remedy when a device runs out of memory (``peak``: bytes the
-        failing device held at its peak; ``imbalance``: max/min peak over the devices this
-        process drives), or None when it has none to add."""
-        return None
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` combined over all ranks (a new tensor; the input is left alone)."""
@@ -164,10 +211,10 @@ class Strategy:
         """Rank ``src``'s ``obj`` on every rank."""
         return obj
 
-    def barrier(self) -> None:
+    def barrier(self) -> None:  # noqa: B027
         """Wait until every rank reaches this point."""
 
-    def check_every_rank_calls(self, what: str) -> None:
+    def check_every_rank_calls(self, what: str) -> None:  # noqa: B027
         """Before a collective that only some ranks might call (``rt.save`` under
         ``if rank == 0``): fail within a short timeout naming the ranks that did not come,
         instead of waiting in the collective for the whole process-group timeout."""
@@ -176,7 +223,7 @@ class Strategy:
         """(number of data shards, this rank's shard) for the data loader."""
         return self.world_size, self.rank
 
-    def teardown(self) -> None:
+    def teardown(self) -> None:  # noqa: B027
         """Release what ``setup_environment`` took."""
 
 

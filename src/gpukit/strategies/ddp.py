@@ -21,7 +21,9 @@ from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError, DistributedError, LaunchError
-from gpukit.strategies.base import ReduceOp, Strategy
+from gpukit.strategies._simulated_ddp import SimulatedDDP
+from gpukit.strategies.base import Recovery, ReduceOp, Strategy
+from gpukit.strategies.traits import Collective, Traits
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -85,6 +87,43 @@ def _check_options(
         )
 
 
+class DDPRecovery(Recovery):
+    """Out-of-memory recovery under ddp: gradients are held back from DDP's reducer and
+    averaged once every rank is known to have finished its backward."""
+
+    strategy: DDP
+
+    def hold_sync(self, module: nn.Module, first: bool) -> None:
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = False
+            # Otherwise the forward may broadcast buffers itself: a collective that a rank which
+            # failed before its forward would never join.
+            module.require_forward_param_sync = False
+            if first and module.broadcast_buffers:
+                # What DDP's own first forward after a synchronised step would do (rank 0's
+                # buffers, BatchNorm's statistics say, are everyone's), at a point every rank
+                # reaches: before any forward of the attempt.
+                self.strategy.broadcast_state(self.strategy.unwrap(module), parameters=False)
+
+    def held_flags(self, module: nn.Module) -> list[bool]:
+        # Which parameters got a gradient here: one used only on another rank must still join
+        # the sum (as zeros); one that no rank used keeps no gradient, as under DDP's reducer.
+        return [p.grad is not None for p in self.strategy.trained(module)]
+
+    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
+        grads: list[torch.Tensor] = []
+        for p, used in zip(self.strategy.trained(module), anywhere, strict=True):
+            if used:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        for bucket in _buckets(grads, _BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            flat /= self.strategy.world_size
+            _scatter_back(flat, bucket)
+
+
 class DDP(Strategy):
     """Distributed data parallel over processes started by ``Runtime.launch`` or a launcher.
 
@@ -96,10 +135,23 @@ class DDP(Strategy):
     """
 
     name: ClassVar[str] = "ddp"
+    # A full replica per process; the reducer's buckets all-reduce the gradients once per
+    # optimizer step, behind the backward (the last bucket fills as it ends).
+    traits: ClassVar[Traits] = Traits(
+        gradient_buckets=True,
+        process_per_device=True,
+        collectives=(Collective("all-reduce", "gradients", unit="bucket", hidden_by="backward"),),
+    )
+    recovery_class: ClassVar[type[Recovery]] = DDPRecovery
 
     # What wraps the model. The planner's simulation swaps in a stand-in that holds the same
     # memory: DDP's reducer reads parameter values, which fake tensors do not have.
     wrapper: ClassVar[type[DistributedDataParallel]] = DistributedDataParallel
+
+    @classmethod
+    def for_simulation(cls, *, activation_checkpointing: str = "off") -> Strategy:
+        simulated = type(cls.__name__, (cls,), {"wrapper": SimulatedDDP})
+        return simulated()
 
     def __init__(
         self,
@@ -242,18 +294,6 @@ class DDP(Strategy):
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = enabled
 
-    def hold_sync(self, module: nn.Module, first: bool) -> None:
-        if isinstance(module, DistributedDataParallel):
-            module.require_backward_grad_sync = False
-            # Otherwise the forward may broadcast buffers itself: a collective that a rank which
-            # failed before its forward would never join.
-            module.require_forward_param_sync = False
-            if first and module.broadcast_buffers:
-                # What DDP's own first forward after a synchronised step would do (rank 0's
-                # buffers, BatchNorm's statistics say, are everyone's), at a point every rank
-                # reaches: before any forward of the attempt.
-                self.broadcast_state(self.unwrap(module), parameters=False)
-
     def broadcast_state(self, module: nn.Module, parameters: bool = True) -> None:
         """Make rank 0's buffers (and parameters) ``module``'s on every rank, in buckets."""
         tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
@@ -263,25 +303,8 @@ class DDP(Strategy):
                 dist.broadcast(flat, src=0)
                 _scatter_back(flat, bucket)
 
-    def held_flags(self, module: nn.Module) -> list[bool]:
-        # Which parameters got a gradient here: one used only on another rank must still join
-        # the sum (as zeros); one that no rank used keeps no gradient, as under DDP's reducer.
-        return [p.grad is not None for p in self._trained(module)]
-
-    def sync_held(self, module: nn.Module, anywhere: list[bool]) -> None:
-        grads: list[torch.Tensor] = []
-        for p, used in zip(self._trained(module), anywhere, strict=True):
-            if used:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        for bucket in _buckets(grads, _BUCKET_BYTES):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
-            flat /= self.world_size
-            _scatter_back(flat, bucket)
-
-    def _trained(self, module: nn.Module) -> list[torch.Tensor]:
+    def trained(self, module: nn.Module) -> list[torch.Tensor]:
+        """The parameters of the set-up ``module`` that train."""
         return [p for p in self.unwrap(module).parameters() if p.requires_grad]
 
     def check_gradients(self, module: nn.Module) -> None:

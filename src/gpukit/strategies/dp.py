@@ -36,8 +36,17 @@ from gpukit.devices.spec import SpecError, parse
 from gpukit.errors import ConfigError
 from gpukit.strategies._criterion import ParallelCriterion, reduction_of
 from gpukit.strategies._parallel import gather, parallel_apply, replicate, scatter
-from gpukit.strategies.base import MemoryAdvice, Strategy, check_criterion
+from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, check_criterion
 from gpukit.strategies.per_device import PerDevice
+from gpukit.strategies.traits import Collective, Traits
+
+# Every micro-step the first device broadcasts the weights to the replicas, reduces their
+# gradients back, and sends out the inputs and takes in the outputs; nothing overlaps.
+_DP_COLLECTIVES = (
+    Collective("broadcast", "weights", per="micro-step"),
+    Collective("reduce", "gradients", per="micro-step"),
+    Collective("scatter-gather", "samples", per="micro-step"),
+)
 
 
 class DataParallelModule(nn.Module):
@@ -72,6 +81,26 @@ class DataParallelModule(nn.Module):
         return pickled_as_model(self.module)  # the devices are this process's, not the model's
 
 
+class DPRecovery(Recovery):
+    """Out of memory under dp: the first device holds more than the others (see
+    ``DP.memory_story``)."""
+
+    strategy: DP
+
+    def advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        if imbalance is not None and imbalance <= 1.2:
+            return None  # balanced enough: the imbalance is not what ran out
+        title, why, fix, assumed, sure, unsure = self.strategy.memory_story
+        ratio = imbalance if imbalance is not None else assumed
+        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
+        return MemoryAdvice(
+            title,
+            f"{why}{said}: {fix}",
+            None if peak is None else int(peak * (1 - 1 / ratio)),
+            sure if imbalance else unsure,
+        )
+
+
 class DP(Strategy):
     """One process drives every device; the master weights live on the first one.
 
@@ -87,6 +116,11 @@ class DP(Strategy):
 
     name: ClassVar[str] = "dp"
     gather_outputs: ClassVar[bool] = True
+    # One process over several devices (one device is plain single-device training).
+    traits: ClassVar[Traits] = Traits(
+        drives_all_devices=True, gathers_outputs=True, min_devices=2, collectives=_DP_COLLECTIVES
+    )
+    recovery_class: ClassVar[type[Recovery]] = DPRecovery
 
     def __init__(self, *, output_device: DeviceSpec | None = None) -> None:
         super().__init__()
@@ -151,19 +185,6 @@ class DP(Strategy):
         0.5,
     )
 
-    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
-        if imbalance is not None and imbalance <= 1.2:
-            return None  # balanced enough: the imbalance is not what ran out
-        title, why, fix, assumed, sure, unsure = self.memory_story
-        ratio = imbalance if imbalance is not None else assumed
-        said = f" (its peak is {ratio:.1f}x the least-loaded GPU's)" if imbalance else ""
-        return MemoryAdvice(
-            title,
-            f"{why}{said}: {fix}",
-            None if peak is None else int(peak * (1 - 1 / ratio)),
-            sure if imbalance else unsure,
-        )
-
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         devices = [d.torch for d in self.devices]
@@ -189,6 +210,9 @@ class DPBalanced(DP):
 
     name: ClassVar[str] = "dp-balanced"
     gather_outputs: ClassVar[bool] = False
+    traits: ClassVar[Traits] = Traits(
+        drives_all_devices=True, min_devices=2, collectives=_DP_COLLECTIVES
+    )
 
     def __init__(self, *, loss_device: DeviceSpec | None = None) -> None:
         super().__init__()

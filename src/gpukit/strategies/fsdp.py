@@ -41,10 +41,50 @@ from gpukit.strategies._groups import find_groups
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan
-from gpukit.strategies.base import MemoryAdvice, place
-from gpukit.strategies.ddp import DDP
+from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
+from gpukit.strategies.ddp import DDP, DDPRecovery
+from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
+
+
+class FSDPRecovery(DDPRecovery):
+    """Out-of-memory recovery under fsdp: one rank only (every forward all-gathers from every
+    rank), and a model whose pass failed halfway is reset."""
+
+    strategy: FSDP
+
+    @property
+    def supported(self) -> bool:
+        # Every forward all-gathers the weights from every rank: a rank that runs out of
+        # memory halfway leaves the others waiting in a collective it will never join. One
+        # rank has no one to leave waiting.
+        return self.strategy.world_size == 1
+
+    def reset_module(self, module: nn.Module) -> None:
+        # A forward or backward that failed halfway leaves groups gathered and hooks armed.
+        # The root resets every group under it (torch refuses the call on any other group).
+        for root in _outermost(module, fsdp2().FSDPModule):
+            root.reset_iter_state()
+
+    def advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
+        o = self.strategy.options
+        if o.activation_checkpointing != "off" and o.reshard is not False:
+            return None
+        tips = []
+        if o.activation_checkpointing == "off":
+            tips.append(
+                "activation_checkpointing='selective' (or 'full') keeps fewer activations "
+                "(gpukit train --activation-checkpointing selective)"
+            )
+        if o.reshard is False:
+            tips.append("reshard=True frees each group's gathered weights after its forward")
+        return MemoryAdvice(
+            title="recompute activations / reshard",
+            detail="; ".join(tips),
+            freed=None,
+            confidence=0.5,
+        )
 
 
 class FSDP(DDP):
@@ -59,6 +99,25 @@ class FSDP(DDP):
     """
 
     name: ClassVar[str] = "fsdp"
+    # Weights, gradients and optimizer state 1/N per rank; each block's weights all-gathered
+    # for its forward and again for its backward, its gradients reduce-scattered, every
+    # micro-step, each block's behind the compute of the block before.
+    traits: ClassVar[Traits] = Traits(
+        sharded=frozenset(STATES),
+        gathers_weights=True,
+        process_per_device=True,
+        activation_checkpointing=True,
+        collectives=(
+            Collective("all-gather", "weights", "micro-step", "block", hidden_by="forward"),
+            Collective("all-gather", "weights", "micro-step", "block", hidden_by="backward"),
+            Collective("reduce-scatter", "gradients", "micro-step", "block", hidden_by="backward"),
+        ),
+    )
+    recovery_class: ClassVar[type[Recovery]] = FSDPRecovery
+
+    @classmethod
+    def for_simulation(cls, *, activation_checkpointing: str = "off") -> Strategy:
+        return cls(activation_checkpointing=activation_checkpointing)
 
     def __init__(
         self,
@@ -133,13 +192,6 @@ class FSDP(DDP):
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-    @property
-    def recovers_out_of_memory(self) -> bool:
-        # Every forward all-gathers the weights from every rank: a rank that runs out of
-        # memory halfway leaves the others waiting in a collective it will never join. One
-        # rank has no one to leave waiting.
-        return self.world_size == 1
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -262,12 +314,6 @@ class FSDP(DDP):
                 # sharded); the all-reduce across replicas only once, on the last.
                 root.set_requires_all_reduce(enabled)
 
-    def recover_module(self, module: nn.Module) -> None:
-        # A forward or backward that failed halfway leaves groups gathered and hooks armed.
-        # The root resets every group under it (torch refuses the call on any other group).
-        for root in _outermost(module, fsdp2().FSDPModule):
-            root.reset_iter_state()
-
     def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         if self.options.tp == 1:  # one mesh: torch's own clipping, as a plain program has it
             return super().clip_gradients(params, max_norm)
@@ -279,25 +325,6 @@ class FSDP(DDP):
     def check_gradients(self, module: nn.Module) -> None:
         """fsdp reduce-scatters whole groups: a parameter without a gradient is reduced as
         zeros, so unused parameters need no check here."""
-
-    def oom_advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
-        o = self.options
-        if o.activation_checkpointing != "off" and o.reshard is not False:
-            return None
-        tips = []
-        if o.activation_checkpointing == "off":
-            tips.append(
-                "activation_checkpointing='selective' (or 'full') keeps fewer activations "
-                "(gpukit train --activation-checkpointing selective)"
-            )
-        if o.reshard is False:
-            tips.append("reshard=True frees each group's gathered weights after its forward")
-        return MemoryAdvice(
-            title="recompute activations / reshard",
-            detail="; ".join(tips),
-            freed=None,
-            confidence=0.5,
-        )
 
     def teardown(self) -> None:
         self.mesh = None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from torch import nn
+
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import Strategy
+from gpukit.strategies.traits import Traits
 
 
 class SingleDevice(Strategy):
@@ -19,11 +22,19 @@ class SingleDevice(Strategy):
     """
 
     name: ClassVar[str] = "single"
+    # Everything on the one device, nothing communicated.
+    traits: ClassVar[Traits] = Traits(max_devices=1)
 
     def configure(self, devices: list[Device]) -> None:
         if len(devices) != 1:
             raise ConfigError(
-                f"strategy 'single' trains on one device, but {len(devices)} were given "
+                f"strategy {self.name!r} trains on one device, but {len(devices)} were given "
                 f"({', '.join(map(str, devices))}): use strategy='ddp' (or 'auto') for several"
             )
         super().configure(devices)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return super().setup_module(module)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module
