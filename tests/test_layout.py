@@ -42,7 +42,9 @@ def imports(path: Path) -> list[tuple[str, list[str], int]]:
 
 def edges() -> dict[str, set[str]]:
     """gpukit module -> the gpukit modules it imports (``from pkg import mod`` counts as
-    importing ``pkg.mod``; ``from pkg import name`` as importing ``pkg``)."""
+    importing ``pkg.mod``; ``from pkg import name`` as importing ``pkg``). Importing a module
+    of another package first runs that package's ``__init__`` (and its imports): that counts
+    too, since it closes cycles that the names alone do not show."""
     graph: dict[str, set[str]] = {}
     for path in MODULES:
         me = module_name(path)
@@ -54,8 +56,23 @@ def edges() -> dict[str, set[str]]:
             targets.update(subs or [module])
             if len(subs) < len(names):
                 targets.add(module)
+        for target in list(targets):
+            targets.update(enclosing_packages(target, me))
         targets.discard(me)
     return graph
+
+
+def enclosing_packages(target: str, importer: str) -> list[str]:
+    """The packages whose ``__init__`` importing ``target`` runs, less the gpukit root and
+    the packages ``importer`` is in (their ``__init__`` is already running)."""
+    parts = target.split(".")
+    found = []
+    for i in range(2, len(parts)):
+        package = ".".join(parts[:i])
+        inside = importer == package or importer.startswith(package + ".")
+        if not inside and (SRC.joinpath(*parts[:i]) / "__init__.py").is_file():
+            found.append(package)
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -125,11 +125,11 @@ def test_recovery_copies_only_the_buffers_a_step_changes() -> None:
     batch = _batches(1)[0]
     loss = lambda b: nn.functional.cross_entropy(model(b[0]), b[1])  # noqa: E731
     rt.train_step(optimizer, batch, loss)
-    guard = rt.stepper._guard
+    guard = rt.stepper.retry._guard
     assert guard is not None
     changing = {guard.names[i] for i in guard.changing or []}
     assert changing == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
-    saved, _ = rt.stepper._save()
+    saved, _ = rt.stepper.retry.save()
     assert sum(t.numel() for _, t in saved.copies) == 16 + 16 + 1
     assert [guard.names[i] for i, _ in saved.versions] == ["table"]  # only watched by version
 

@@ -314,7 +314,7 @@ def test_recovery_refuses_a_forward_that_talks_to_other_ranks() -> None:
     rt = gk.Runtime(devices="cpu", oom="recover")
     rt.setup(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))
     with pytest.raises(ConfigError, match=r"SyncBatchNorm at 1.*oom='raise'"):
-        rt.stepper.refuse_collective_forward()
+        rt.stepper.retry.refuse_collective_forward()
 
 
 def test_the_split_found_is_kept_in_checkpoints(

@@ -27,7 +27,6 @@ import gc
 import inspect
 import random
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -35,13 +34,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gpukit import _env, checkpoint
+from gpukit import _env
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
+from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.config import resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.launch import spawn
@@ -57,7 +57,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry):
+class Runtime(RuntimeViews, Registry, Checkpointing):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -319,62 +319,6 @@ class Runtime(RuntimeViews, Registry):
         if self.is_global_zero:
             builtins.print(*args, **kwargs)
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    def save(self, directory: str | Path | None = None, keep: int | None = None) -> Path:
-        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)
-        into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
-        (default: the Runtime's ``keep``).
-
-        Collective: every rank calls it (rank 0 writes the files, every rank gives its random
-        state and, under fsdp, writes its shards). Called on some ranks only, it fails within
-        30 s naming the ranks that did not call it."""
-        self._ensure_ready()
-        folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
-        if folder.is_file():
-            raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
-        self.lifecycle.beat("save", self.state.global_step)
-        self.strategy.check_every_rank_calls("rt.save")
-        self._close_window()
-        path = checkpoint.save(
-            Path(folder),
-            self.state,
-            self.strategy,
-            self.precision,
-            accumulate=self.config.accumulate,
-            keep=keep if keep is not None else self.config.keep,
-        )
-        self.lifecycle.saved(self.state.global_step)
-        return path
-
-    def load(self, directory: str | Path | None = None) -> dict[str, int]:
-        """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
-        returns its epoch and step. Nothing changes unless everything in it matches."""
-        self._ensure_ready()
-        folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
-        self.lifecycle.beat("load", self.state.global_step)
-        self.lifecycle.resumed = True  # an explicit load is the resume
-        progress = checkpoint.load(
-            folder, self.state, self.strategy, self.precision, self.config.accumulate
-        )
-        self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
-        self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
-        self.lifecycle.saved(self.state.global_step)
-        return progress
-
-    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The full weights of ``model`` (default: the one model ``setup`` saw) as plain CPU
-        tensors on rank 0, ``{}`` on the other ranks; under fsdp gathered from every rank's
-        shards. Collective: every rank calls it.
-
-        >>> import torch, gpukit as gk
-        >>> rt = gk.Runtime(devices="cpu")
-        >>> sorted(rt.full_state_dict(rt.setup(torch.nn.Linear(2, 1))))
-        ['bias', 'weight']
-        """
-        self._ensure_ready()
-        self.strategy.check_every_rank_calls("rt.full_state_dict")
-        return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
-
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
         guard = self.stepper.guard
@@ -382,18 +326,6 @@ class Runtime(RuntimeViews, Registry):
             return 0
         guard.read(self.rank)
         return guard.skipped
-
-    def resume(self) -> dict[str, int] | None:
-        """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
-        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
-        self.lifecycle.resumed = True
-        folder = self.lifecycle.folder
-        found = checkpoint.resumable(folder) if folder is not None else None
-        if found is None:
-            return None
-        progress = self.load(found)  # the one found: looking again would warn again
-        self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
-        return progress
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""

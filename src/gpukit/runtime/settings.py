@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpukit.lifecycle.boundaries import (
+from gpukit.lifecycle.checks import (
     ResumePolicy,
     check_checkpoints,
     check_keep,

@@ -9,27 +9,24 @@ agreement under ``oom="recover"`` with several processes, one-time checks after 
 runs forward and backward on each with the loss weighted by its share of the batch (so the
 gradient is exactly that of the whole batch), and steps. When out-of-memory recovery is on, an
 out-of-memory error inside the forward or backward does not end the run: the step's gradients
-and memory are released, its buffers and random generators restored (see ``snapshot``), the
-batch cut into twice as many micro-batches, and the step started again. The effective batch
-stays the same, and so does the result for models whose samples do not interact (BatchNorm's
-statistics do depend on the micro-batch). Under several processes every rank trains its
-micro-batches without gradient synchronisation, the ranks agree on whether anyone failed (one
-small all-reduce and one read), and only then are the gradients averaged: no rank is left
-waiting in a collective another rank abandoned. That costs DDP its overlap of communication
-with the backward, which is why ``oom="auto"`` recovers only in one process. The split found
-stays for the following steps. A micro-batch of one sample that still does not fit ends the run
-with the explanation of ``gk.explain``.
+and memory are released, its buffers and random generators restored, the batch cut into twice as
+many micro-batches (all of it :mod:`gpukit.runtime.retry`), and the step started again. The
+effective batch stays the same, and so does the result for models whose samples do not interact
+(BatchNorm's statistics do depend on the micro-batch). Under several processes every rank trains
+its micro-batches without gradient synchronisation, the ranks agree on whether anyone failed
+(one small all-reduce and one read), and only then are the gradients averaged: no rank is left
+waiting in a collective another rank abandoned. That costs DDP its overlap of communication with
+the backward, which is why ``oom="auto"`` recovers only in one process. The split found stays
+for the following steps. A micro-batch of one sample that still does not fit ends the run with
+the explanation of ``gk.explain``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import itertools
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,22 +42,13 @@ from gpukit.runtime.adopt import StaleOptimizers
 from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.precision import Precision
+from gpukit.runtime.retry import Attempt, Retry
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step_hooks import StepBoundaries
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")
-
-
-@dataclass
-class _Attempt:
-    """How one pass over the micro-batches ended."""
-
-    loss: torch.Tensor | None = None  # the batch's mean loss when every micro-batch fitted
-    failed_size: int = 0  # samples in the micro-batch that ran out of memory
-    message: str = ""  # its error message (the exception itself is gone, with its memory)
 
 
 class Stepper:
@@ -104,12 +92,9 @@ class Stepper:
         self._clip_params: weakref.WeakKeyDictionary[
             torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], list[torch.Tensor]]
         ] = weakref.WeakKeyDictionary()
-        self._guard: BufferGuard | None = None
+        self.retry = Retry(config, state, strategy, precision, self.hold_back)
         self._previous_loss: torch.Tensor | None = None  # see _whole_batch_step
-        self._guarded = 0  # how many models the guard watches
-        self._gpus: list[int] = []  # whose random generators the snapshot saves
         self._gradients_checked = False
-        self._collectives_checked = False
 
     # -- the manual loop: rt.backward, rt.step -------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -248,30 +233,29 @@ class Stepper:
             compute_loss = self._watched(compute_loss)
         if self.whole_batches and state.oom_split == 1:  # a split a checkpoint brought is kept
             return self._whole_batch_step(optimizer, batch, n, compute_loss)
-        if self.hold_back and not self._collectives_checked:
-            self.refuse_collective_forward()
+        retry = self.retry
+        if self.hold_back:
+            retry.refuse_collective_forward()
         while True:
             sizes = chunk_sizes(n, config.accumulate * state.oom_split)
-            saved = self._save() if self.recover else None
+            saved = retry.save() if self.recover else None
             attempt = self._attempt(batch, sizes, compute_loss)
-            failed, exhausted, anywhere = self._agree(attempt)
+            failed, exhausted, anywhere = retry.agree(attempt)
             if not failed:
                 break
             optimizer.zero_grad(set_to_none=True)
             assert saved is not None  # failures come back only when recovering
             for module in state.modules:
                 self.recovery.reset_module(module)
-            self._restore(saved)
-            _release()
+            retry.restore(saved)
             if exhausted:
                 raise self.out_of_memory(attempt.message or "out of memory on another rank", 1)
-            self._log_retry(n, sizes, attempt)
+            retry.cut_smaller(n, sizes, attempt)
         if self.hold_back:
             for module, flags in zip(state.modules, anywhere, strict=True):
                 self.recovery.sync_held(module, flags)
-        if self._guard is not None and self._guard.changing is None and saved is not None:
-            with untraced():  # learns, once, which buffers the steps change
-                self._guard.succeeded(saved[0])
+        if saved is not None:
+            retry.succeeded(saved)
         self.check_gradients_once()  # a collective under DDP: only once every rank is here
         state.micro_step += config.accumulate
         state.stepped_at = state.micro_step
@@ -326,27 +310,9 @@ class Stepper:
 
         return watched
 
-    def refuse_collective_forward(self) -> None:
-        """SyncBatchNorm gathers statistics over the ranks inside the forward: a rank that
-        failed earlier would never join, and the others would wait until the timeout."""
-        self._collectives_checked = True
-        for module in self.state.modules:
-            synced = [
-                n
-                for n, m in user_model(module, self.strategy, self.precision).named_modules()
-                if isinstance(m, torch.nn.SyncBatchNorm)
-            ]
-            if synced:
-                raise ConfigError(
-                    f"oom='recover' cannot protect a model whose forward talks to the other "
-                    f"ranks (SyncBatchNorm at {', '.join(synced[:3])}): a rank that ran out of "
-                    "memory would leave the others waiting. Use oom='raise' or 'auto' (gpukit "
-                    "train --oom raise), or plain BatchNorm"
-                )
-
     def _attempt(
         self, batch: Any, sizes: list[int], compute_loss: Callable[[Any], torch.Tensor]
-    ) -> _Attempt:
+    ) -> Attempt:
         size = sizes[0]
         try:
             if len(sizes) == 1 and not self.hold_back:
@@ -359,8 +325,8 @@ class Stepper:
                 self.boundaries.beat("backward", self.state.global_step)
                 self.precision.backward(loss)
                 self._previous_loss = loss  # freed after the next forward (_whole_batch_step)
-                return _Attempt(loss=loss.detach())
-            return _Attempt(loss=self._micro_batches(batch, sizes, compute_loss))
+                return Attempt(loss=loss.detach())
+            return Attempt(loss=self._micro_batches(batch, sizes, compute_loss))
         except Exception as err:
             self._previous_loss = None
             if not is_oom(err):
@@ -370,7 +336,7 @@ class Stepper:
                 raise self.out_of_memory(err, size) from err
             # Only the message leaves this block: the exception's traceback holds the frames,
             # and with them every activation of the failed micro-batch.
-            return _Attempt(failed_size=size, message=str(err))
+            return Attempt(failed_size=size, message=str(err))
 
     def _micro_batches(
         self, batch: Any, sizes: list[int], compute_loss: Callable[[Any], torch.Tensor]
@@ -399,66 +365,11 @@ class Stepper:
         assert loss_sum is not None  # sizes is never empty
         return loss_sum
 
-    def _agree(self, attempt: _Attempt) -> tuple[bool, bool, list[list[bool]]]:
-        """(some rank failed, some rank failed with a micro-batch of one sample, the held
-        modules' flags agreed over the ranks): one ``any_rank``, so at most one read."""
-        failed = attempt.loss is None
-        exhausted = failed and attempt.failed_size <= 1
-        if not self.hold_back:  # this process alone decides: nothing to agree on, no read
-            return failed, exhausted, []
-        held = [self.recovery.held_flags(m) for m in self.state.modules]
-        agreed = self.strategy.any_rank([failed, exhausted, *itertools.chain(*held)])
-        anywhere, at = [], 2
-        for flags in held:
-            anywhere.append(agreed[at : at + len(flags)])
-            at += len(flags)
-        return agreed[0], agreed[1], anywhere
-
-    def _save(self) -> tuple[SavedBuffers, RngState]:
-        if self._guard is None or self._guarded != len(self.state.modules):
-            self._guarded = len(self.state.modules)  # setup only ever adds models
-            users = [user_model(m, self.strategy, self.precision) for m in self.state.modules]
-            self._guard = BufferGuard(users)
-            self._gpus = RngState.gpus_of(self.strategy.driven_devices)
-        return self._guard.save(), RngState(self._gpus)
-
-    def _restore(self, saved: tuple[SavedBuffers, RngState]) -> None:
-        buffers, rng = saved
-        assert self._guard is not None  # made by _save
-        self._guard.restore(buffers)
-        rng.restore()
-
-    def _log_retry(self, n: int, sizes: list[int], attempt: _Attempt) -> None:
-        state = self.state
-        state.oom_split *= 2
-        after = chunk_sizes(n, self.config.accumulate * state.oom_split)
-        event = {
-            "step": state.global_step,
-            "micro_batch_before": max(sizes),
-            "micro_batch_after": max(after),
-            "micro_batches": len(after),
-            "error": attempt.message.splitlines()[0] if attempt.message else "on another rank",
-        }
-        state.oom_events.append(event)
-        if self.strategy.rank == 0:
-            where = " on at least one rank" if self.strategy.distributed else ""
-            log.warning(
-                "out of memory at step %d with micro-batches of %d samples%s: retrying the "
-                "step as %d micro-batches of at most %d (the batch of %d is unchanged)",
-                state.global_step,
-                max(sizes),
-                where,
-                len(after),
-                max(after),
-                n * self.strategy.world_size,
-            )
-
     def close(self) -> None:
         """Let go of what holds the models: the last loss's graph, the clipping lists, etc."""
         self._previous_loss = None
         self._clip_params.clear()
-        self._guard = None
-        self._guarded = 0
+        self.retry.close()
 
     # -- explaining ------------------------------------------------------------------------------
     def out_of_memory(
@@ -489,12 +400,3 @@ class Stepper:
             micro_batch=micro_batch,
         )
         return OutOfMemory(str(explanation))
-
-
-def _release() -> None:
-    """Hand the failed step's memory back before trying again."""
-    gc.collect()
-    # One call empties the cache of every device; entering another device's scope first would
-    # create a CUDA context there (hundreds of MiB), on a GPU that is short of memory.
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()

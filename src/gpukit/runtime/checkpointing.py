@@ -1,0 +1,104 @@
+"""The Runtime's checkpoints: ``rt.save``, ``rt.load``, ``rt.resume`` and ``rt.full_state_dict``.
+
+What they save and how is :mod:`gpukit.checkpoint`; here is what the Runtime adds around it:
+the folder it defaults to, the heartbeat's phase, the check that every rank calls, the logging
+window closed before a save, and what a load tells the lifecycle and the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpukit import checkpoint
+from gpukit.errors import ConfigError
+from gpukit.lifecycle.boundaries import Lifecycle
+from gpukit.runtime.precision import Precision
+from gpukit.runtime.settings import Settings
+from gpukit.runtime.state import TrainState
+from gpukit.runtime.step import Stepper
+from gpukit.strategies import Strategy
+
+
+class Checkpointing:
+    """The checkpoint methods of :class:`~gpukit.Runtime`."""
+
+    config: Settings
+    state: TrainState
+    strategy: Strategy
+    precision: Precision
+    lifecycle: Lifecycle
+    stepper: Stepper
+    _ensure_ready: Callable[[], None]
+    _close_window: Callable[[], None]
+    print: Callable[..., None]
+
+    def save(self, directory: str | Path | None = None, keep: int | None = None) -> Path:
+        """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)
+        into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
+        (default: the Runtime's ``keep``).
+
+        Collective: every rank calls it (rank 0 writes the files, every rank gives its random
+        state and, under fsdp, writes its shards). Called on some ranks only, it fails within
+        30 s naming the ranks that did not call it."""
+        self._ensure_ready()
+        folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
+        if folder.is_file():
+            raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
+        self.lifecycle.beat("save", self.state.global_step)
+        self.strategy.check_every_rank_calls("rt.save")
+        self._close_window()
+        path = checkpoint.save(
+            Path(folder),
+            self.state,
+            self.strategy,
+            self.precision,
+            accumulate=self.config.accumulate,
+            keep=keep if keep is not None else self.config.keep,
+        )
+        self.lifecycle.saved(self.state.global_step)
+        return path
+
+    def load(self, directory: str | Path | None = None) -> dict[str, int]:
+        """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
+        returns its epoch and step. Nothing changes unless everything in it matches."""
+        self._ensure_ready()
+        folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
+        self.lifecycle.beat("load", self.state.global_step)
+        self.lifecycle.resumed = True  # an explicit load is the resume
+        progress = checkpoint.load(
+            folder, self.state, self.strategy, self.precision, self.config.accumulate
+        )
+        self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
+        self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
+        self.lifecycle.saved(self.state.global_step)
+        return progress
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The full weights of ``model`` (default: the one model ``setup`` saw) as plain CPU
+        tensors on rank 0, ``{}`` on the other ranks; under fsdp gathered from every rank's
+        shards. Collective: every rank calls it.
+
+        >>> import torch, gpukit as gk
+        >>> rt = gk.Runtime(devices="cpu")
+        >>> sorted(rt.full_state_dict(rt.setup(torch.nn.Linear(2, 1))))
+        ['bias', 'weight']
+        """
+        self._ensure_ready()
+        self.strategy.check_every_rank_calls("rt.full_state_dict")
+        return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
+
+    def resume(self) -> dict[str, int] | None:
+        """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
+        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
+        self.lifecycle.resumed = True
+        folder = self.lifecycle.folder
+        found = checkpoint.resumable(folder) if folder is not None else None
+        if found is None:
+            return None
+        progress = self.load(found)  # the one found: looking again would warn again
+        self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
+        return progress
