@@ -230,7 +230,7 @@ def test_the_search_finds_the_largest_micro_batch_of_any_rising_peak(
 ) -> None:
     # The search itself, over peaks of known shape: it must land exactly where a search of
     # every micro-batch would (0 when not even one sample fits).
-    from gpukit.planning import planner
+    from gpukit.planning import planner, search
     from gpukit.planning.result import DevicePeak
 
     asked: list[int] = []
@@ -245,4 +245,4 @@ def test_the_search_finds_the_largest_micro_batch_of_any_rising_peak(
     truth = max(every, default=0)
     assert plan.largest_micro_batch == truth, (asked, plan.notes)
     assert truth == 0 or truth in asked  # the answer was predicted, not extrapolated
-    assert len(asked) <= 2 + planner.SEARCH_STEPS
+    assert len(asked) <= 2 + search.SEARCH_STEPS

@@ -24,7 +24,8 @@ from typing import Any
 
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
-from gpukit.planning.planner import CHECKPOINTING, PRECISIONS, plan
+from gpukit.planning.arguments import CHECKPOINTING, PRECISIONS
+from gpukit.planning.planner import plan
 from gpukit.planning.targets import parse_bytes
 from gpukit.strategies import STRATEGIES
 

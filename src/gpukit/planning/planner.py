@@ -7,7 +7,7 @@ tensors, one rank standing for N) gives each device's peak tensor memory; where 
 the CUDA context and the caching allocator's reserve are added (measured when the plan is
 calibrated on the GPU itself, else the target's documented defaults). The step time comes
 from :mod:`gpukit.planning.timing`. The largest micro-batch that fits is searched with further
-predictions (see ``_largest_micro_batch``). The recommendation is the fastest plan that fits;
+predictions (see :mod:`gpukit.planning.search`). The recommendation is the fastest plan that fits;
 a plan that does not fit is planned again with the same global batch in smaller micro-batches
 and more accumulation.
 
@@ -19,26 +19,25 @@ and more accumulation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpukit.errors import ConfigError, GpukitError
-from gpukit.planning import registered
+from gpukit.planning import arguments, registered
+from gpukit.planning.arguments import CHECKPOINTING
 from gpukit.planning.calibrate import Calibration
 from gpukit.planning.closed_form import closed_form, model_facts
 from gpukit.planning.facts import ModelFacts
 from gpukit.planning.report import PlanReport
 from gpukit.planning.result import DevicePeak, Plan
+from gpukit.planning.search import largest_micro_batch
 from gpukit.planning.simulate import SimulationUnsupported, simulate
-from gpukit.planning.targets import Target, with_memory
-from gpukit.planning.targets import target as resolve_target
+from gpukit.planning.targets import Target
 from gpukit.planning.timing import step_time
-from gpukit.workloads.base import Workload, load_workload
-
-CHECKPOINTING = ("off", "full", "selective")
-PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
+from gpukit.workloads.base import Workload
 
 
 @dataclass(frozen=True)
@@ -88,26 +87,26 @@ def plan(
     or None for this machine; ``memory`` overrides its bytes. ``method``: "auto" (simulate
     where possible) or "closed-form" (instant). ``calibration``: measured on the target by
     :func:`gpukit.planning.calibrate.calibrate`."""
-    built = _workload(workload)
-    counts = _counts(devices)
-    _choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
-    chosen = _strategies(strategies, counts, activation_checkpointing)
+    built = arguments.workload(workload)
+    counts = arguments.counts(devices)
+    arguments.choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
+    chosen = arguments.strategies(strategies, counts, activation_checkpointing)
     if calibration is not None and not isinstance(calibration, Calibration):
         raise ConfigError(
             f"calibration={type(calibration).__name__}: give what "
             "gpukit.planning.calibrate.calibrate(...) returns, or None"
         )
-    goal = _target(target, memory)
+    goal = arguments.target(target, memory)
     setting = _Setting(
-        batch=_positive("batch", batch) if batch is not None else 0,
-        accumulate=_positive("accumulate", accumulate),
-        precision=_precision(precision, goal),
-        activation_checkpointing=_choice(
+        batch=arguments.positive("batch", batch) if batch is not None else 0,
+        accumulate=arguments.positive("accumulate", accumulate),
+        precision=arguments.precision(precision, goal),
+        activation_checkpointing=arguments.choice(
             "activation_checkpointing", activation_checkpointing, CHECKPOINTING
         ),
         optimizer=optimizer,
         target=goal,
-        method=_choice("method", method, ("auto", "closed-form")),
+        method=arguments.choice("method", method, ("auto", "closed-form")),
         calibration=calibration,
     )
     facts, facts_note = _facts(built, setting)
@@ -170,7 +169,7 @@ def _fitted(subject: _Subject, p: Plan) -> Plan | None:
 
 def _plan(subject: _Subject, strategy: str, n: int, micro: int, hint: int | None = None) -> Plan:
     """One case planned; ``hint``: a guess at its largest micro-batch (see
-    ``_largest_micro_batch``)."""
+    :func:`gpukit.planning.search.largest_micro_batch`)."""
     s = subject.setting
     notes = [subject.facts_note] if subject.facts_note else []
     peaks, method = _peaks(subject, strategy, n, micro, notes)
@@ -186,7 +185,8 @@ def _plan(subject: _Subject, strategy: str, n: int, micro: int, hint: int | None
         capacity_bytes=s.target.memory_bytes,
         method=method,  # type: ignore[arg-type]
     )
-    largest = _largest_micro_batch(subject, strategy, n, micro, base, notes, hint)
+    peak = functools.partial(_peak, subject, strategy, n)
+    largest = largest_micro_batch(peak, s.target.memory_bytes, micro, base.peak_bytes, notes, hint)
     timed = _timed(base, subject)
     return replace(timed, largest_micro_batch=largest, notes=tuple(notes))
 
@@ -239,79 +239,11 @@ def _simulated(subject: _Subject, strategy: str, n: int, micro: int) -> tuple[De
     )
 
 
-# Predictions the search for the largest micro-batch may make beyond the plan's own.
-SEARCH_STEPS = 8
-
-
-def _largest_micro_batch(
-    subject: _Subject,
-    strategy: str,
-    n: int,
-    micro: int,
-    base: Plan,
-    notes: list[str],
-    hint: int | None = None,
-) -> int | None:
-    """The largest micro-batch whose predicted peak fits, searched with predictions: the
-    peak grows with the micro-batch along a few straight pieces (which moment of the step
-    peaks can change), so each guess follows the line through the last two predictions and
-    stays between the largest micro-batch known to fit and the smallest known not to; 0 when
-    not even one sample fits, None when unknown (no capacity, or a prediction failed).
-    ``hint`` (the answer for the same case at another accumulation, most often the answer
-    here too or close to it) is tried first: when it fits and one more sample does not, that
-    settles it; otherwise the search starts from it instead of twice the micro-batch."""
+def _peak(subject: _Subject, strategy: str, n: int, micro: int) -> int:
+    """The largest of the devices' predicted peaks at ``micro``, overheads included."""
     s = subject.setting
-    capacity = s.target.memory_bytes
-    if capacity is None:
-        return None
-
-    def peak(m: int) -> int:
-        peaks, _ = _peaks(subject, strategy, n, m, [])
-        return max(_with_overheads(p, s, i).peak_bytes for i, p in enumerate(peaks))
-
-    seen = {micro: base.peak_bytes}
-
-    def predict(m: int) -> int:
-        if m not in seen:
-            seen[m] = peak(m)
-        return seen[m]
-
-    try:
-        if hint and predict(hint) <= capacity < predict(hint + 1):
-            return hint
-        # A peak that does not grow between the two (the optimizer step's moment can peak
-        # over a small micro-batch's backward) sends the search doubling, not giving up.
-        last = sorted((micro, hint if hint and hint != micro else 2 * micro))
-        predict(last[1])
-        nudged = False
-        for _ in range(SEARCH_STEPS):
-            lo = max((m for m, p in seen.items() if p <= capacity), default=0)
-            hi = min((m for m, p in seen.items() if p > capacity), default=None)
-            if hi is not None and hi - lo <= 1:
-                return lo
-            (x1, y1), (x2, y2) = ((m, seen[m]) for m in last)
-            slope = (y2 - y1) / (x2 - x1) if x2 != x1 else 0.0
-            guess = int(x2 + (capacity - y2) // slope) if slope > 0 else 2 * max(lo, 1)
-            # A line that lands on or past a bound says the answer is next to it: one step
-            # inside settles it, and bisecting (after one such step) keeps a bad line from
-            # crawling.
-            bound = hi if hi is not None else guess + 1
-            if not nudged and (guess <= lo or guess >= bound):
-                guess, nudged = (lo + 1 if guess <= lo else bound - 1), True
-            elif not lo < guess < bound or guess in seen:
-                guess, nudged = ((lo + hi) // 2 if hi is not None else 2 * max(lo, 1)), False
-            else:
-                nudged = False
-            if guess < 1 or guess in seen:
-                return lo
-            seen[guess] = peak(guess)
-            last = [last[-1], guess]
-    except GpukitError as err:
-        notes.append(f"largest micro-batch unknown: {err}")
-        return None
-    lo = max((m for m, p in seen.items() if p <= capacity), default=0)
-    notes.append(f"largest micro-batch: at least {lo} (the search stopped)")
-    return lo
+    peaks, _ = _peaks(subject, strategy, n, micro, [])
+    return max(_with_overheads(p, s, i).peak_bytes for i, p in enumerate(peaks))
 
 
 def _timed(base: Plan, subject: _Subject) -> Plan:
@@ -370,76 +302,6 @@ def _facts(built: Workload, s: _Setting) -> tuple[ModelFacts | None, str | None]
         return None, f"no closed form: {err}"
 
 
-def _workload(workload: Any) -> Workload:
-    if isinstance(workload, Workload):
-        return workload
-    if isinstance(workload, str):
-        return load_workload(workload, seed=0)
-    if callable(workload):
-        built = workload()
-        if isinstance(built, Workload):
-            return built
-        raise ConfigError(
-            f"the workload function returned {type(built).__name__}: return a gpukit Workload"
-        )
-    raise ConfigError(
-        f"workload={type(workload).__name__}: give a built-in's name (mlp, cnn, gpt), "
-        "'module:function', a Workload or a function returning one"
-    )
-
-
-def _counts(devices: int | Sequence[int]) -> list[int]:
-    values = [devices] if isinstance(devices, int) else list(devices)
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise ConfigError(
-            f"devices={devices!r}: give a device count of at least 1, or a list of them "
-            "(e.g. [1, 2, 8])"
-        )
-    return sorted(set(values))
-
-
-def _strategies(
-    strategies: Sequence[str] | None, counts: list[int], checkpointing: str
-) -> list[str]:
-    if strategies is None:
-        return registered.defaults(counts, checkpointing)
-    if isinstance(strategies, str):
-        strategies = [strategies]
-    chosen = list(strategies)
-    known = registered.names()
-    having = registered.with_checkpointing()
-    others = [c for c in chosen if c not in having]
-    if checkpointing != "off" and others:
-        first = having[0] if having else "..."
-        raise ConfigError(
-            f"activation_checkpointing={checkpointing!r} with {', '.join(map(str, others))}: "
-            f"activation checkpointing is an {' and '.join(having) or 'unused'} setting in "
-            f"gpukit (gpukit train --strategy {first} --activation-checkpointing ...); plan "
-            f"strategies={list(having)!r}, or leave activation_checkpointing='off' for the others"
-        )
-    unknown = [s for s in chosen if s not in known]
-    if unknown or not chosen:
-        raise ConfigError(f"strategies={chosen!r}: choose among {', '.join(known)}")
-    return [s for s in known if s in chosen]
-
-
-def _target(spec: str | Target | None, memory: int | None) -> Target:
-    goal = spec if isinstance(spec, Target) else resolve_target(spec)
-    if memory is not None:
-        goal = with_memory(goal, memory)
-    return goal
-
-
-def _precision(precision: str, goal: Target) -> str:
-    _choice("precision", precision, PRECISIONS)
-    if precision != "auto":
-        return precision
-    # What gpukit's "auto" picks on that device: bf16 autocast on GPUs that compute bf16.
-    if goal.kind != "cuda":
-        return "32"
-    return "bf16-mixed" if "bf16" in goal.peak_flops else "16-mixed"
-
-
 def _local_precision(precision: str) -> str:
     # The simulation runs on this CPU: 16-mixed's scaler is the GPU's business; its tensors
     # are those of bf16 autocast (two bytes each).
@@ -448,15 +310,3 @@ def _local_precision(precision: str) -> str:
 
 def _granularity(goal: Target) -> int:
     return 512 if goal.kind == "cuda" else 1
-
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r}: give a whole number of at least 1")
-    return value
-
-
-def _choice(name: str, value: Any, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r}: choose among {', '.join(allowed)}")
-    return str(value)
