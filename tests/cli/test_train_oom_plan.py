@@ -13,7 +13,7 @@ import gpukit as gk
 from gpukit._util.text import format_bytes
 from gpukit.cli import train
 from gpukit.cli.__main__ import build_parser, main
-from gpukit.diagnostics.oom import OOM_ERROR
+from gpukit.diagnostics.oom_message import OOM_ERROR
 from gpukit.planning import remedies
 
 GiB = 2**30

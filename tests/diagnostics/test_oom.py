@@ -13,7 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukit.diagnostics.oom import OomNumbers, explain, is_oom, parse
+from gpukit.diagnostics.oom import explain
+from gpukit.diagnostics.oom_message import OomNumbers, is_oom, parse
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.lifecycle.faults import injected_oom
 

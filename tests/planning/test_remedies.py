@@ -13,7 +13,7 @@ import torch
 
 import gpukit as gk
 from gpukit._util.text import format_bytes
-from gpukit.diagnostics.oom import OOM_ERROR
+from gpukit.diagnostics.oom_message import OOM_ERROR
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.planning import remedies
 from gpukit.planning.remedies import oom_capacity, plan_remedies, with_figures

@@ -40,7 +40,7 @@ from gpukit.bench.measure import Stats, check_devices, device_name, measure
 from gpukit.bench.plotting import figure, size_axes
 from gpukit.bench.result import BenchResult, Column
 from gpukit.devices import hw as _hw
-from gpukit.diagnostics.oom import OOM_ERROR
+from gpukit.diagnostics.oom_message import OOM_ERROR
 from gpukit.errors import ConfigError
 from gpukit.workloads.flops import peak_flops
 

@@ -42,7 +42,7 @@ from gpukit.bench.plotting import figure, size_axes
 from gpukit.bench.result import BenchResult, Column
 from gpukit.devices import hw as _hw
 from gpukit.devices import measured, nvml
-from gpukit.diagnostics.oom import OOM_ERROR
+from gpukit.diagnostics.oom_message import OOM_ERROR
 
 TITLE = "transfer: host<->device copies (pageable, pinned), device<->device, latency, overlap"
 

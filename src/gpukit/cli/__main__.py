@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 from gpukit import __version__
 from gpukit.cli import bench, devices, doctor, launch, plan, trace, train
-from gpukit.diagnostics.oom import explain, is_oom
+from gpukit.diagnostics.oom import explain
+from gpukit.diagnostics.oom_message import is_oom
 from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
 from gpukit.runtime import _launched_script

@@ -197,7 +197,8 @@ def _run_workload(name: str, steps: int) -> None:
 def _report_failure(err: BaseException) -> None:
     """A known error in words, with the line of the script that raised it; anything else with
     its whole traceback, as Python would show it."""
-    from gpukit.diagnostics.oom import explain, is_oom
+    from gpukit.diagnostics.oom import explain
+    from gpukit.diagnostics.oom_message import is_oom
     from gpukit.diagnostics.readable import explain_error
 
     if is_oom(err):

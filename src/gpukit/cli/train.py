@@ -69,7 +69,8 @@ from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, console
 from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
-from gpukit.diagnostics.oom import explain, is_oom
+from gpukit.diagnostics.oom import explain
+from gpukit.diagnostics.oom_message import is_oom
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from gpukit._util.text import described
-from gpukit.diagnostics import oom
+from gpukit.diagnostics import oom, oom_message
 from gpukit.diagnostics.rules.cuda import cudnn, device_assert, driver, no_kernel
 from gpukit.diagnostics.rules.devices import cross_device
 from gpukit.diagnostics.rules.distributed import distributed
@@ -71,7 +71,7 @@ def explain_error(err: BaseException) -> GpukitError | None:
         )
     if not isinstance(err, Exception):
         return None  # KeyboardInterrupt, SystemExit: never a torch failure to explain
-    if oom.is_oom(err):
+    if oom_message.is_oom(err):
         return OutOfMemory(str(oom.explain(err)))
     if not isinstance(err, (RuntimeError, IndexError)):
         # torch raises these failures as RuntimeError (DistBackendError, AcceleratorError are

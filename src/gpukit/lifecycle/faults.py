@@ -14,7 +14,7 @@ them.
   restarts.
 
 >>> err = injected_oom(64, 32)
->>> from gpukit.diagnostics.oom import is_oom, parse
+>>> from gpukit.diagnostics.oom_message import is_oom, parse
 >>> is_oom(err), parse(str(err)).requested == 64 * 2**20
 (True, True)
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpukit import _env
-from gpukit.diagnostics.oom import OOM_ERROR
+from gpukit.diagnostics.oom_message import OOM_ERROR
 from gpukit.errors import ConfigError
 
 KINDS = ("raise", "sigkill", "exit", "hang", "sigterm", "nan")

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from gpukit._util.text import format_bytes
-from gpukit.diagnostics.oom import parse
+from gpukit.diagnostics.oom_message import parse
 from gpukit.errors import ConfigError, GpukitError, OutOfMemory
 from gpukit.planning import registered
 from gpukit.planning.planner import plan
