@@ -17,7 +17,8 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from gpukit.diagnostics.oplog import OpRecord, TensorSpec, log_placement
+from gpukit.diagnostics.op_records import OpRecord, TensorSpec
+from gpukit.diagnostics.oplog import log_placement
 from gpukit.errors import ConfigError
 
 

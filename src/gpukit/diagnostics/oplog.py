@@ -23,11 +23,10 @@ Backward ops run after every module's forward has returned, so they are attribut
 from __future__ import annotations
 
 import io
-import math
 import os
 import threading
 from collections import Counter
-from typing import Any, Literal, NamedTuple, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 from torch import nn
@@ -37,61 +36,16 @@ from torch.nn.modules.module import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpukit._util import tree
 from gpukit._util.text import described
+from gpukit.diagnostics.op_records import FactKey, OpRecord, TensorSpec, fact, joined, specs
 from gpukit.diagnostics.oplog_summary import ModuleStats, PlacementSummary, device_counts
 from gpukit.errors import ConfigError
 
 Level = Literal["op", "module"]
 LEVELS: tuple[Level, ...] = ("op", "module")
 BACKWARD, NO_MODULE, ROOT = "(backward)", "(no module)", "(model)"
-# In-place copies write into a tensor that is also an input, so "an output on a device no input
-# is on" misses them; these ops are copies whenever their inputs span devices.
-_COPY_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"})
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _new = tuple.__new__  # NamedTuple without its Python-level __new__: the per-op path stays lean
-_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-           torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64"}  # fmt: skip
-
-
-class TensorSpec(NamedTuple):
-    """Device, shape and dtype of one tensor an op read or wrote; ``str()`` is ``cpu[8,32]f32``."""
-
-    device: torch.device
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def __str__(self) -> str:
-        dtype = _DTYPES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
-        return f"{self.device}[{','.join(map(str, self.shape))}]{dtype}"
-
-
-class OpRecord(NamedTuple):
-    """One op as it ran: its name, tensor inputs and outputs, and the innermost module."""
-
-    op: str  # e.g. "aten::addmm"
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]  # empty when the op returned no tensor, or raised
-    module: str  # qualified name with model=, else class name; or BACKWARD / NO_MODULE
-
-    @property
-    def device(self) -> str:
-        """Where the op ran: its first output's device, else its first input's, else ``-``."""
-        specs = self.outputs or self.inputs
-        return str(specs[0].device) if specs else "-"
-
-    def line(self) -> str:
-        """``aten::addmm  cpu <- cpu[2]f32, cpu[3,4]f32, ... -> cpu[3,2]f32  (0)``."""
-        return f"{self.op}  {self.device} <- {_join(self.inputs)} -> {_join(self.outputs)}  " + (
-            self.module if self.module.startswith("(") else f"({self.module})"
-        )
-
-
 _pid = [os.getpid()]  # this process's id, kept current in forked children (see _Mode)
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
@@ -107,9 +61,6 @@ class _Frame:
         self.ops: dict[str, int] = {}
 
 
-_Key = tuple[str, str, str, tuple[str, str] | None, tuple[str, ...] | None]
-
-
 class PlacementLog:
     """The context manager :func:`log_placement` returns; holds ``records`` or ``modules``."""
 
@@ -119,8 +70,8 @@ class PlacementLog:
         self.records: list[OpRecord] = []  # level="op"
         self.modules: dict[str, ModuleStats] = {}  # level="module", in order of first call
         self._file, self._model = file, model
-        self._counts: Counter[_Key] = Counter()  # level="module": what summary() needs
-        self._bytes: Counter[_Key] = Counter()
+        self._counts: Counter[FactKey] = Counter()  # level="module": what summary() needs
+        self._bytes: Counter[FactKey] = Counter()
         self._params: Counter[str] = Counter()  # parameter elements per device, modules that ran
         self._seen: set[int] = set()
         self._names: dict[int, str] = {}
@@ -199,7 +150,7 @@ class PlacementLog:
         if self.level == "op":
             counts, sizes = Counter(), Counter()
             for r in self.records:
-                key, nbytes = _fact(r.op, r.inputs, r.outputs, r.module)
+                key, nbytes = fact(r.op, r.inputs, r.outputs, r.module)
                 counts[key] += 1
                 sizes[key] += nbytes
         ops: Counter[str] = Counter()
@@ -245,7 +196,7 @@ class PlacementLog:
         stats: ModuleStats | None = None
         inputs: tuple[TensorSpec, ...] = ()
         if self.level == "module":
-            stats, inputs = self._stats(name, type(module).__name__), _specs(args)
+            stats, inputs = self._stats(name, type(module).__name__), specs(args)
             stats.calls += 1
             stats.inputs.update(str(s.device) for s in inputs)
         self._stack.append(_Frame(key, name, stats, inputs))
@@ -262,12 +213,12 @@ class PlacementLog:
         frame = stack[i]
         del stack[i:]  # also drops inner frames a raising forward left behind
         if frame.stats is not None:
-            outputs = _specs(output)
+            outputs = specs(output)
             frame.stats.outputs.update(str(s.device) for s in outputs)
             if self._out is not None:
                 label = frame.name if frame.name == frame.stats.type else (
                     f"{frame.name} ({frame.stats.type})")  # fmt: skip
-                self._out.write(f"{label}  {_join(frame.inputs)} -> {_join(outputs)}  "
+                self._out.write(f"{label}  {joined(frame.inputs)} -> {joined(outputs)}  "
                                 f"ops: {device_counts(frame.ops) or '-'}\n")  # fmt: skip
 
     def _stats(self, name: str, type_name: str) -> ModuleStats:
@@ -280,8 +231,8 @@ class PlacementLog:
         op = self._op_names.get(func)
         if op is None:
             op = self._op_names[func] = getattr(getattr(func, "_schema", None), "name", str(func))
-        inputs = _specs(args) + _specs(tuple(kwargs.values())) if kwargs else _specs(args)
-        outputs = _specs(out)
+        inputs = specs(args) + specs(tuple(kwargs.values())) if kwargs else specs(args)
+        outputs = specs(out)
         if not inputs and not outputs:
             return  # no tensor in or out (the profiler's record_function marks): no placement
         frame = None
@@ -298,7 +249,7 @@ class PlacementLog:
             if self._out is not None:
                 self._out.write(record.line() + "\n")
             return
-        key, nbytes = _fact(op, inputs, outputs, module)
+        key, nbytes = fact(op, inputs, outputs, module)
         self._counts[key] += 1
         if nbytes:
             self._bytes[key] += nbytes
@@ -377,71 +328,3 @@ def log_placement(
 def _is_text_stream(file: object) -> bool:
     binary = isinstance(file, (io.RawIOBase, io.BufferedIOBase))
     return not binary and callable(getattr(file, "write", None))
-
-
-def _spec(t: torch.Tensor) -> TensorSpec:
-    try:
-        shape = t.shape
-    except (RuntimeError, ValueError):  # e.g. ragged nested tensors: a log must never break a run
-        shape = torch.Size()
-    return _new(TensorSpec, (t.device, shape, t.dtype))
-
-
-# Values of op arguments that never hold a tensor: no walk for them.
-_PLAIN = (int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)  # fmt: skip
-
-
-def _specs(obj: Any) -> tuple[TensorSpec, ...]:
-    """The specs of the tensors in ``obj`` (an op's arguments or outputs, a module's inputs or
-    output), in order.
-
-    It runs for every op, whose arguments are tensors, plain values and lists of either (by the
-    op schemas): those are read here without the generators of a walk, which would cost
-    several times more; anything else (a module's dicts, dataclasses) goes through the walker.
-    """
-    if isinstance(obj, torch.Tensor):
-        return (_spec(obj),)
-    if type(obj) is not tuple and type(obj) is not list:
-        return () if isinstance(obj, _PLAIN) else _walked(obj)
-    found: list[TensorSpec] = []
-    for item in obj:
-        if isinstance(item, torch.Tensor):
-            found.append(_spec(item))
-        elif type(item) is list or type(item) is tuple:  # Tensor[], int[]: cat, view, foreach
-            for value in item:
-                if isinstance(value, torch.Tensor):
-                    found.append(_spec(value))
-                elif not isinstance(value, _PLAIN):
-                    found.extend(_walked(value))
-        elif not isinstance(item, _PLAIN):
-            found.extend(_walked(item))
-    return tuple(found)
-
-
-def _walked(obj: Any) -> tuple[TensorSpec, ...]:
-    return tuple(map(_spec, tree.tensors(obj)))
-
-
-def _fact(op: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-          module: str) -> tuple[_Key, int]:  # fmt: skip
-    """What summary() needs of one op: its kind (op, module, device, copy, mixed), bytes copied."""
-    specs = outputs or inputs
-    dev = str(specs[0].device) if specs else "-"
-    src, dst = {str(s.device) for s in inputs}, {str(s.device) for s in outputs}
-    copy, nbytes = None, 0
-    if src and dst and src != dst and (dst - src or (op in _COPY_OPS and src - dst)):
-        copy = (",".join(sorted(src - dst or src)), ",".join(sorted(dst - src or dst)))
-        nbytes = sum(s.nbytes for s in outputs)
-    elif op == "aten::_local_scalar_dense" and src and src != {"cpu"}:  # .item(): device->host
-        copy, nbytes = (dev, "cpu"), inputs[0].dtype.itemsize
-    mixed = None
-    if copy is None:
-        # CPU scalars are legal operands on any device (their value goes in as an argument).
-        devs = {str(s.device) for s in inputs if s.shape or s.device.type != "cpu"}
-        mixed = tuple(sorted(devs)) if len(devs) > 1 else None
-    return (op, module, dev, copy, mixed), nbytes
-
-
-def _join(specs: tuple[TensorSpec, ...]) -> str:
-    return ", ".join(map(str, specs)) or "-"
