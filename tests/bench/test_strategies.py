@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpukit._util.text import render_plain
-from gpukit.bench import prediction
+from gpukit.bench import prediction, strategy_runs
 from gpukit.bench import strategies as experiment
 from gpukit.bench.result import BenchResult
 from gpukit.devices import nvml
@@ -151,7 +151,7 @@ def test_a_configuration_that_fails_is_a_row_not_a_crash(monkeypatch) -> None:
     def broken(p: experiment.Planned, s: experiment.Settings) -> None:
         raise RuntimeError("boom: the details")
 
-    monkeypatch.setattr(experiment, "_measure", broken)
+    monkeypatch.setattr(strategy_runs, "measure_configuration", broken)
     result = experiment.run(quick=True, devices=[torch.device("cpu")])
     ran = [r for r in result.rows if r["status"] != "needs 2+ CUDA GPUs"]
     assert ran and all(r["status"] == "failed: RuntimeError: boom" for r in ran)
@@ -269,7 +269,7 @@ def test_a_prediction_that_fails_keeps_the_measurement(monkeypatch) -> None:
         seen.update(shape)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(experiment, "_measure", measured)
+    monkeypatch.setattr(strategy_runs, "measure_configuration", measured)
     monkeypatch.setattr(prediction, "simulate", simulate)
     planned = experiment.Planned("gpt", "single", 1, ("cpu",))
     row, raw = experiment._configuration(planned, experiment.settings(quick=True, gpus=0))

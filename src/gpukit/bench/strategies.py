@@ -31,6 +31,8 @@ Method:
   planner predicts it at the run's micro-batch and precision (:mod:`gpukit.bench.prediction`).
 
 A configuration that cannot run here is a row whose status says why, never a missing row.
+The configurations and their settings are :mod:`gpukit.bench.strategy_configs`'s; training
+and timing one is :mod:`gpukit.bench.strategy_runs`'s.
 
 >>> quick, full = settings(quick=True, gpus=0), settings(quick=False, gpus=8)
 >>> quick.workloads, full.workloads, full.counts[-1]
@@ -39,36 +41,33 @@ A configuration that cannot run here is a row whose status says why, never a mis
 
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpukit.bench import strategy_runs
 from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import check_devices
 from gpukit.bench.plotting import bar_labels, figure
 from gpukit.bench.prediction import predict, tensor_columns
 from gpukit.bench.result import BenchResult, Column
-from gpukit.devices import device as resolve_device
-from gpukit.devices import hw as _hw
-from gpukit.devices.utilization import UtilizationSampler
-from gpukit.diagnostics.memory import reset_peaks
-from gpukit.errors import ConfigError
-from gpukit.runtime.runtime import Runtime
-from gpukit.strategies import STRATEGIES, make_strategy
-from gpukit.train.loop import RUNTIME_DEFAULTS, TrainConfig, fit
-from gpukit.workloads import load_workload
+from gpukit.bench.strategy_configs import (
+    WORKLOADS,
+    Planned,
+    Settings,
+    default_batch,
+    kind,
+    plan,
+    settings,
+)
+from gpukit.strategies import STRATEGIES
+from gpukit.train.loop import RUNTIME_DEFAULTS
 
 TITLE = "Which multi-GPU strategy is fastest, and what does it do to memory on the first GPU?"
-WORKLOADS = ("cnn", "gpt")
-QUICK_WORKLOADS = ("gpt",)  # the workload whose gathered outputs (logits) weigh the most
 MiB = 2**20
-CPU_ONLY_REASON = "needs 2+ CUDA GPUs"
 
 COLUMNS = (
     Column("workload"),
@@ -87,103 +86,6 @@ COLUMNS = (
     Column("tensors_error", "error", "%", 2),
     Column("status"),
 )
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What each configuration runs: per-device batch (None: the workload's), untimed and
-    timed steps, and rounds (the median is reported)."""
-
-    workloads: tuple[str, ...]
-    counts: tuple[int, ...]
-    batch: int | None
-    warmup: int
-    steps: int
-    rounds: int
-
-
-def settings(quick: bool, gpus: int) -> Settings:
-    """What ``run`` measures with ``gpus`` GPUs: 1..N devices (1 and 2 in quick mode, and on
-    CPUs, where "devices" are processes sharing the same cores).
-
-    >>> settings(quick=False, gpus=4).counts, settings(quick=True, gpus=4).counts
-    ((1, 2, 3, 4), (1, 2))
-    """
-    if quick:
-        return Settings(QUICK_WORKLOADS, (1, 2), batch=16, warmup=2, steps=10, rounds=1)
-    counts = tuple(range(1, max(gpus, 2) + 1))
-    return Settings(WORKLOADS, counts, batch=None, warmup=5, steps=40, rounds=2)
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One configuration: its devices, or the reason it cannot run here (devices None)."""
-
-    workload: str
-    strategy: str
-    count: int
-    devices: tuple[str, ...] | None
-    reason: str | None = None
-
-
-def plan(workloads: Sequence[str], gpus: Sequence[str], counts: Sequence[int]) -> list[Planned]:
-    """Every configuration to report, on the first k of ``gpus`` for each k of ``counts``
-    (no GPUs: k CPU processes).
-
-    A strategy that takes one device appears at 1 device only. Without GPUs, a strategy that
-    drives several devices from one process gets one row saying it needs GPUs: its replicas
-    would share the same cores and memory (a test path, not a measurement).
-
-    >>> for p in plan(["gpt"], [], (1, 2)):
-    ...     print(p.strategy, p.count, p.devices, p.reason)
-    single 1 ('cpu',) None
-    dp 2 None needs 2+ CUDA GPUs
-    dp-balanced 2 None needs 2+ CUDA GPUs
-    ddp 1 ('cpu',) None
-    ddp 2 ('cpu', 'cpu') None
-    fsdp 1 ('cpu',) None
-    fsdp 2 ('cpu', 'cpu') None
-    >>> [(p.strategy, p.count, p.reason) for p in plan(["cnn"], ["cuda:0"], (1, 2))][1:3]
-    [('dp', 1, None), ('dp', 2, 'needs 2 CUDA GPUs; 1 given')]
-    """
-    found = []
-    for workload in workloads:
-        for name in STRATEGIES:
-            one_device, drives_several = _kind(name)
-            for k in counts:
-                if one_device and k > 1:
-                    continue
-                if len(gpus) >= k:
-                    found.append(Planned(workload, name, k, tuple(gpus[:k])))
-                elif gpus:
-                    why = f"needs {k} CUDA GPUs; {len(gpus)} given"
-                    found.append(Planned(workload, name, k, None, why))
-                elif not drives_several:
-                    found.append(Planned(workload, name, k, ("cpu",) * k))
-                elif k > 1:
-                    found.append(Planned(workload, name, k, None, CPU_ONLY_REASON))
-    return found
-
-
-@functools.cache
-def default_batch(workload: str) -> int:
-    """The batch ``workload`` trains on by default: what each device gets in a full run.
-
-    >>> default_batch("gpt")
-    32
-    """
-    return load_workload(workload).batch_size
-
-
-def _kind(name: str) -> tuple[bool, bool]:
-    """(takes one device only, drives several devices from one process), asked of the
-    strategy itself on two CPU devices."""
-    strategy = make_strategy(name)
-    try:
-        strategy.configure([resolve_device("cpu"), resolve_device("cpu")])
-    except ConfigError:
-        return True, False
-    return False, len(strategy.driven_devices) > 1
 
 
 def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> BenchResult:
@@ -219,7 +121,7 @@ def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, A
     if p.devices is None:
         return {**row, "status": p.reason}, {**raw, "status": p.reason}
     try:
-        rounds, last = _measure(p, s)
+        rounds, last = strategy_runs.measure_configuration(p, s)
     except Exception as err:  # one broken configuration must not cost the others
         reason = f"{type(err).__name__}: {err}"
         short = ": ".join(reason.split(": ", 2)[:2])  # the error's type and its first clause
@@ -243,86 +145,6 @@ def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, A
     return row, raw
 
 
-def _measure(p: Planned, s: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rounds of (``warmup`` steps, ``warmup + steps`` steps) runs: their samples/s, and the
-    last longer run's memory and utilisation."""
-    settings_rt = {**RUNTIME_DEFAULTS, "strategy": p.strategy, "devices": list(p.devices or [])}
-    probe = Runtime(**settings_rt)  # a configuration the Runtime refuses fails here, at once
-    in_process, world = not probe.strategy.needs_launch, probe.world_size
-    probe.teardown()
-    batch = (s.batch or default_batch(p.workload)) * p.count  # fit's batch is global
-    short = TrainConfig(
-        workload=p.workload,
-        epochs=s.warmup + s.steps,  # at least one step per epoch: never short of steps
-        max_steps=s.warmup,
-        batch_size=batch,
-        progress=False,
-        sample=False,
-    )
-    longer = replace(short, max_steps=s.warmup + s.steps)
-    # The processes of one launch share the cores: each gets its share (torchrun gives each
-    # one thread), so k processes never run more threads than there are cores.
-    threads = None if in_process else max(1, _hw.cpu_cores()[1] // world)
-    devices = list(p.devices or [])
-    if in_process:
-        _launch(settings_rt, short, threads, devices)  # untimed: first use in this process
-    rounds, last = [], {}
-    for _ in range(s.rounds):
-        first = _launch(settings_rt, short, threads, devices)
-        last = _launch(settings_rt, longer, threads, devices)
-        taken = last["seconds"] - first["seconds"]
-        rounds.append(
-            {
-                "warmup_seconds": first["seconds"],
-                "total_seconds": last["seconds"],
-                # Noise can make a tiny difference negative: then the whole run's rate.
-                "samples_per_s": s.steps * batch / taken if taken > 0 else last["fit_rate"],
-                "method": "difference" if taken > 0 else "whole run",
-                "fit_samples_per_s": last["fit_rate"],
-            }
-        )
-    last.update(in_process=in_process, threads_per_process=threads)
-    return rounds, last
-
-
-def _launch(
-    settings_rt: dict[str, Any], config: TrainConfig, threads: int | None, devices: list[str]
-) -> dict[str, Any]:
-    """One ``fit`` with a fresh Runtime: its loop time, memory rows and GPU utilisation."""
-    rt = Runtime(**settings_rt)
-    try:
-        reset_peaks(devices)  # the report's peaks are this run's, not an earlier one's
-        with UtilizationSampler([torch.device(d) for d in devices]) as util:
-            metrics = rt.launch(_measured_fit, config, threads)
-    finally:
-        rt.teardown()  # drops the run's model and collects it: it lives in this process
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # for the next configuration, or DDP's processes
-    end, seconds = metrics["ended_at"], metrics["seconds"]
-    return {
-        "seconds": seconds,
-        "fit_rate": metrics["samples_per_s"],
-        # Per device: dp's one process splits its micro-batch over the devices it drives.
-        "micro_batch": metrics["micro_batch"] * metrics["world_size"] // len(devices),
-        "precision": metrics["precision"],
-        "memory": metrics["memory"]["devices"],
-        "model_state": metrics.get("model_state"),
-        "utilization": {
-            k: v.to_dict() if v else None for k, v in util.stats(end - seconds, end).items()
-        },
-        "utilization_error": util.error,
-    }
-
-
-def _measured_fit(rt: Runtime, config: TrainConfig, threads: int | None) -> dict[str, Any]:
-    """``fit`` on every rank, and when it ended by the machine's clock (module level, so
-    that spawned processes can import it)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
-    metrics = fit(rt, config)
-    return {**metrics, "ended_at": time.time()} if metrics else metrics
-
-
 def _imbalance(memory: list[dict[str, Any]]) -> float | None:
     """The first device's peak over the mean of the others' (None for one device)."""
     others = [m["peak"] for m in memory[1:]]
@@ -333,7 +155,7 @@ def _imbalance(memory: list[dict[str, Any]]) -> float | None:
 
 
 def _add_efficiency(rows: list[dict[str, Any]]) -> None:
-    one_device = [n for n in STRATEGIES if _kind(n)[0]]
+    one_device = [n for n in STRATEGIES if kind(n)[0]]
     base = {
         (r["workload"], r["strategy"]): r["samples_per_s"]
         for r in rows
