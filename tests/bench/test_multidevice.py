@@ -15,6 +15,7 @@ import torch
 
 from gpukit._util.text import render_plain
 from gpukit.bench import multidevice as md
+from gpukit.bench import powers
 from gpukit.bench.result import BenchResult
 from gpukit.errors import ConfigError
 
@@ -51,7 +52,7 @@ def test_the_result_keeps_raw_timings_summary_and_notes(quick: BenchResult) -> N
     assert set(quick.summary) == {f"speed-up, {r['setup']}" for r in quick.rows[1:]}
     assert all(math.isfinite(v) and v > 0 for v in quick.summary.values())
     assert any("not two devices" in note for note in quick.notes)
-    assert quick.parameters["power"] == md.POWER == 10
+    assert quick.parameters["power"] == powers.POWER == 10
     assert torch.get_num_threads() == quick.parameters["threads"]  # restored after the 1s
     again = BenchResult.from_dict(json.loads(json.dumps(quick.to_dict())))
     assert again.rows == quick.rows
@@ -82,37 +83,37 @@ def test_every_way_of_computing_gives_the_same_c() -> None:
     assert torch.isfinite(reference).all()
     with ThreadPoolExecutor(2) as pool:
         results = [
-            md.one_after_the_other((a, b)),
-            md.sum_of_powers((a, b)),
-            md.in_two_threads((a, b), pool),
+            powers.one_after_the_other((a, b)),
+            powers.sum_of_powers((a, b)),
+            powers.in_two_threads((a, b), pool),
         ]
-    assert all(md.matches(c, reference) for c in results)
+    assert all(powers.matches(c, reference) for c in results)
 
 
 def test_two_threads_each_compute_with_one_intra_op_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: list[tuple[str, int]] = []
-    power = md.power
+    power = powers.power
 
-    def spy(m: torch.Tensor, n: int = md.POWER) -> torch.Tensor:
+    def spy(m: torch.Tensor, n: int = powers.POWER) -> torch.Tensor:
         seen.append((threading.current_thread().name, torch.get_num_threads()))
         return power(m, n)
 
-    monkeypatch.setattr(md, "power", spy)
+    monkeypatch.setattr(powers, "power", spy)
     before = torch.get_num_threads()
     with ThreadPoolExecutor(2, thread_name_prefix="worker") as pool:
-        md.in_two_threads((torch.eye(4), torch.eye(4)), pool)
+        powers.in_two_threads((torch.eye(4), torch.eye(4)), pool)
     assert len(seen) == 2 and all(name.startswith("worker") and n == 1 for name, n in seen)
     assert torch.get_num_threads() == before  # the caller's setting is untouched
 
 
 def test_matches_tells_a_wrong_result_apart() -> None:
     c = torch.randn(8, 8)
-    assert md.matches(c, c + 1e-7) and md.matches((c, c), (c, c))
-    assert not md.matches(c, c * 1.1)
-    assert not md.matches(c * float("nan"), c)
-    assert not md.matches(c[:4], c) and not md.matches((c,), (c, c))
+    assert powers.matches(c, c + 1e-7) and powers.matches((c, c), (c, c))
+    assert not powers.matches(c, c * 1.1)
+    assert not powers.matches(c * float("nan"), c)
+    assert not powers.matches(c[:4], c) and not powers.matches((c,), (c, c))
 
 
 def test_the_plot_is_drawn_from_the_stored_result(quick: BenchResult, tmp_path: Path) -> None:
@@ -143,8 +144,8 @@ def test_on_one_gpu_two_streams_and_cpu_plus_gpu_give_the_same_c() -> None:
     assert 1.0 <= overlapped["ideal"] <= 2.0  # bounded by the slower of the two devices
     a, b = (torch.randn(256, 256, device=GPU0) / 16 for _ in range(2))
     streams = (torch.cuda.Stream(GPU0), torch.cuda.Stream(GPU0))
-    two = md.on_two_streams((a, b), streams)
-    assert md.matches(two, md.sum_of_powers((a, b)))
+    two = powers.on_two_streams((a, b), streams)
+    assert powers.matches(two, powers.sum_of_powers((a, b)))
 
 
 @pytest.mark.multigpu
