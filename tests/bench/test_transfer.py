@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukit.bench import transfer
+from gpukit.bench import transfer, transfer_table
 from gpukit.bench.result import BenchResult
 from gpukit.devices import measured
 from gpukit.errors import ConfigError
@@ -128,7 +128,7 @@ def test_a_store_that_cannot_be_written_costs_a_note_not_the_result(
 
 def test_summary_of_a_gpu_has_ratios_shares_and_latencies() -> None:
     r = BenchResult("transfer", "t", (), ())
-    transfer._summarise(r, "cuda:0", FIGURES, peak=31.5e9, gain=1.8)
+    transfer_table.summarise(r, "cuda:0", FIGURES, peak=31.5e9, gain=1.8)
     s = r.summary
     assert s["cuda:0 h2d pinned best GB/s"] == 25.0 and s["cuda:0 h2d pageable best GB/s"] == 10.0
     assert s["cuda:0 h2d pinned/pageable ×"] == pytest.approx(2.5)
@@ -139,7 +139,7 @@ def test_summary_of_a_gpu_has_ratios_shares_and_latencies() -> None:
     assert s["cuda:0 d2h latency µs"] == pytest.approx(12.0)
     assert s["cuda:0 overlap gain ×"] == 1.8
     unknown = BenchResult("transfer", "t", (), ())
-    transfer._summarise(unknown, "cuda:0", FIGURES, peak=None, gain=None)
+    transfer_table.summarise(unknown, "cuda:0", FIGURES, peak=None, gain=None)
     assert unknown.summary["cuda:0 PCIe peak GB/s"] is None
     assert "cuda:0 h2d pinned % of PCIe peak" not in unknown.summary
 

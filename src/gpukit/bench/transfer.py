@@ -39,7 +39,8 @@ from gpukit._util.text import format_bytes
 from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import Stats, check_devices, device_name, measure, stats
 from gpukit.bench.plotting import figure, size_axes
-from gpukit.bench.result import BenchResult, Column
+from gpukit.bench.result import BenchResult
+from gpukit.bench.transfer_table import COLUMNS, KEYS, add_row, gbps, notes, summarise
 from gpukit.devices import hw as _hw
 from gpukit.devices import measured, nvml
 from gpukit.diagnostics.oom_message import OOM_ERROR
@@ -54,19 +55,6 @@ LATENCY_BATCH = 100  # tiny copies per timed call: one host clock read per copy 
 FULL = {"repeats": 30, "min_repeats": 5, "budget_s": 1.0}
 QUICK = {"repeats": 10, "min_repeats": 3, "budget_s": 0.1}
 OVERLAP_N = {True: 2048, False: 4096}  # the matmul's side, quick and full
-
-COLUMNS = (
-    Column("device"),
-    Column("test"),
-    Column("memory"),
-    Column("mode"),
-    Column("size"),
-    Column("us", "time", "µs"),
-    Column("gbps", "bandwidth", "GB/s", 2),
-    Column("pcie_pct", "of PCIe peak", "%", 1),
-    Column("note"),
-)
-KEYS = ("device", "test", "memory", "mode", "size")  # each row also has its "bytes"
 
 
 def run(
@@ -83,7 +71,7 @@ def run(
         title=TITLE,
         keys=KEYS,
         columns=COLUMNS,
-        notes=_notes(bool(gpus)),
+        notes=notes(bool(gpus), LATENCY_BATCH),
         parameters={
             "sizes": list(sizes),
             "quick": quick,
@@ -122,10 +110,10 @@ def _host(
         ]
         s = measure(lambda p: p[1].copy_(p[0]), dev, inputs=pairs, **timing)
         del pairs
-        best = max(best, _add(result, label, "h2h", "pageable", "blocking", size, s))
+        best = max(best, add_row(result, label, "h2h", "pageable", "blocking", size, s))
     src, dst = torch.ones(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float32)
     tiny = _latency(lambda: dst.copy_(src), dev, timing)
-    _add(result, label, "h2h latency", "pageable", "blocking", 4, tiny)
+    add_row(result, label, "h2h latency", "pageable", "blocking", 4, tiny)
     result.summary[f"{dev} h2h best GB/s"] = best / 1e9
     result.summary[f"{dev} h2h latency µs"] = tiny.median * 1e6
 
@@ -160,14 +148,14 @@ def _gpu(
         host, on_dev = torch.ones(1), torch.zeros(1, device=dev)  # 4 bytes, pageable
         h2d = _latency(lambda: on_dev.copy_(host), dev, timing)
         d2h = _latency(lambda: host.copy_(on_dev), dev, timing)
-        _add(result, label, "h2d latency", "pageable", "blocking", 4, h2d)
-        _add(result, label, "d2h latency", "pageable", "blocking", 4, d2h)
+        add_row(result, label, "h2d latency", "pageable", "blocking", 4, h2d)
+        add_row(result, label, "d2h latency", "pageable", "blocking", 4, d2h)
         gain = _overlap(result, dev, best.get("h2d pinned"), sizes[-1], timing, quick)
         _free()
     if peak and max(best.get("h2d pinned", 0.0), best.get("d2h pinned", 0.0)) > 1.1 * peak:
         # Faster than the PCIe link can carry: the host link is another (NVLink-C2C).
         result.notes.append(
-            f"{label}: copies beat the {_gbps(peak)} GB/s of its PCIe link, so "
+            f"{label}: copies beat the {gbps(peak)} GB/s of its PCIe link, so "
             "they do not take it (NVLink-C2C?): no share of its peak"
         )
         peak = None
@@ -175,7 +163,7 @@ def _gpu(
             if row["device"] == label:
                 row["pcie_pct"] = None
     elif link is not None:
-        result.notes.append(f"{label}: {link.describe()}, {_gbps(peak)} GB/s each way at best")
+        result.notes.append(f"{label}: {link.describe()}, {gbps(peak)} GB/s each way at best")
     else:
         result.notes.append(f"{label}: PCIe link unknown (no NVML): no share of its peak")
     if peer is not None:
@@ -184,7 +172,7 @@ def _gpu(
         result.notes.append(f"{label} -> {peer}: peer access {access}")
     figures = {f"{k.replace(' ', '_')}_bps": v for k, v in best.items()}
     figures.update(h2d_latency_s=h2d.median, d2h_latency_s=d2h.median)
-    _summarise(result, short, figures, peak, gain)
+    summarise(result, short, figures, peak, gain)
     if remember:
         _remember(result, props.name, figures, quick)
 
@@ -232,7 +220,7 @@ def _bandwidths(
             s = measure(work, [dev, peer], inputs=pairs, clock="host", **timing)
         else:
             s = measure(work, dev, inputs=pairs, clock="events", **timing)
-        bps = _add(result, label, test, memory, mode, size, s, peak if test != "d2d" else None)
+        bps = add_row(result, label, test, memory, mode, size, s, peak if test != "d2d" else None)
         key = f"{test} {memory}" if test != "d2d" else ("d2d peer" if peer else "d2d local")
         best[key] = max(best.get(key, 0.0), bps)
     return True  # the buffers go with this frame, before the caller empties the cache
@@ -275,10 +263,10 @@ def _overlap(
     both = measure(overlapped, dev, clock="host", **timing)
     gain = serial.median / both.median
     ideal = (copy.median + product.median) / max(copy.median, product.median)
-    _add(result, label, "overlap", "pinned", f"matmul {n}² alone", size, product, count=False)
-    _add(result, label, "overlap", "pinned", "copy alone", size, copy)
-    _add(result, label, "overlap", "pinned", "copy, then matmul", size, serial, count=False)
-    _add(result, label, "overlap", "pinned", "copy ∥ matmul", size, both, count=False)
+    add_row(result, label, "overlap", "pinned", f"matmul {n}² alone", size, product, count=False)
+    add_row(result, label, "overlap", "pinned", "copy alone", size, copy)
+    add_row(result, label, "overlap", "pinned", "copy, then matmul", size, serial, count=False)
+    add_row(result, label, "overlap", "pinned", "copy ∥ matmul", size, both, count=False)
     result.rows[-1]["note"] = f"{gain:.2f}× faster than one after the other (at best {ideal:.2f}×)"
     result.summary[f"{dev} overlap at best ×"] = ideal
     return gain  # the tensors go with this frame, before the caller empties the cache
@@ -293,61 +281,6 @@ def _latency(copy: Callable[[], object], dev: torch.device, timing: dict[str, An
 
     s = measure(batch, dev, clock="host", **timing)
     return stats([v / LATENCY_BATCH for v in s.raw])
-
-
-def _add(
-    result: BenchResult,
-    label: str,
-    test: str,
-    memory: str,
-    mode: str,
-    size: int,
-    s: Stats,
-    peak: float | None = None,
-    count: bool = True,
-) -> float:
-    """Append a row (and its raw timings); returns its bytes per second (0 when ``count`` is
-    False: the time is not that of moving ``size`` bytes alone)."""
-    bps = size / s.median if count and s.median > 0 else 0.0
-    row: dict[str, Any] = {
-        "device": label,
-        "test": test,
-        "memory": memory,
-        "mode": mode,
-        "bytes": size,
-        "size": format_bytes(size),
-        "us": s.median * 1e6,
-    }
-    if bps and "latency" not in test:
-        row["gbps"] = bps / 1e9
-        row["pcie_pct"] = 100 * bps / peak if peak else None
-    result.rows.append(row)
-    keys = {k: row[k] for k in KEYS}
-    result.raw["stats"].append({**keys, "bytes": size, "stats": s.to_dict()})
-    return bps
-
-
-def _summarise(
-    result: BenchResult,
-    dev: str,
-    figures: dict[str, float],
-    peak: float | None,
-    gain: float | None,
-) -> None:
-    s = result.summary
-    for key, value in figures.items():
-        if key.endswith("_bps"):
-            s[f"{dev} {key[:-4].replace('_', ' ')} best GB/s"] = value / 1e9
-    for way in ("h2d", "d2h"):
-        pinned, pageable = figures.get(f"{way}_pinned_bps"), figures.get(f"{way}_pageable_bps")
-        if pinned and pageable:
-            s[f"{dev} {way} pinned/pageable ×"] = pinned / pageable
-        if pinned and peak:
-            s[f"{dev} {way} pinned % of PCIe peak"] = 100 * pinned / peak
-    s[f"{dev} PCIe peak GB/s"] = peak / 1e9 if peak else None
-    s[f"{dev} h2d latency µs"] = figures["h2d_latency_s"] * 1e6
-    s[f"{dev} d2h latency µs"] = figures["d2h_latency_s"] * 1e6
-    s[f"{dev} overlap gain ×"] = gain
 
 
 def _remember(result: BenchResult, name: str, figures: dict[str, float], quick: bool) -> None:
@@ -394,37 +327,6 @@ def _free() -> None:
     empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     if empty_host is not None:
         empty_host()
-
-
-def _gbps(bps: float | None) -> str:
-    return f"{bps / 1e9:.1f}" if bps else "?"
-
-
-def _notes(gpus: bool) -> list[str]:
-    notes = [
-        "time: median of the repeats of one copy of `size` bytes; bandwidth: size / time, in "
-        "GB/s (1e9 bytes/s)",
-    ]
-    if not gpus:
-        return [
-            *notes,
-            "no GPU here: host<->device rows need one; h2h is copy_ between two host tensors "
-            "(the host memory's speed: it reads and writes every byte), h2h latency one 4-byte "
-            "copy_ (the cost of one torch op)",
-        ]
-    return [
-        *notes,
-        "h2d/d2h: pageable copies block (torch stages them through a pinned buffer), pinned "
-        "ones are queued with non_blocking=True; both timed with CUDA events",
-        "of PCIe peak: over the link's peak in one direction, lanes × per-lane rate at its "
-        "best generation (gen3 0.985, gen4 1.969, gen5 3.938 GB/s per lane); packet overhead "
-        "keeps the best copies near 80-90% of it",
-        "d2d within one GPU reads and writes every byte: its memory moves twice the GB/s shown",
-        f"latency: one blocking 4-byte copy as the host waits for it (host clock, batches of "
-        f"{LATENCY_BATCH}); a d2h read-back is one round trip, the least .item() costs",
-        "overlap: copy ∥ matmul queues a pinned copy on a side stream and the matmul on the "
-        "default one; its note compares it with a blocking copy, then the matmul",
-    ]
 
 
 def plot(result: BenchResult, path: Path) -> None:
