@@ -114,13 +114,18 @@ def test_the_root_holds_few_modules_and_the_rest_is_in_rooms() -> None:
     assert rooms == ROOMS
 
 
-def test_no_module_is_over_500_lines() -> None:
+# Well before the 500 lines where a module is past due: a module near the cap is split by the
+# concepts it holds, not cut at a line count when it overflows.
+MAX_LINES = 450
+
+
+def test_no_module_is_over_450_lines() -> None:
     long = {
         str(p.relative_to(PACKAGE)): n
         for p in MODULES
-        if (n := len(p.read_text().splitlines())) > 500
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
-    assert not long, f"split these by concept: {long}"
+    assert not long, f"over {MAX_LINES} lines, split by concept: {long}"
 
 
 def test_no_import_cycle() -> None:
