@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
