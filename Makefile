@@ -1,4 +1,4 @@
-# `make test` and `make demo` each build .venv on first use, then run.
+# `make test`, `make test-fast` and `make demo` each build .venv on first use, then run.
 # Without an NVIDIA GPU the CPU build of torch is installed (the default wheel pulls several GB
 # of CUDA libraries); override with `make TORCH_SPEC=... test`.
 PYTHON ?= python3
@@ -13,7 +13,13 @@ STAMP := $(VENV)/.installed
 # first of .venv's python or $(PYTHON) (torch, numpy, rich, matplotlib, nvidia-ml-py, pytest).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
-.PHONY: install test demo lint clean gpu-check
+# `make test-fast` runs every test that starts no process: those marked `processes` are left
+# out, and tests/conftest.py fails an unmarked test that starts one. `make test` runs them all.
+# Both spread the tests over TEST_WORKERS pytest-xdist workers; the tests that time signals,
+# grace periods and hangs share one worker (`xdist_group("timing")`), so they run one at a time.
+TEST_WORKERS ?= 2
+
+.PHONY: install test test-fast demo lint clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +30,10 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not processes"
 
 # About a minute on 2 CPU cores: 150 steps of the gpt workload into runs/demo/, started afresh.
 DEMO_OUT ?= runs/demo

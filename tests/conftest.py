@@ -1,8 +1,14 @@
-"""Shared fixtures: a clean environment for every test, and a machine with pretend GPUs."""
+"""Shared fixtures: a clean environment for every test, and a machine with pretend GPUs; and
+the guard that keeps `make test-fast` honest: a test that starts a process must say so."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import multiprocessing.process
+import os
+import subprocess
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -13,10 +19,88 @@ from gpukit.devices import hw as _hw
 
 GiB = 1024**3
 
+PROCESS_GUARD_MESSAGE = "this test starts a process: mark it @pytest.mark.processes"
+
+
+class ProcessGuard:
+    """Fails a test not marked ``processes`` that starts a process (a subprocess, a fork, a
+    spawned rank, a DataLoader worker): `make test-fast` leaves out only the marked tests, so
+    an unmarked one that starts processes would slow the fast lane down unseen.
+
+    The process-starting calls are wrapped once per session. While an unmarked test runs (its
+    fixtures' setup and teardown included) they raise pytest's failure, which ``except
+    Exception`` does not swallow; a test that passes all the same (the call was made on a
+    thread of its own, or caught) is reported failed."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.armed = False
+        self.started: list[str] = []
+        self._wrap(subprocess.Popen, "__init__", "a subprocess")
+        self._wrap(multiprocessing.process.BaseProcess, "start", "a multiprocessing process")
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                self._wrap(os, name, f"os.{name}")
+
+    def _wrap(self, owner: object, name: str, what: str) -> None:
+        original: Callable[..., object] = getattr(owner, name)
+        guard = self
+
+        def guarded(*args: object, **kwargs: object) -> object:
+            if guard.armed and os.getpid() == guard.pid:
+                guard.started.append(what)
+                pytest.fail(f"{PROCESS_GUARD_MESSAGE} (it started {what})")
+            return original(*args, **kwargs)
+
+        # Under the original's name, so that pickles naming it (os.system) still resolve.
+        functools.update_wrapper(guarded, original)
+        if isinstance(owner, types.ModuleType):
+            guarded.__module__ = owner.__name__
+        setattr(owner, name, guarded)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Iterator[None]:
+        self.pid = os.getpid()
+        self.started = []
+        self.armed = item.get_closest_marker("processes") is None
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Iterator[None]:
+        try:
+            return (yield)
+        finally:
+            self.armed = False
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Iterator[pytest.TestReport]:
+        report: pytest.TestReport = yield
+        if self.started:
+            if report.passed:
+                report.outcome = "failed"
+                report.longrepr = f"{PROCESS_GUARD_MESSAGE} (it started {self.started[0]})"
+            self.started = []
+        return report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A plugin rather than this conftest's own hooks: those would not see the doctests in src/.
+    if not config.pluginmanager.has_plugin("gpukit-process-guard"):
+        config.pluginmanager.register(ProcessGuard(), "gpukit-process-guard")
+
+
+# The examples in src/ that start processes (a docstring cannot carry a mark).
+DOCTESTS_THAT_START_PROCESSES = {
+    "gpukit.runtime.agent.run_job",
+    "gpukit.runtime.agent.workers",
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in DOCTESTS_THAT_START_PROCESSES:
+            item.add_marker(pytest.mark.processes)
         if "gpu" in item.keywords and count < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; torch sees none here"))
         if "multigpu" in item.keywords and count < 2:

@@ -27,6 +27,7 @@ def test_without_a_gpu_it_refuses_and_says_why(
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks that GPU-only checks fail on a CPU")
 def test_checks_run_from_the_source_tree_and_keep_their_evidence(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -53,6 +54,8 @@ def test_checks_run_from_the_source_tree_and_keep_their_evidence(
     assert "PASS  doctor" in out and "FAIL  oom" in out and "2 of 3 checks passed" in out
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 def test_a_check_that_hangs_is_killed_with_the_processes_it_started(tmp_path: Path) -> None:
     marker = tmp_path / "child-alive"
     child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).write_text('x')"
@@ -79,6 +82,7 @@ def test_checks_past_the_budget_are_failed_not_run(tmp_path: Path) -> None:
     assert summaries == [1, 2]  # the summary is rewritten after every check
 
 
+@pytest.mark.processes
 def test_a_judge_that_cannot_read_the_output_fails_the_check_only(tmp_path: Path) -> None:
     def judge(rc: int, out: str, folder: Path) -> tuple[bool, str]:
         raise KeyError("samples_per_s")
@@ -90,6 +94,8 @@ def test_a_judge_that_cannot_read_the_output_fails_the_check_only(tmp_path: Path
     assert second.passed
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 def test_a_check_that_hangs_is_stopped_at_its_limit(tmp_path: Path) -> None:
     hang = Check(
         "hang",
@@ -122,6 +128,7 @@ def test_the_judges_read_what_the_tools_print(tmp_path: Path) -> None:
     assert gpu_check._judge_oom(1, "Traceback ...", tmp_path) == (False, "exit 1; no result line")
 
 
+@pytest.mark.processes
 def test_make_gpu_check_runs_the_module_from_the_source_tree() -> None:
     root = Path(gpu_check.__file__).resolve().parents[3]
     done = subprocess.run(

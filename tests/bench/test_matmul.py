@@ -200,6 +200,7 @@ for setup in SETUPS:
 """
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     not hasattr(os, "fork") or not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
     reason="needs fork and torch's fp32_precision settings (torch 2.9+)",

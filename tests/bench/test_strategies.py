@@ -34,6 +34,7 @@ def by_config(result: BenchResult) -> dict[tuple[str, str, int], dict[str, Any]]
     return {(r["workload"], r["strategy"], r["devices"]): r for r in result.rows}
 
 
+@pytest.mark.processes
 def test_quick_run_on_cpu_has_the_schema(quick: BenchResult) -> None:
     assert quick.experiment == "strategies" and quick.title == experiment.TITLE
     assert quick.keys == ("workload", "strategy", "devices")
@@ -50,11 +51,13 @@ def test_quick_run_on_cpu_has_the_schema(quick: BenchResult) -> None:
     assert "samples/s" in render_plain(back.table())
 
 
+@pytest.mark.processes
 def test_every_registry_strategy_has_a_row(quick: BenchResult) -> None:
     assert {r["strategy"] for r in quick.rows} == set(STRATEGIES)
     assert {r["workload"] for r in quick.rows} == {"gpt"}  # quick mode: one workload
 
 
+@pytest.mark.processes
 def test_what_cannot_run_here_says_why(quick: BenchResult) -> None:
     rows = by_config(quick)
     for name in ("dp", "dp-balanced"):
@@ -62,6 +65,7 @@ def test_what_cannot_run_here_says_why(quick: BenchResult) -> None:
         assert row["status"] == "needs 2+ CUDA GPUs" and row.get("samples_per_s") is None
 
 
+@pytest.mark.processes
 def test_single_and_two_ddp_processes_run_on_the_cpu(quick: BenchResult) -> None:
     rows = by_config(quick)
     single, ddp1, ddp2 = (
@@ -81,6 +85,7 @@ def test_single_and_two_ddp_processes_run_on_the_cpu(quick: BenchResult) -> None
     assert all(r["samples_per_s"] > 0 for r in runs[("single", 1)]["rounds"])
 
 
+@pytest.mark.processes
 def test_plot_writes_a_png_from_the_result_alone(quick: BenchResult, tmp_path: Path) -> None:
     path = tmp_path / "strategies.png"
     experiment.plot(BenchResult.from_dict(json.loads(json.dumps(quick.to_dict()))), path)
@@ -122,6 +127,7 @@ def test_plan_on_gpus_runs_each_strategy_on_each_count() -> None:
     }  # fmt: skip
 
 
+@pytest.mark.processes
 def test_fsdp_runs_beside_ddp_and_holds_about_half_the_state_per_rank(quick: BenchResult) -> None:
     rows = by_config(quick)
     ddp, fsdp = rows[("gpt", "ddp", 2)], rows[("gpt", "fsdp", 2)]
@@ -193,6 +199,7 @@ def test_bad_devices_are_a_config_error(devices: Any) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.processes  # with a second GPU, its two-GPU rows start DDP's ranks
 def test_quick_run_on_one_gpu() -> None:
     result = experiment.run(quick=True, devices=[torch.device("cuda", 0)])
     rows = by_config(result)
@@ -211,6 +218,7 @@ def test_quick_run_on_one_gpu() -> None:
 
 
 @pytest.mark.multigpu
+@pytest.mark.processes  # DDP on two GPUs starts its ranks
 def test_dp_balanced_holds_less_on_the_first_gpu_than_dp(tmp_path: Path) -> None:
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     result = experiment.run(quick=True, devices=gpus)
@@ -223,6 +231,7 @@ def test_dp_balanced_holds_less_on_the_first_gpu_than_dp(tmp_path: Path) -> None
     assert (tmp_path / "strategies.png").stat().st_size > 1000
 
 
+@pytest.mark.processes
 def test_peak_tensors_come_back_from_runs_here_and_from_launches(quick: BenchResult) -> None:
     runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}
     for key, count in ((("single", 1), 1), (("ddp", 2), 2), (("fsdp", 2), 2)):
@@ -231,6 +240,7 @@ def test_peak_tensors_come_back_from_runs_here_and_from_launches(quick: BenchRes
     assert runs[("single", 1)]["in_process"] and not runs[("ddp", 2)]["in_process"]
 
 
+@pytest.mark.processes
 def test_the_prediction_matches_the_measurement_on_the_cpu(quick: BenchResult) -> None:
     rows = by_config(quick)
     runs = {(r["strategy"], r["devices"]): r for r in quick.raw["runs"]}

@@ -32,6 +32,7 @@ def quick_all(tmp_path_factory: pytest.TempPathFactory, quick_strategies: BenchR
     return out
 
 
+@pytest.mark.processes
 def test_all_quick_writes_a_json_per_experiment_plots_and_the_report(quick_all: Path) -> None:
     names = suite.names()
     assert {p.stem for p in quick_all.glob("*.json")} == set(names)
@@ -55,6 +56,7 @@ def test_all_quick_writes_a_json_per_experiment_plots_and_the_report(quick_all: 
     assert "Machine:" in report and "Command: `" in report
 
 
+@pytest.mark.processes
 def test_compare_two_folders_matches_every_row(
     quick_all: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -37,7 +37,11 @@ def _run(rt: gk.Runtime, folder: str, stop_at: int | None, resume: bool) -> dict
     return {k: v.numpy().copy() for k, v in rt.unwrap(model).state_dict().items()}
 
 
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]], ids=["1-process", "2-process"])
+@pytest.mark.parametrize(
+    "devices",
+    [["cpu"], pytest.param(["cpu", "cpu"], marks=pytest.mark.processes)],
+    ids=["1-process", "2-process"],
+)
 def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path: Path, devices) -> None:
     def runtime() -> gk.Runtime:
         return gk.Runtime(devices=devices, seed=0)

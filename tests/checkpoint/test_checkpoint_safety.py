@@ -526,6 +526,8 @@ for trial in range(trials):
 """
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork to kill savers quickly")
 def test_a_kill_during_a_save_never_loses_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ import gpukit as gk
 from gpukit import checkpoint as gk_checkpoint
 from gpukit.errors import CheckpointWriteError
 
+pytestmark = pytest.mark.processes
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 

@@ -53,6 +53,7 @@ def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     proc.wait()
 
 
+@pytest.mark.processes
 def test_a_second_runtime_on_a_held_folder_is_refused_naming_the_holder(
     tmp_path: Path, holder: subprocess.Popen[str]
 ) -> None:
@@ -63,6 +64,7 @@ def test_a_second_runtime_on_a_held_folder_is_refused_naming_the_holder(
     assert " since 20" in text and "another checkpoints folder" in text, text
 
 
+@pytest.mark.processes
 def test_the_lock_is_freed_when_its_holder_is_killed(
     tmp_path: Path, holder: subprocess.Popen[str]
 ) -> None:
@@ -74,6 +76,7 @@ def test_the_lock_is_freed_when_its_holder_is_killed(
     assert not (tmp_path / "ckpt" / folder_lock.LOCK_FILE).exists()
 
 
+@pytest.mark.processes
 def test_out_held_by_another_process_is_refused_by_claim_out(
     tmp_path: Path, holder: subprocess.Popen[str]
 ) -> None:
@@ -81,6 +84,7 @@ def test_out_held_by_another_process_is_refused_by_claim_out(
         claim_out(str(tmp_path / "ckpt"))
 
 
+@pytest.mark.processes
 def test_a_save_into_a_folder_another_run_holds_is_refused_and_touches_nothing(
     tmp_path: Path, holder: subprocess.Popen[str]
 ) -> None:
@@ -107,6 +111,7 @@ def test_runtimes_of_this_very_process_share_the_folder(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()  # made for the lock, left empty: removed
 
 
+@pytest.mark.processes
 def test_a_process_started_by_the_holder_is_of_its_job(tmp_path: Path) -> None:
     rt = gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": SRC}
@@ -172,6 +177,7 @@ def _two_steps(rt: gk.Runtime) -> str:
     return f"{os.getppid()} {holder.pid if holder else None}"
 
 
+@pytest.mark.processes
 def test_ranks_started_by_the_holder_run_under_its_lock(tmp_path: Path) -> None:
     rt = gk.Runtime(strategy="ddp", devices=2, checkpoints=tmp_path / "ckpt", save_every=1)
     parent, held_by = rt.launch(_two_steps).split()
@@ -195,6 +201,7 @@ _FORKING_HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_a_killed_holders_children_still_hold_it_and_are_named(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen(

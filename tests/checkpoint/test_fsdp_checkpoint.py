@@ -100,6 +100,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run
 
 
+@pytest.mark.processes
 def test_resumed_on_two_ranks_equals_the_uninterrupted_run(saved: dict[str, Any]) -> None:
     resumed = _runtime(2).launch(_train, str(saved["folder"]), 6, None, True)
     assert resumed["resumed_at"] == 3
@@ -108,6 +109,7 @@ def test_resumed_on_two_ranks_equals_the_uninterrupted_run(saved: dict[str, Any]
     assert not torch.equal(saved["weights"]["emb.weight"], saved["at_save"]["emb.weight"])
 
 
+@pytest.mark.processes
 def test_resumed_on_one_rank_equals_the_uninterrupted_two_rank_run(tmp_path: Path) -> None:
     # Saved after step 2: the micro-step count (2) is a whole window of 2 micro-batches.
     straight = _runtime(2).launch(_train, str(tmp_path / "ck"), 4, 2, False)
@@ -117,6 +119,7 @@ def test_resumed_on_one_rank_equals_the_uninterrupted_two_rank_run(tmp_path: Pat
     assert_bit_identical(straight["weights"], resumed["weights"])
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_resumed_on_four_ranks_continues_the_two_rank_run(saved: dict[str, Any]) -> None:
     resumed = _runtime(4).launch(_train, str(saved["folder"]), 6, None, True)
@@ -126,6 +129,7 @@ def test_resumed_on_four_ranks_continues_the_two_rank_run(saved: dict[str, Any])
         torch.testing.assert_close(resumed["weights"][name], value, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.processes
 def test_the_exported_weights_load_into_a_plain_model(saved: dict[str, Any]) -> None:
     plain = _model()
     load_model(plain, str(Path(saved["saved"]) / "model.safetensors"))
@@ -139,6 +143,7 @@ def test_the_exported_weights_load_into_a_plain_model(saved: dict[str, Any]) -> 
     assert plain.head.weight is plain.emb.weight
 
 
+@pytest.mark.processes
 def test_the_manifest_lists_every_ranks_shards(saved: dict[str, Any]) -> None:
     folder = Path(saved["saved"])
     listed = set(json.loads((folder / "manifest.json").read_text())["files"])
@@ -163,6 +168,7 @@ def _one_rank(folder: Path, model: nn.Module) -> tuple[gk.Runtime, nn.Module, An
     return rt, built, optimizer
 
 
+@pytest.mark.processes
 def test_a_damaged_shard_is_refused_and_nothing_changes(
     saved: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -181,6 +187,7 @@ def test_a_damaged_shard_is_refused_and_nothing_changes(
     rt.teardown()
 
 
+@pytest.mark.processes
 def test_a_model_of_another_shape_is_refused_and_nothing_changes(
     saved: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -193,6 +200,7 @@ def test_a_model_of_another_shape_is_refused_and_nothing_changes(
     rt.teardown()
 
 
+@pytest.mark.processes
 def test_a_checkpoint_without_fsdp_is_refused_by_fsdp_and_the_other_way(
     saved: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -253,6 +261,7 @@ def _save_before_training(rt: gk.Runtime, folder: str, stop: int, resume: bool) 
     return {"weights": _full(model), "stateless": stateless}
 
 
+@pytest.mark.processes
 def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
     # Laying out a fresh optimizer's state for the shards steps it once at learning rate 0
     # (AdamW's step count 1): neither the run that saved nor one resumed from it may keep that.

@@ -24,6 +24,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.processes
 def test_doctor_json_on_this_machine_exits_zero() -> None:
     done = run_cli("doctor", "--json")
     assert done.returncode == 0, done.stderr
@@ -59,6 +60,7 @@ def test_devices_resolves_a_tensorflow_name(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["device"]["device"] == "cpu"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("spec", ["cuda:x", "tpu:0", "cpu:3", "-1", "/job:worker/device:GPU:0"])
 def test_bad_device_is_a_short_error_with_exit_code_two(spec: str) -> None:
     done = run_cli("devices", spec)

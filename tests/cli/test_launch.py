@@ -52,6 +52,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.processes
 def test_plain_torchrun_script_runs_on_two_processes(script: Path, tmp_path: Path) -> None:
     done = gpukit("--nproc", "2", str(script), str(tmp_path))
     output, _ = done.communicate(timeout=120)
@@ -59,6 +60,7 @@ def test_plain_torchrun_script_runs_on_two_processes(script: Path, tmp_path: Pat
     assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2 0 1.0", "2 1 1.0"]
 
 
+@pytest.mark.processes
 def test_two_nodes_on_one_machine_form_one_four_process_job(script: Path, tmp_path: Path) -> None:
     port = str(free_port())
     common = ["--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
@@ -70,6 +72,7 @@ def test_two_nodes_on_one_machine_form_one_four_process_job(script: Path, tmp_pa
     assert all(v.startswith("4 ") and v.endswith(" 6.0") for v in results.values())
 
 
+@pytest.mark.processes
 def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_path: Path) -> None:
     done = gpukit("--nproc", "2", str(script), str(tmp_path), env={"FAIL_RANK": "1"})
     try:
@@ -153,6 +156,7 @@ def test_exit_codes_name_their_signal(code: int, words: str) -> None:
     assert describe_exit(code) == words
 
 
+@pytest.mark.processes
 def test_port_in_use_is_refused_before_starting(script: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -164,6 +168,7 @@ def test_port_in_use_is_refused_before_starting(script: Path) -> None:
     assert f"port {port} on 127.0.0.1 is already in use" in output and "Traceback" not in output
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -61,6 +61,7 @@ def _gpukit(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.processes
 def test_a_warning_of_a_launched_script_is_printed_once(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(RESUMING)
     first = _gpukit("launch", "--nproc", "2", "train.py", "ckpt", cwd=tmp_path)
@@ -71,6 +72,7 @@ def test_a_warning_of_a_launched_script_is_printed_once(tmp_path: Path) -> None:
     assert again.stderr.count("no 'latest' file in ckpt: resuming from step-00000002") == 1
 
 
+@pytest.mark.processes
 def test_a_warning_of_gpukit_train_on_two_ranks_is_printed_once(tmp_path: Path) -> None:
     train = ("train", "--workload", "mlp", "--devices", "2", "--out", "run")
     first = _gpukit(*train, "--max-steps", "2", cwd=tmp_path)
@@ -82,6 +84,7 @@ def test_a_warning_of_gpukit_train_on_two_ranks_is_printed_once(tmp_path: Path) 
     assert output.count("no 'latest' file in") == 1, output
 
 
+@pytest.mark.processes
 def test_bad_input_in_a_launched_script_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """Every rank raises the same ConfigError: one line with the script's line, exit 2, and
     no restart (it would fail the same way)."""
@@ -94,6 +97,7 @@ def test_bad_input_in_a_launched_script_is_one_line_and_exit_2(tmp_path: Path) -
     assert line.endswith("(ConfigError at train.py:6)")
 
 
+@pytest.mark.processes
 def test_bad_input_on_one_rank_only_is_its_line(tmp_path: Path) -> None:
     """Only rank 1 is refused (no device for it): its message, once; rank 0 was stopped."""
     (tmp_path / "train.py").write_text("import gpukit as gk\nrt = gk.Runtime(devices='cpu')\n")
@@ -103,6 +107,7 @@ def test_bad_input_on_one_rank_only_is_its_line(tmp_path: Path) -> None:
     assert line.startswith("gpukit launch: error: local rank 1 has no device")
 
 
+@pytest.mark.processes
 def test_bad_input_under_gpukit_train_on_two_ranks_is_said_once(tmp_path: Path) -> None:
     """As in one process: `gpukit train: error: ...` and exit 2, not a crash report."""
     (tmp_path / "workloads_here.py").write_text(WORKLOADS)

@@ -63,6 +63,7 @@ print(torch.ones(2).sum().item())
 """
 
 
+@pytest.mark.processes
 def test_json_stdout_is_only_the_json_when_the_script_prints(tmp_path: Path, capfd) -> None:  # type: ignore[no-untyped-def]
     assert main(["trace", "--json", str(_script(tmp_path, PRINTING))]) == 0
     captured = capfd.readouterr()
@@ -74,6 +75,7 @@ def test_json_stdout_is_only_the_json_when_the_script_prints(tmp_path: Path, cap
     assert capfd.readouterr().out == "after the trace\n"
 
 
+@pytest.mark.processes
 def test_out_writes_the_json_and_keeps_the_report(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "trace.json"
     assert main(["trace", "--out", str(out), str(_script(tmp_path, PRINTING))]) == 0

@@ -46,6 +46,7 @@ def console_script(tmp_path: Path) -> Path:
     return made
 
 
+@pytest.mark.processes
 def test_the_console_script_finds_a_workload_in_the_current_folder(tmp_path: Path) -> None:
     work = tmp_path / "project"
     work.mkdir()

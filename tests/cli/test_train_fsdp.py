@@ -81,6 +81,7 @@ def train(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) -> None:
     # The same run under ddp is the reference: same weights, same batches on each rank, so
@@ -114,6 +115,7 @@ def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) 
     assert steps == ["1", "2", "3", "4", "5", "6"]
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_killed_fsdp_rank_is_restarted_and_the_run_ends_bitwise_equal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -18,6 +18,8 @@ import pytest
 
 from gpukit.checkpoint import lock as folder_lock
 
+pytestmark = pytest.mark.processes
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 MLP = ["--workload", "mlp", "--log-every", "2"]
 

@@ -87,6 +87,7 @@ def test_an_error_outside_a_training_step_is_explained_with_figures_too(
     assert f"{HEADING}; this device holds 10 GiB):\n  as run: single on 1, micro-batch 64" in text
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_each_launched_rank_adds_the_figures_and_the_launcher_report_is_unchanged() -> None:
     env = {**os.environ, "GPUKIT_FAULT_OOM_ABOVE": "16"}

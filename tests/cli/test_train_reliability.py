@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+# Signals, grace periods and hang timeouts: one at a time under `make test`.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS = 14
 TRAIN = ["--workload", "mlp", "--devices", "2", "--max-steps", str(STEPS), "--log-every", "2"]

@@ -339,6 +339,7 @@ def _gather_on_rank(rank: int, port: int, outbox: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 def test_all_ranks_gathers_every_ranks_rows_over_two_gloo_processes(tmp_path: Path) -> None:
     mp.start_processes(
         _gather_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
@@ -382,6 +383,7 @@ def _breakdown_on_rank(rank: int, port: int, outbox: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 def test_breakdown_of_an_fsdp_model_counts_this_ranks_shards_and_the_full_size(
     tmp_path: Path,
 ) -> None:

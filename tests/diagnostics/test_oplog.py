@@ -334,6 +334,7 @@ def test_unwritable_path_and_bad_model_are_config_errors(tmp_path: Path) -> None
         log_placement(model="encoder")  # type: ignore[arg-type]
 
 
+@pytest.mark.processes
 def test_a_forked_child_writes_nothing_to_the_log(tmp_path: Path) -> None:
     import multiprocessing
 

@@ -103,6 +103,7 @@ def _placement_on_rank(rank: int, port: int, outbox: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 def test_placement_of_an_fsdp_model_shows_each_shard_over_two_gloo_ranks(tmp_path: Path) -> None:
     from gpukit.runtime.launch import free_port
 

@@ -329,6 +329,8 @@ def _wait_alone(rank: int, port: int, outbox: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_real_gloo_timeout_is_translated(tmp_path: Path) -> None:
     mp.start_processes(

@@ -293,6 +293,7 @@ def test_every_way_to_make_a_device_tensor_from_host_data_is_one_copy(
     assert t.transfers == []
 
 
+@pytest.mark.processes
 def test_a_forked_child_records_nothing() -> None:
     import multiprocessing
 

@@ -182,6 +182,8 @@ def _started(script: Path, says: str, **env: str) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 def test_a_second_ctrl_c_exits_at_once(tmp_path: Path) -> None:
     proc = _slow_program(tmp_path, 60)
     proc.send_signal(signal.SIGINT)  # the first waits for the step
@@ -191,6 +193,8 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path: Path) -> None:
     assert not has_checkpoints(tmp_path / "ck")  # (the folder holds its lock)
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 def test_copies_of_the_request_never_cut_the_save_short(tmp_path: Path) -> None:
     # A scheduler signals every process, a launcher passes its own signal on, a terminal's
     # Ctrl-C reaches the whole group: one request, however many copies arrive.
@@ -382,6 +386,8 @@ def test_a_save_between_steps_holds_what_the_program_did_after_its_step(
         assert torch.equal(a, b)
 
 
+@pytest.mark.xdist_group("timing")
+@pytest.mark.processes
 def test_a_request_with_no_step_end_to_save_at_ends_the_process_after_the_grace(
     tmp_path: Path,
 ) -> None:

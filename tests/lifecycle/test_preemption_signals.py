@@ -24,6 +24,10 @@ import pytest
 from safetensors.torch import load_file
 
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
+from gpukit.runtime.launch import free_port
+
+# Signals, grace periods and hang timeouts: one at a time under `make test`.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS = 400  # far more than a test waits for: every run here ends by its signal
@@ -275,7 +279,8 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_ranks_at_once(
 def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
     tmp_path: Path, program: Path, everyone: bool
 ) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    # A port of its own: torchrun's default (29500) is shared by every test run on the machine.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())]
     job = _start(
         [*torchrun, "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
          str(program)],

@@ -50,6 +50,7 @@ def test_one_rank_prediction_equals_the_measured_peak(
     assert form == pytest.approx(measured, rel=0.15)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("name", WORKLOADS)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -18,6 +18,9 @@ import pytest
 
 import gpukit
 
+# Signals, grace periods and hang timeouts: one at a time under `make test`.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]
+
 GPUKIT = Path(gpukit.__file__).resolve().parent
 
 # A tutorial-style DDP script. argv[1]: the output folder; argv[2]: what to do per attempt,

@@ -11,6 +11,8 @@ import pytest
 
 from gpukit.runtime.launch import free_port
 
+pytestmark = pytest.mark.processes
+
 PROGRAM = """
 import gpukit as gk
 try:

@@ -60,6 +60,7 @@ def _collectives(rt: gk.Runtime, folder: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.processes
 def test_two_processes_combine_tensors_on_any_device_and_numbers(tmp_path: Path) -> None:
     out = gk.Runtime(**DDP2).launch(_collectives, str(tmp_path))
     assert out["sum_int"] == 3 and isinstance(out["sum_int"], int)
@@ -84,6 +85,7 @@ def _save_on_rank_zero_only(rt: gk.Runtime, folder: str) -> None:
         rt.barrier()
 
 
+@pytest.mark.processes
 def test_a_save_called_on_rank_zero_only_fails_naming_the_other_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -122,6 +124,7 @@ def _train_and_read_history(rt: gk.Runtime, rank_zero_only: bool) -> dict[str, A
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("rank_zero_only", [True, False])
 def test_the_last_partial_window_is_read_back(rank_zero_only: bool) -> None:
     for settings in ({"devices": "cpu"}, DDP2):
@@ -149,6 +152,7 @@ def _steps_launched_then_history(rt: gk.Runtime) -> list[dict[str, float]]:
     return rt.history
 
 
+@pytest.mark.processes
 def test_the_window_left_open_at_the_end_of_the_launched_function_is_read_back() -> None:
     rt = gk.Runtime(devices="cpu", log_every=5)
     rt.launch(_steps_then_history)

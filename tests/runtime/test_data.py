@@ -132,6 +132,7 @@ def _five_samples_in_threes(rt: gk.Runtime) -> int:
     return len(loader)
 
 
+@pytest.mark.processes
 def test_a_rank_left_without_batches_is_refused_under_several_processes() -> None:
     """One batch of 3 in one process; 2 or 3 samples a rank under 2 ranks: no batch left."""
     assert gk.Runtime(devices="cpu").launch(_five_samples_in_threes) == 1

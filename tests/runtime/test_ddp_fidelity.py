@@ -47,6 +47,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
+pytestmark = pytest.mark.processes
+
 SEED = 1234  # not 0: a seed that did not reach the sampler or the model would show
 WORLD = 2
 DEVICES = ["cpu"] * WORLD

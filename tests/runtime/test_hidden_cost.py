@@ -88,6 +88,7 @@ def _ddp_reads(rt: gk.Runtime, manual: bool) -> dict[str, Any]:
     return _reads(rt, manual)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("oom", ["raise", DEFAULT_OOM])
 def test_ddp_reads_once_per_flush_with_the_defaults(oom: str) -> None:
     rt = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], log_every=LOG_EVERY, oom=oom)  # type: ignore[arg-type]
@@ -95,12 +96,14 @@ def test_ddp_reads_once_per_flush_with_the_defaults(oom: str) -> None:
     assert found["reads"] == FLUSHES, found["syncs"]
 
 
+@pytest.mark.processes
 def test_ddp_manual_loop_reads_once_per_flush() -> None:
     rt = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], log_every=LOG_EVERY, accumulate=2)
     found = rt.launch(_ddp_reads, True)
     assert found["reads"] == FLUSHES, found["syncs"]
 
 
+@pytest.mark.processes
 def test_ddp_recovery_costs_one_read_per_step_and_says_so() -> None:
     """oom='recover' under several processes holds the gradients back until the ranks agree
     that none failed: one all-reduce and one read per step (documented; not the default)."""

@@ -52,12 +52,14 @@ def run_python(*args: str, stdin: str | None = None) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.processes
 def test_launch_from_python_c_returns_rank_zeros_result() -> None:
     done = run_python("-c", PROGRAM)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "world 2 rank 0 sum 30"
 
 
+@pytest.mark.processes
 def test_launch_of_a_function_defined_in_a_notebook_cell(tmp_path: Path) -> None:
     # As IPython runs a notebook: cells execute in a __main__ module that has no file.
     runner = tmp_path / "kernel.py"
@@ -131,6 +133,7 @@ def exits_on_rank_one(rt: gk.Runtime) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.processes
 def test_a_rank_that_exits_without_an_error_is_not_called_out_of_memory() -> None:
     with pytest.raises(LaunchError) as err:
         gk.Runtime(devices=2).launch(exits_on_rank_one)

@@ -9,8 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import gpukit.cli.launch as launch_cli
 from gpukit.runtime.agent.failures import read_error
+
+pytestmark = pytest.mark.processes
 
 RUNNER = launch_cli.RUNNER
 
@@ -148,6 +152,7 @@ def test_a_module_runs_as_python_m_runs_it(tmp_path: Path) -> None:
     assert "runpy" not in failed.stderr and "_launched_script" not in failed.stderr
 
 
+@pytest.mark.xdist_group("timing")
 def test_sigusr1_writes_every_threads_stack_to_the_job_folder_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:

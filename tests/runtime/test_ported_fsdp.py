@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
+pytestmark = pytest.mark.processes
+
 VOCAB, WIDTH, DEPTH, CONTEXT = 37, 16, 3, 8
 EPOCHS, BATCH, LR, CLIP = 2, 4, 3e-3, 0.5
 

@@ -313,7 +313,11 @@ def _gpukit_worker(rt: gk.Runtime, folder: str) -> None:
 Results = dict[str, Any]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1 process", "2 processes"])
+@pytest.fixture(
+    scope="module",
+    params=[1, pytest.param(2, marks=pytest.mark.processes)],
+    ids=["1 process", "2 processes"],
+)
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Results:
     """``results["plain-nanogpt"][rank]``, ``results["gpukit-nanogpt_one_step_call"][rank]``,
     ...; ``results["world"]``."""

@@ -202,6 +202,7 @@ def _reload_elsewhere(tmp_path: Path, saved: Path) -> tuple[str, dict[str, torch
     return out.stdout.strip(), torch.load(tmp_path / "weights.pt", weights_only=True)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("strategy", "devices"), [("single", "cpu"), ("dp", ["cpu", "cpu"])], ids=["single", "dp"]
 )

@@ -87,8 +87,8 @@ def _same(a: Any, b: Any, where: str = "") -> None:
     "devices, strategy",
     [
         (["cpu"], "auto"),
-        (["cpu", "cpu"], "ddp"),
-        pytest.param(["cpu", "cpu"], "fsdp", marks=pytest.mark.slow),
+        pytest.param(["cpu", "cpu"], "ddp", marks=pytest.mark.processes),
+        pytest.param(["cpu", "cpu"], "fsdp", marks=[pytest.mark.slow, pytest.mark.processes]),
     ],
     ids=["1-process", "2-process", "2-process-fsdp"],
 )
@@ -158,6 +158,7 @@ def _ported_curve(rt: gk.Runtime) -> list[tuple[int, float]]:
     return curve
 
 
+@pytest.mark.processes
 def test_the_learning_rate_follows_the_samples_seen_on_one_and_two_ranks() -> None:
     plain = _plain_curve()  # after each batch of BATCH samples
     one = gk.Runtime(devices="cpu", seed=0).launch(_ported_curve)
@@ -169,6 +170,7 @@ def test_the_learning_rate_follows_the_samples_seen_on_one_and_two_ranks() -> No
     assert two[-1][1] == plain[-1]  # the cycle ends where the one-process one does
 
 
+@pytest.mark.processes
 def test_per_optimizer_step_keeps_one_step_per_call_and_travels_to_the_ranks() -> None:
     plain = _plain_curve()
     rt = gk.Runtime(devices=["cpu", "cpu"], seed=0, scheduler_steps="per-optimizer-step")
@@ -192,6 +194,7 @@ def _per_epoch_curve(rt: gk.Runtime) -> list[float]:
     return curve
 
 
+@pytest.mark.processes
 def test_a_scheduler_stepped_once_an_epoch_steps_once_on_two_ranks() -> None:
     two = gk.Runtime(devices=["cpu", "cpu"], seed=0).launch(_per_epoch_curve)
     assert two == [0.05, 0.025, 0.0125]

@@ -74,6 +74,7 @@ def test_single_process_recovers_with_the_same_weights(
     assert any("retrying the step as 4 micro-batches of at most 8" in m for m in logged)
 
 
+@pytest.mark.processes
 def test_two_ddp_processes_agree_and_match_the_clean_run(monkeypatch: pytest.MonkeyPatch) -> None:
     clean = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], seed=0, oom="recover").launch(_train)
     monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "8")  # per rank: 16 samples -> 2 x 8
@@ -119,6 +120,7 @@ def _fail_on_rank_one_only(rt: gk.Runtime) -> dict[str, object]:
     }
 
 
+@pytest.mark.processes
 def test_one_rank_failing_alone_does_not_leave_the_other_waiting() -> None:
     # A short collective timeout: a rank left waiting fails the test in a minute, not ten.
     ddp = gk.strategies.DDP(timeout=datetime.timedelta(seconds=60))
@@ -302,6 +304,7 @@ def _ddp_train_step(rt: gk.Runtime) -> dict[str, np.ndarray]:
     return _train(rt)
 
 
+@pytest.mark.processes
 def test_ddp_train_step_without_recovery_keeps_the_overlapped_path() -> None:
     single = _train(gk.Runtime(devices="cpu", seed=0, accumulate=2))
     rt = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], seed=0, accumulate=2, oom="raise")

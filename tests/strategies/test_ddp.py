@@ -50,6 +50,7 @@ def _train(rt: gk.Runtime, epochs: int, shuffle: bool) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in rt.unwrap(model).state_dict().items()}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("accumulate", "shuffle"), [(1, True), (2, False)])
 def test_two_processes_match_one_on_the_same_global_batch(accumulate: int, shuffle: bool) -> None:
     single = gk.Runtime(devices="cpu", seed=0, accumulate=accumulate).launch(_train, 2, shuffle)
@@ -75,6 +76,7 @@ def _fail_on_rank_one(rt: gk.Runtime, folder: str) -> None:
     Path(folder, "rank0-went-on").write_text("")
 
 
+@pytest.mark.processes
 def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
         gk.Runtime(devices=2).launch(_fail_on_rank_one, str(tmp_path))
@@ -198,6 +200,7 @@ def _unused_and_collectives(rt: gk.Runtime) -> dict[str, object]:
     return {"error": None}
 
 
+@pytest.mark.processes
 def test_unused_parameters_are_named_with_the_fix_and_collectives_work() -> None:
     out = gk.Runtime(devices=["cpu", "cpu"]).launch(_unused_and_collectives)
     assert "unused.weight, unused.bias" in str(out["error"])
@@ -212,6 +215,7 @@ def _use_half(rt: gk.Runtime) -> float:
     return float(rt.unwrap(model).used.weight.grad.sum())
 
 
+@pytest.mark.processes
 def test_find_unused_parameters_option_lets_it_train() -> None:
     strategy = gk.strategies.DDP(find_unused_parameters=True)
     assert gk.Runtime(strategy=strategy, devices=2).launch(_use_half) == pytest.approx(16.0)
@@ -222,6 +226,7 @@ def _barrier_first_then_big_result(rt: gk.Runtime) -> torch.Tensor:
     return torch.arange(300_000, dtype=torch.float32)  # far more than a pipe's buffer
 
 
+@pytest.mark.processes
 def test_collectives_before_setup_and_a_large_result() -> None:
     result = gk.Runtime(devices=2).launch(_barrier_first_then_big_result)
     assert result.shape == (300_000,) and float(result[-1]) == 299_999.0
@@ -232,6 +237,7 @@ def _log_different_names(rt: gk.Runtime) -> None:
     rt.flush_logs()
 
 
+@pytest.mark.processes
 def test_different_metric_names_on_ranks_are_an_error_not_a_hang() -> None:
     with pytest.raises(gk.ConfigError, match=r"rank \d: rt\.log got different metric names"):
         gk.Runtime(devices=2).launch(_log_different_names)
@@ -253,6 +259,7 @@ def _log_changing_names(rt: gk.Runtime) -> list[dict[str, float]]:
     return rt.history
 
 
+@pytest.mark.processes
 def test_metric_names_may_change_together_and_a_different_count_is_caught() -> None:
     history = gk.Runtime(devices=2).launch(_log_changing_names)
     assert history[0] == {"step": 0.0, "loss": 0.5}
@@ -295,6 +302,7 @@ def _mixed_precision_inside_ddp(rt: gk.Runtime, folder: str) -> dict[str, object
     }
 
 
+@pytest.mark.processes
 def test_mixed_precision_sits_inside_ddp_so_its_switches_hold(tmp_path: Path) -> None:
     """Autocast is inside DDP: DDP's no-sync and buffer switches, which gpukit sets for
     accumulation and out-of-memory recovery, are on the outermost module; checkpoints and
@@ -320,6 +328,7 @@ def _only_rank_0_logs(rt: gk.Runtime) -> None:
     rt.flush_logs()
 
 
+@pytest.mark.processes
 def test_a_rank_that_logged_nothing_still_joins_the_flush() -> None:
     with pytest.raises(gk.ConfigError, match=r"rank \d: rt\.log got different metric names"):
         gk.Runtime(devices=2).launch(_only_rank_0_logs)

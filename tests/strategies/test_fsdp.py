@@ -323,6 +323,7 @@ def _weights_loaded_on_rank_zero(rt: gk.Runtime) -> list[bool]:
     return [bool((v == 0.5).all()) for v in full.values()]
 
 
+@pytest.mark.processes
 def test_rank_zeros_weights_become_every_ranks_before_sharding() -> None:
     rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], seed=None)
     loaded = rt.launch(_weights_loaded_on_rank_zero)

@@ -178,6 +178,7 @@ def _fsdp(accumulate: int = 1, runtime: dict[str, Any] | None = None, **options:
     return gk.Runtime(strategy=strategy, devices=["cpu", "cpu"], **settings)
 
 
+@pytest.mark.processes
 def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setup() -> None:
     got = _fsdp().launch(_train, "gpt", 3)
     want = _reference("gpt", 3, ranks=2, accumulate=1)
@@ -192,6 +193,7 @@ def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setu
     assert "(root: the rest)" in printed and "tied: " in printed
 
 
+@pytest.mark.processes
 def test_tied_head_with_an_uneven_vocabulary_stays_tied_and_exact() -> None:
     got = _fsdp().launch(_train, "tied", 3)
     assert got["tied"]
@@ -199,12 +201,14 @@ def test_tied_head_with_an_uneven_vocabulary_stays_tied_and_exact() -> None:
     assert "tied: emb.weight = head.weight" in got["printed"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("policy", ["reduce-scatter", "no-sync"])
 def test_accumulation_sums_in_the_order_of_its_policy(policy: str) -> None:
     got = _fsdp(accumulate=2, accumulation=policy).launch(_train, "tied", 3)
     assert_bit_identical(got["state"], _reference("tied", 3, ranks=2, accumulate=2, policy=policy))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "options",
     [
@@ -218,6 +222,7 @@ def test_recomputing_and_keeping_gathered_weights_change_nothing(options: dict[s
     assert_bit_identical(got["state"], _reference("gpt", 2, ranks=2, accumulate=1))
 
 
+@pytest.mark.processes
 def test_rank_zero_keeps_half_of_each_group() -> None:
     got = _fsdp().launch(_train, "tied", 1)
     # Shard(0) splits dim 0 as torch.chunk does: rank 0 keeps ceil(rows / 2) of each weight.
@@ -230,6 +235,7 @@ def test_rank_zero_keeps_half_of_each_group() -> None:
         assert name in printed, printed
 
 
+@pytest.mark.processes
 def test_clipping_uses_the_global_norm_of_the_sharded_gradients() -> None:
     got = _fsdp(runtime={"clip": 1.0}).launch(_train, "tied", 3)
     want = _reference("tied", 3, ranks=2, accumulate=1, clip=1.0)
@@ -242,6 +248,7 @@ def test_clipping_uses_the_global_norm_of_the_sharded_gradients() -> None:
     assert any((want[k] - unclipped[k]).abs().max() > 1e-6 for k in want)
 
 
+@pytest.mark.processes
 def test_a_nan_on_one_rank_is_skipped_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUKIT_FAULT", "nan:1:2")
     rt = _fsdp(runtime={"nonfinite": "skip", "log_every": 1})
@@ -363,6 +370,7 @@ def _reads(rt: gk.Runtime, manual: bool) -> dict[str, Any]:
     return {"reads": sum(s.count for s in t.syncs), "syncs": [(s.op, s.function) for s in t.syncs]}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("manual", "runtime"),
     [(False, {}), (True, {}), (False, {"clip": 1.0}), (False, {"nonfinite": "skip"})],

@@ -20,7 +20,7 @@ from torch import nn
 import gpukit as gk
 from tests.fsdp_models import assert_bit_identical
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 WIDTH, DEPTH, BATCH, LR = 8, 2, 8, 1e-2
 

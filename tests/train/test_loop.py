@@ -173,6 +173,7 @@ def _progress_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("train ")]
 
 
+@pytest.mark.processes
 def test_off_a_terminal_progress_is_plain_lines(tmp_path: Path) -> None:
     # stdout is a pipe: no bar, a line per step with --progress-every 0. The loss is the one
     # last read back (every 2 steps), never one read for the line.
@@ -240,6 +241,7 @@ def test_progress_lines_read_nothing_back_from_the_device(capsys) -> None:
     assert sum(s.count for s in t.syncs) == 4, [(s.file, s.line, s.count) for s in t.syncs]
 
 
+@pytest.mark.processes
 def test_on_a_terminal_the_progress_bar_stays(tmp_path: Path) -> None:
     import os
     import pty
@@ -269,6 +271,7 @@ def test_on_a_terminal_the_progress_bar_stays(tmp_path: Path) -> None:
     assert "train 0/3 steps (0%)" not in output  # no plain lines on a terminal
 
 
+@pytest.mark.processes
 def test_two_process_ddp_training(tmp_path: Path) -> None:
     done = subprocess.run(
         [

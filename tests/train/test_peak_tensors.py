@@ -159,6 +159,7 @@ def test_rows_get_their_peaks_and_old_reports_still_read() -> None:
     assert MemoryReport.from_dict(measured.to_dict()) == measured
 
 
+@pytest.mark.processes
 def test_two_ddp_ranks_each_measure_their_own_device(tmp_path: Path) -> None:
     argv = ["train", "--workload", "mlp", "--devices", "2", "--strategy", "ddp"]
     done = subprocess.run(
