@@ -74,7 +74,10 @@ def test_preemption_saves_exits_143_and_resume_ends_bitwise_equal(
     assert code == 143, output
     assert "--resume" in output
     saved = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    assert saved in ("step-00000008", "step-00000009"), output  # a step every rank reached
+    # One step after the latest step a rank had reached when it learnt of the stop: 8 or 9
+    # on an idle machine, later when the other rank is slow to hear of it; never the end.
+    assert saved.startswith("step-"), output
+    assert 8 <= int(saved.removeprefix("step-")) < STEPS, output
     code, output = _gpukit([*TRAIN, "--out", "run", "--resume"], tmp_path)
     assert code == 0, output
     assert _same(_final_weights(tmp_path / "run"), uninterrupted)
