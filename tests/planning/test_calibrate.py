@@ -46,7 +46,10 @@ def test_cpu_calibration_on_mlp_leaves_the_model_alone() -> None:
     before = {k: v.clone() for k, v in workload.model.state_dict().items()}
     cal = calibrate(workload, micro_batches=(8, 32768), steps=5, device="cpu")
     assert cal.device == "cpu" and cal.precision == "32"
-    assert cal.seconds_per_sample > 0 and cal.fixed_seconds >= 0
+    # Only the bookkeeping: how the times split is a measurement, which a loaded machine
+    # can bend (a hiccup in the small batch's steps fits a slope of 0).
+    assert cal.seconds_per_sample >= 0 and cal.fixed_seconds >= 0
+    assert len(cal.step_seconds) == 2 and all(s > 0 for s in cal.step_seconds)
     small, large = cal.measured_peak_tensors
     assert 0 < small < large
     # the model, its gradients, AdamW's two moments: at least 4x the weights at either size

@@ -246,7 +246,9 @@ def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
 ) -> None:
     script = tmp_path / "hang.py"
     script.write_text(HANG)
-    done = launch(script, "--hang-timeout", "3", timeout=3 + 10 + 30)  # guard: timeout + 10 s
+    # The hang clock starts with the rank: 10 s leaves a loaded machine time to import torch
+    # and join the process group before the first beat.
+    done = launch(script, "--hang-timeout", "10", timeout=10 + 10 + 30)  # guard: timeout + 10 s
     err = done.stderr
     assert done.returncode == 1, err
     assert re.search(
