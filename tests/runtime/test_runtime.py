@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fractions
+import re
 
 import numpy as np
 import pytest
@@ -287,3 +288,28 @@ def test_teardown_collects_garbage_only_where_something_waits_on_it(
             rt.teardown()
         assert collected == expected, (strategy, cuda_started)
         assert not torch.distributed.is_initialized()
+
+
+def test_history_steps_are_integers_and_log_metrics_records_values_as_given():
+    rt = gk.Runtime(devices="cpu", log_every=1)
+    rt.log(loss=torch.tensor(2.0))
+    record = rt.log_metrics(val_loss=torch.tensor(0.5), acc=1)
+    assert record == {"step": 0, "acc": 1.0, "val_loss": 0.5}
+    assert all(type(r["step"]) is int for r in rt.history)
+    assert rt.history == [{"step": 0, "loss": 2.0}, record]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({}, "got no metrics"),
+        ({"step": 3}, "the step is the run's own"),
+        ({"acc": torch.ones(2)}, "shape (2,)"),
+        ({"name": "x"}, "log numbers"),
+    ],
+)
+def test_log_metrics_refuses_what_it_cannot_record(kwargs, needle):
+    rt = gk.Runtime(devices="cpu")
+    with pytest.raises(gk.GpukitError, match=re.escape(needle)):
+        rt.log_metrics(**kwargs)
+    assert rt.history == []

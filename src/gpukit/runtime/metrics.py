@@ -19,7 +19,7 @@ same sums and raises together, without a second collective or read.
 >>> m.log(0, {"loss": torch.tensor(1.0)})
 >>> m.log(1, {"loss": torch.tensor(3.0)})
 >>> m.history
-[{'step': 1.0, 'loss': 2.0}]
+[{'step': 1, 'loss': 2.0}]
 """
 
 from __future__ import annotations
@@ -100,10 +100,30 @@ class Metrics:
                 raise
             if not names:
                 return {}
-        record = {"step": float(step), **dict(zip(names, values, strict=True))}
+        record: dict[str, float] = {"step": step, **dict(zip(names, values, strict=True))}
         self.history.append(record)
         self._sums.clear()
         self._counts.clear()
+        return record
+
+    def record(self, step: int, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
+        """Append ``values`` (computed by the program itself: a validation loss, an accuracy)
+        to ``history`` as they are, stamped with ``step``: no averaging over the ranks and no
+        collective. A tensor is read back here (once per call: this is for values computed
+        once in a while, not every step)."""
+        if not values:
+            raise ConfigError(
+                "rt.log_metrics() got no metrics: pass them by name, e.g. "
+                "rt.log_metrics(val_loss=val_loss)"
+            )
+        if "step" in values:
+            raise ConfigError(
+                "rt.log_metrics(step=...): the step is the run's own (rt.global_step), "
+                "stamped on every record; log your value under another name"
+            )
+        numbers = {name: float(_as_tensor(name, v)) for name, v in values.items()}
+        record: dict[str, float] = {"step": step, **dict(sorted(numbers.items()))}
+        self.history.append(record)
         return record
 
     def _across_ranks(self, names: tuple[str, ...]) -> list[float]:

@@ -246,6 +246,13 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
         calls and the ranks, read them back once, and append them to ``rt.history``."""
         self.metrics.log(self.state.global_step, metrics)
 
+    def log_metrics(self, **metrics: torch.Tensor | float) -> dict[str, float]:
+        """Record values the program computed itself (a validation loss, an accuracy) at the
+        current step, as they are: appended to ``rt.history`` on this rank, no averaging over
+        ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
+        A tensor is read back once here. Returns the record."""
+        return self.metrics.record(self.state.global_step, metrics)
+
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""
         self._ensure_ready()

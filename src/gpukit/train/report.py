@@ -211,7 +211,7 @@ def read_history(path: Path) -> list[dict[str, float]]:
     >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
     >>> write_history(path, [{"step": 1.0, "loss": 0.5}, {"step": 2.0, "acc": 0.25}])
     >>> read_history(path)
-    [{'step': 1.0, 'loss': 0.5}, {'step': 2.0, 'acc': 0.25}]
+    [{'step': 1, 'loss': 0.5}, {'step': 2, 'acc': 0.25}]
     """
     if not path.exists():
         return []
@@ -219,8 +219,11 @@ def read_history(path: Path) -> list[dict[str, float]]:
     with open(path, newline="") as f:
         for line, row in enumerate(csv.DictReader(f), start=2):
             try:
-                records.append({k: float(v) for k, v in row.items() if k and v not in ("", None)})
-            except ValueError as err:
+                record = {k: float(v) for k, v in row.items() if k and v not in ("", None)}
+                if "step" in record:  # steps are counts, as rt.history holds them
+                    record["step"] = int(record["step"])
+                records.append(record)
+            except (ValueError, OverflowError) as err:  # OverflowError: a step of inf
                 raise ConfigError(
                     f"{path}, line {line}: {err}: metrics.csv holds numbers only (as gpukit "
                     "train writes it); repair the line, or move the file away to start it afresh"
