@@ -98,19 +98,48 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
         yield from _tensors(value)
 
 
+def leaves(obj: Any, leaf: type | tuple[type, ...]) -> list[tuple[str, Any]]:
+    """Every leaf (an instance of ``leaf``) inside ``obj`` with its path (``data[0].x``),
+    depth first, in the order :func:`map_tensors` visits them with ``alias=False``.
+
+    >>> [path for path, _ in leaves({"x": [1, 2.5], "y": "text"}, (int, float))]
+    ['data.x[0]', 'data.x[1]']
+    """
+    found: list[tuple[str, Any]] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, leaf):
+            found.append((path, value))
+            return
+        for name, child in children(value):
+            walk(child, path + name)
+
+    try:
+        walk(obj, "data")
+    except RecursionError:
+        raise unwalkable(obj) from None
+    except GpukitError:
+        raise
+    except Exception as err:
+        raise unreadable(obj, err) from err
+    return found
+
+
 def map_tensors(
     obj: Any,
     fn: Callable[[Any], Any],
     leaf: type | tuple[type, ...] = torch.Tensor,
+    alias: bool = True,
 ) -> Any:
     """``obj`` rebuilt with ``fn`` applied to every leaf (tensors, or the types in ``leaf``);
-    containers keep their types, and a leaf found twice is mapped once."""
+    containers keep their types, and a leaf found twice is mapped once (``alias=False``: at
+    each place it is found, as numbers, which Python shares between places, need)."""
     memo: dict[int, Any] = {}
     failed: list[BaseException] = []  # what ``fn`` raised, which passes through as it is
 
     def walk(value: Any) -> Any:
         if isinstance(value, leaf):
-            key = id(value)
+            key = id(value) if alias else len(memo)
             if key not in memo:
                 try:
                     memo[key] = fn(value)

@@ -8,6 +8,10 @@ goes in as a float64 (or int64) tensor and comes back as a number.
 >>> single = gk.Runtime(devices="cpu").strategy
 >>> all_reduce(single, 3, "sum"), all_gather(single, 2.5), broadcast(single, torch.ones(2), 0)
 (3, [2.5], tensor([1., 1.]))
+
+Tensors whose first dimension differs between ranks (a last evaluation batch) are gathered by
+:func:`gather_rows` (padded to the longest for the collective, then cut back), which
+``rt.gather_for_metrics`` uses; ``rt.all_gather`` refuses them on every rank, saying so.
 """
 
 from __future__ import annotations
@@ -38,10 +42,112 @@ def all_reduce(strategy: Strategy, value: torch.Tensor | Number, op: ReduceOp) -
 
 def all_gather(strategy: Strategy, value: torch.Tensor | Number) -> Any:
     """Every rank's ``value`` in rank order: tensors stacked on a new first dimension (the
-    same shape on every rank), numbers as a list."""
+    same shape and dtype on every rank), numbers as a list.
+
+    Under several processes the ranks first exchange their values' shapes and dtypes (one
+    small object exchange): a difference is a ConfigError on every rank, where gathering
+    tensors of different sizes would crash one rank and hand another a wrong result."""
     tensor, back = _on_device(strategy, value, "all_gather", False)
+    if strategy.distributed:
+        shapes = exchange_shapes(strategy, tensor)
+        if any(s != shapes[0] for s in shapes):
+            raise ConfigError(_uneven(shapes, isinstance(value, torch.Tensor)))
     gathered = strategy.all_gather(tensor)
     return back(gathered) if isinstance(value, torch.Tensor) else gathered.tolist()
+
+
+Shape = tuple[str, tuple[int, ...]]
+
+
+def exchange_shapes(strategy: Strategy, tensor: torch.Tensor) -> list[Shape]:
+    """Every rank's (dtype, shape) of ``tensor``, in rank order: one object exchange (torch's
+    ``all_gather_object``) under several processes, nothing alone."""
+    mine: Shape = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+    if not strategy.distributed:
+        return [mine]
+    return [(str(d), tuple(int(n) for n in s)) for d, s in strategy.all_gather_object(mine)]
+
+
+def gather_rows(strategy: Strategy, tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, whose first dimension is ``rows[rank]`` (the other dimensions
+    and the dtype alike on every rank, as the caller checked), in rank order, where ``tensor``
+    was: padded to the longest along the first dimension for the collective, then cut back."""
+    moved, back = _on_device(strategy, tensor, "gather_for_metrics", False)
+    longest = max(rows)
+    if moved.shape[0] < longest:
+        filler = moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))
+        moved = torch.cat([moved, filler])
+    gathered = back(strategy.all_gather(moved))
+    return [part[:n] for part, n in zip(gathered.unbind(0), rows, strict=True)]
+
+
+def pad_across(
+    strategy: Strategy, tensor: torch.Tensor, dim: int, pad_index: Number, pad_first: bool
+) -> torch.Tensor:
+    """``tensor`` padded with ``pad_index`` along ``dim`` to the longest size any rank has
+    there (before its values with ``pad_first``), so that the ranks can gather it."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(
+            f"rt.pad_across_processes got {described(tensor)}: give a tensor (for a dict or "
+            "list of them, call it once per tensor)"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ConfigError(
+            f"rt.pad_across_processes(dim={described(dim)}): give the dimension to pad, an int"
+        )
+    if isinstance(pad_index, bool) or not isinstance(pad_index, int | float):
+        raise ConfigError(
+            f"rt.pad_across_processes(pad_index={described(pad_index)}): give the number to "
+            "pad with, e.g. 0 or the tokenizer's pad token id"
+        )
+    # What depends on the tensor is checked after the exchange, so every rank decides alike.
+    shapes = exchange_shapes(strategy, tensor)
+    ndim = tensor.dim()
+    if any(len(s) != ndim for _, s in shapes) or ndim == 0:
+        shown = ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(shapes))
+        raise ConfigError(
+            "rt.pad_across_processes pads one dimension of tensors with the same number of "
+            f"dimensions (at least one) on every rank; got {shown}"
+        )
+    if not -ndim <= dim < ndim:
+        raise ConfigError(
+            f"rt.pad_across_processes(dim={dim}) for a tensor of shape {tuple(tensor.shape)}: "
+            f"give a dimension from {-ndim} to {ndim - 1}"
+        )
+    dim = dim % ndim
+    longest = max(s[dim] for _, s in shapes)
+    missing = longest - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    size = list(tensor.shape)
+    size[dim] = missing
+    filler = torch.full(size, pad_index, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
+
+
+def _uneven(shapes: list[Shape], is_tensor: bool) -> str:
+    shown = ", ".join(f"rank {r}: {d} {s}" for r, (d, s) in enumerate(shapes))
+    if not is_tensor:
+        return (
+            f"rt.all_gather got numbers of different kinds on different ranks ({shown}): "
+            "give every rank an int, or every rank a float"
+        )
+    first_only = all(
+        d == shapes[0][0] and len(s) == len(shapes[0][1]) and s[1:] == shapes[0][1][1:]
+        for d, s in shapes
+    )
+    if first_only and shapes[0][1]:
+        fix = (
+            "only the first dimension differs, as in a last evaluation batch: use "
+            "rt.gather_for_metrics(x), which joins every rank's rows (and drops the samples "
+            "the sampler repeated to even out the ranks), or rt.pad_across_processes(x) first"
+        )
+    else:
+        fix = (
+            "give every rank a tensor of the same dtype and shape (rt.pad_across_processes "
+            "evens out one dimension)"
+        )
+    return f"rt.all_gather stacks one tensor per rank; they differ ({shown}): {fix}"
 
 
 def broadcast(strategy: Strategy, value: Any, src: int) -> Any:

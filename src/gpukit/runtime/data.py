@@ -82,7 +82,10 @@ class DeviceLoader:
     (a peek) changes nothing. ``steps`` tells how many backward passes the run has taken;
     ``on_pass_end`` is called when a pass runs to its end, ``on_pass_start`` before each pass
     starts (where the Runtime resumes from a checkpoint, before the pass takes its position),
-    ``on_batch`` before each batch is read (where a save the last step left pending is made).
+    ``on_batch`` before each batch is read (where a save the last step left pending is made),
+    ``on_handed(loader, position, batch)`` after each batch is handed out (what evaluation's
+    gathering reads: which loader, which batch of its pass). ``on_pass_end`` is told whether
+    the pass trained (a backward pass ran during it) or evaluated.
     """
 
     def __init__(
@@ -93,12 +96,14 @@ class DeviceLoader:
         shard: int,
         seed: int,
         steps: Callable[[], int] | None = None,
-        on_pass_end: Callable[[], None] | None = None,
+        on_pass_end: Callable[[bool], None] | None = None,
         on_pass_start: Callable[[], None] | None = None,
         on_batch: Callable[[], None] | None = None,
+        on_handed: Callable[[DeviceLoader, int, Any], None] | None = None,
     ) -> None:
         self.device = device
         self._on_batch = on_batch
+        self._on_handed = on_handed
         self._on_pass_end = on_pass_end
         self._on_pass_start = on_pass_start
         self.original = loader
@@ -263,14 +268,15 @@ class DeviceLoader:
         if done not in self._live:
             return
         self._live.remove(done)
+        trained = self._steps() > done.steps_at_start
         if exhausted:
             self.epoch += 1
             # Every rank's pass ends at the same batch when the sampler shards evenly, which
             # makes this a point where all of them meet (an iterable dataset gives no such
             # promise).
             if self._on_pass_end is not None and self._sampler is not None:
-                self._on_pass_end()
-        elif self._steps() > done.steps_at_start:
+                self._on_pass_end(trained)
+        elif trained:
             self._left = done
         elif resume is not None and self._resume is None:
             self._resume = resume  # a peek at a resumed pass: the loop still starts there
@@ -320,6 +326,8 @@ class _PassIterator:
             self._end(exhausted=True)
             raise
         self._state.position += 1
+        if self._owner._on_handed is not None:
+            self._owner._on_handed(self._owner, self._state.position, batch)
         return batch
 
     def _end(self, exhausted: bool) -> None:

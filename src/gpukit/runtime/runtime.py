@@ -44,6 +44,7 @@ from gpukit.runtime.adopt import adopt
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.config import resolve_devices
 from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.evaluation import Evaluation
 from gpukit.runtime.launch import spawn
 from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
@@ -57,7 +58,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing):
+class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -171,6 +172,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
             on_pass_end=self._end_of_pass,
             on_pass_start=self.lifecycle.before_first_pass,
             on_batch=self.lifecycle.at_boundary,
+            on_handed=self._batch_handed,
         )
         self.state.loaders.append(wrapped)
         return wrapped
@@ -264,9 +266,12 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
         if self.metrics.pending:
             self.metrics.flush(self.state.global_step)
 
-    def _end_of_pass(self) -> None:
+    def _end_of_pass(self, trained: bool) -> None:
         # Every rank ends the pass together: a logging window never spans two epochs, and a
-        # loop's last window is read back before anyone reads rt.history alone.
+        # loop's last window is read back before anyone reads rt.history alone. A pass that
+        # trained nothing (an evaluation) leaves the training's window and schedulers alone.
+        if not trained:
+            return
         self._close_window()
         for scheduler in self.state.schedulers:
             scheduler.loader_pass_ended()
@@ -286,8 +291,11 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
         return collectives.all_reduce(self.strategy, value, op)
 
     def all_gather(self, value: torch.Tensor | float) -> Any:
-        """Every rank's ``value`` in rank order: tensors (the same shape on every rank) stacked
-        on a new first dimension, on the tensor's device; numbers as a list."""
+        """Every rank's ``value`` in rank order: tensors (the same shape and dtype on every
+        rank) stacked on a new first dimension, on the tensor's device; numbers as a list.
+        Under several processes the ranks first exchange the shapes (one small object
+        exchange): tensors that differ are a ConfigError on every rank (for rows that differ,
+        as in a last evaluation batch, use ``rt.gather_for_metrics``)."""
         self._ensure_ready()
         self.lifecycle.beat("collective", self.state.global_step)
         return collectives.all_gather(self.strategy, value)
