@@ -126,10 +126,11 @@ def test_one_process_evaluation_over_a_set_up_loader_counts_each_sample_once() -
     rt = gk.Runtime(devices="cpu")
     model, loader = rt.setup(_model(), DataLoader(_data(), batch_size=8))
     preds = []
-    with rt.evaluating(model):
+    with gk.trace() as t, rt.evaluating(model):
         for x, _ in loader:
             preds.append(rt.gather_for_metrics(model(x).argmax(1)))
     assert len(torch.cat(preds)) == SAMPLES
+    assert sum(s.count for s in t.syncs) == 0, t.syncs  # noting each batch reads nothing
 
 
 def test_a_trace_counts_no_read_for_a_gather_in_one_process() -> None:

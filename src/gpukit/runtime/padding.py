@@ -77,25 +77,26 @@ def describe(loader: Any, position: int, batch: Any, pass_rows: int | None) -> B
         rows = _leading_rows(batch)
         return BatchRows(rows, _add(pass_rows, rows), 0, False)
     by_batch = rebuilt.batch_size is None
-    pad = trailing_padding(sampler)
+    known = not shards_by_rank(sampler) or isinstance(sampler, DistributedSampler | Strided)
     try:
         batches, mine = len(rebuilt), len(sampler)
     except TypeError:  # a sampler with no length, in one process
         rows = _leading_rows(batch)
         return BatchRows(rows, _add(pass_rows, rows), 0, False)
     last = position == batches
+    # Padding is only ever in a pass's last batch: only there is it worked out.
+    pad = trailing_padding(sampler) if last else 0
     if by_batch:
         rows = _leading_rows(batch)
-        padding = rows if last and pad and rows is not None else 0
-        return BatchRows(rows, _add(pass_rows, rows), padding, False, pad is not None)
+        padding = rows if pad and rows is not None else 0
+        return BatchRows(rows, _add(pass_rows, rows), padding, False, known)
     size = int(rebuilt.batch_size)
     rows = max(0, min(size, mine - (position - 1) * size))
     padding = 0
-    if last and pad and (not rebuilt.drop_last or mine % size == 0):
+    if pad and (not rebuilt.drop_last or mine % size == 0):
         padding = min(pad, rows)  # the pass's last samples are in its last batch
     strided = isinstance(sampler, DistributedSampler | Strided) and sampler.num_replicas > 1
-    handed = min(mine, position * size)
-    return BatchRows(rows, handed, padding, strided, pad is not None)
+    return BatchRows(rows, min(mine, position * size), padding, strided, known)
 
 
 def _leading_rows(batch: Any) -> int | None:
