@@ -142,8 +142,9 @@ def test_a_trace_counts_no_read_for_a_gather_in_one_process() -> None:
 
 def _bad(rt: gk.Runtime) -> list[Any]:
     return [
-        (lambda: rt.gather_for_metrics({"name": "cat"}), r"got a str at data.name"),
-        (lambda: rt.gather_for_metrics([np.ones(2)]), r"got a ndarray at data\[0\]"),
+        (lambda: rt.gather_for_metrics({"name": "cat"}), r"type str at data.name \(rank 0\)"),
+        (lambda: rt.gather_for_metrics([np.ones(2)]), r"type ndarray at data\[0\]"),
+        (lambda: rt.gather_for_metrics((1, object())), r"type object at data\[1\]"),
         (lambda: rt.evaluating().__enter__(), r"rt.evaluating\(\) got no model"),
         (lambda: rt.evaluating("model").__enter__(), r"rt.evaluating got 'model'"),
         (lambda: rt.pad_across_processes([1, 2]), r"pad_across_processes got \[1, 2\]"),

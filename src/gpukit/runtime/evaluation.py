@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from gpukit._util.text import described
-from gpukit._util.tree import leaves, map_tensors
+from gpukit._util.text import described, type_name
+from gpukit._util.tree import is_dataclass_instance, leaves, map_tensors
 from gpukit.errors import ConfigError, warn_user
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime import collectives, padding
@@ -41,7 +40,20 @@ from gpukit.runtime.padding import BatchRows
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
-_LEAVES = (torch.Tensor, numbers.Number, str, bytes, np.ndarray)
+
+class _LeafKind(type):
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, torch.Tensor) or not (
+            isinstance(obj, list | tuple | Mapping) or is_dataclass_instance(obj)
+        )
+
+
+class _Leaf(metaclass=_LeafKind):
+    """What the walk stops at: a tensor, or anything that is not a container (a number, None,
+    and what is refused: a string, a NumPy array, any other object)."""
+
+
+_LEAVES = _Leaf
 
 
 class Evaluation:
@@ -105,7 +117,9 @@ class Evaluation:
         results: list[Any] = []
         for i, (path, value) in enumerate(found):
             kind = metas[0]["leaves"][i][1]
-            if kind == "number":
+            if kind == "none":
+                results.append(None)
+            elif kind == "number":
                 results.append([metas[r]["leaves"][i][3] for r in keep])
                 if any(repeats):
                     _warn_per_rank(path)
@@ -188,7 +202,9 @@ def _describe(path: str, value: Any) -> tuple[Any, ...]:
         return (path, "tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
     if isinstance(value, numbers.Real):
         return (path, "number", type(value).__name__, value)
-    return (path, "other", type(value).__name__, None)
+    if value is None:
+        return (path, "none", "NoneType", None)
+    return (path, "other", type_name(value), None)
 
 
 def _check_leaves(metas: list[dict[str, Any]]) -> None:
@@ -196,7 +212,8 @@ def _check_leaves(metas: list[dict[str, Any]]) -> None:
         for path, kind, name, _ in meta["leaves"]:
             if kind == "other":
                 raise ConfigError(
-                    f"rt.gather_for_metrics got a {name} at {path} (rank {rank}): it gathers "
+                    f"rt.gather_for_metrics got a value of type {name} at {path} (rank {rank}): "
+                    "it gathers "
                     "tensors and real numbers; make the value a tensor (e.g. torch.as_tensor, "
                     "or an index into your dataset for a name) or leave it out"
                 )
