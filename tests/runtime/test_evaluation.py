@@ -6,6 +6,7 @@ logging window open. In one process where possible; 2 gloo ranks for what needs 
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -258,9 +259,13 @@ def test_evaluation_passes_do_not_change_the_training_order() -> None:
 def _evaluate(rt: gk.Runtime, shuffle: bool, batch_size: int) -> dict[str, Any]:
     model, loader = rt.setup(_model(), DataLoader(_data(), batch_size=batch_size, shuffle=shuffle))
     preds, labels, inputs, mine = [], [], [], []
-    with rt.evaluating(model):
+    with rt.evaluating(model), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         for x, y in loader:
-            out = rt.gather_for_metrics({"pred": model(x).argmax(1), "io": (x[:, 0], y)})
+            # "n", one number per rank, counts the repeated sample in the last batch: it warns.
+            out = rt.gather_for_metrics(
+                {"pred": model(x).argmax(1), "io": (x[:, 0], y), "n": len(x)}
+            )
             preds.append(out["pred"])
             inputs.append(out["io"][0])
             labels.append(out["io"][1])
@@ -272,6 +277,7 @@ def _evaluate(rt: gk.Runtime, shuffle: bool, batch_size: int) -> dict[str, Any]:
         "inputs": torch.cat(inputs),
         "mse": torch.nn.functional.mse_loss(torch.cat(inputs), label.float()).item(),
         "whole_pass": rt.gather_for_metrics(torch.cat(mine)),  # after the loop, all at once
+        "warned": [str(w.message) for w in warned if "one value per rank" in str(w.message)],
     }
 
 
@@ -285,6 +291,7 @@ def test_513_samples_on_2_ranks_count_513_and_the_metric_is_the_one_process_one(
     assert one["count"] == two["count"] == SAMPLES
     assert two["correct"] == one["correct"]
     assert len(two["whole_pass"]) == SAMPLES
+    assert not one["warned"] and len(two["warned"]) == 1 and "data.n" in two["warned"][0]
     assert torch.equal(two["inputs"].sort().values, torch.arange(float(SAMPLES)))
     if not shuffle:  # the dataset's order, as one process sees it: the same sums, bit for bit
         assert torch.equal(two["inputs"], one["inputs"])
