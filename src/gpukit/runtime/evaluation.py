@@ -72,9 +72,13 @@ class Evaluation:
             self._per_loader = {}
         before = self._per_loader.get(id(loader)) if position > 1 else None
         earlier = 0 if position == 1 else (before.pass_rows if before is not None else None)
-        self._latest = self._per_loader[id(loader)] = padding.describe(
-            loader, position, batch, earlier
-        )
+        try:
+            rows = padding.describe(loader, position, batch, earlier)
+        except Exception:
+            # A sampler or dataset whose length fails: bookkeeping never stops the loop, and
+            # gathering then says it cannot tell the repeats.
+            rows = BatchRows(None, None, 0, False, known=False)
+        self._latest = self._per_loader[id(loader)] = rows
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Every rank's ``data`` joined, each sample once: tensors (alone, or in dicts, lists,
