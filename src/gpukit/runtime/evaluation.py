@@ -320,7 +320,7 @@ def _warn_per_rank(path: str) -> None:
 
 
 def _warn_unknown(batches: list[BatchRows | None]) -> None:
-    if "unknown" in _warned or all(b is None or b.known for b in batches):
+    if len(batches) < 2 or "unknown" in _warned or all(b is None or b.known for b in batches):
         return
     _warned.add("unknown")
     warn_user(
