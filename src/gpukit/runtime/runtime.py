@@ -49,6 +49,7 @@ from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.reporting import Reporting
 from gpukit.runtime.settings import Settings, arguments_doc
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
@@ -57,7 +58,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing):
+class Runtime(RuntimeViews, Registry, Checkpointing, Reporting):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -99,6 +100,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
             guard=guard,
         )
         self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
+        self._init_loggers()
         self._ready = False
         if settings.seed is not None:
             seed_everything(settings.seed)
@@ -338,6 +340,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
         """Drop the wrapped models, then leave the process group this Runtime joined."""
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
+        self._finish_logging("success")  # unless the function rt.launch ran failed before
         self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
@@ -356,6 +359,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing):
             )
         self.strategy.setup_environment()
         self._ready = True
+        self._start_loggers()
 
 
 # help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
@@ -365,10 +369,16 @@ Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     """``fn(rt, *args)``, then the last logging window read back: every rank that returns
-    normally reaches this point (module level, so ``spawn`` can pickle it)."""
-    result = fn(rt, *args)
-    rt._close_window()
+    normally reaches this point (module level, so ``spawn`` can pickle it). The loggers are
+    finalized here, as failed when ``fn`` raised."""
+    try:
+        result = fn(rt, *args)
+        rt._close_window()
+    except BaseException:
+        rt._finish_logging("failed")
+        raise
     rt.lifecycle.finished(rt.global_step)
+    rt._finish_logging("success")
     return result
 
 
