@@ -25,6 +25,8 @@ class TensorBoardLogger(BaseLogger):
         require("tensorboard", "tensorboard", "TensorBoardLogger")
         self.folder = Path(folder)
         self._writer: Any = None
+        self._params: dict[str, Any] = {}
+        self._hparams_written = False
 
     def _open(self) -> Any:
         if self._writer is None:
@@ -34,17 +36,30 @@ class TensorBoardLogger(BaseLogger):
         return self._writer
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
-        """``params`` as TensorBoard's hparams summary, in this run's own event file (rather
-        than the sub-folder ``SummaryWriter.add_hparams`` would make)."""
+        """Keep ``params`` for TensorBoard's HPARAMS tab, written with the first metrics (or at
+        the end): TensorBoard reads one set per run, the first one written, so all that came
+        before are written together. Those given later go to the TEXT tab (``hyperparams``)."""
+        self._params.update(plain_params(params))
+        if self._hparams_written:
+            table = "\n".join(f"| {k} | {v} |" for k, v in self._params.items())
+            self._open().add_text("hyperparams", "| name | value |\n|---|---|\n" + table)
+            self._open().flush()
+
+    def _write_hparams(self) -> None:
+        """The hparams summary, once, in this run's own event file (rather than the
+        sub-folder ``SummaryWriter.add_hparams`` would make)."""
+        if self._hparams_written or not self._params:
+            return
         from torch.utils.tensorboard.summary import hparams
 
         writer = self._open()
-        for summary in hparams(plain_params(params), {}):
+        for summary in hparams(self._params, {}):
             writer.file_writer.add_summary(summary)
-        writer.flush()
+        self._hparams_written = True
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """A scalar per metric at ``step``."""
+        self._write_hparams()
         writer = self._open()
         for name, value in metrics.items():
             writer.add_scalar(name, value, global_step=step)
@@ -52,6 +67,7 @@ class TensorBoardLogger(BaseLogger):
 
     def finalize(self, status: str) -> None:
         """Close the event file."""
+        self._write_hparams()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
