@@ -106,3 +106,33 @@ def test_a_missing_package_names_the_pip_extra_when_the_logger_is_made(
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(gk.ConfigError, match=rf'pip install "gpukit\[{extra}\]"'):
         gk.Runtime(devices="cpu", loggers=[name], checkpoints=tmp_path / "checkpoints")
+
+
+def test_log_hyperparams_without_values_says_how_to_call_it() -> None:
+    with pytest.raises(gk.ConfigError, match=r"rt.log_hyperparams\(\) got nothing"):
+        gk.Runtime(devices="cpu").log_hyperparams()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None, reason="MLflowLogger needs gpukit[mlflow]"
+)  # looked up, not imported: importing mlflow starts `uname -p`
+def test_mlflow_needs_one_place_for_its_runs() -> None:
+    with pytest.raises(gk.ConfigError, match="MLflowLogger needs one place for its runs"):
+        gk.loggers.MLflowLogger()
+    with pytest.raises(gk.ConfigError, match="MLflowLogger needs one place for its runs"):
+        gk.loggers.MLflowLogger("mlruns", tracking_uri="http://localhost:5000")
+
+
+def test_wandb_offline_without_an_api_key_and_as_asked_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("wandb", reason="WandbLogger needs gpukit[wandb]")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert gk.loggers.WandbLogger().mode == "offline"
+    assert gk.loggers.WandbLogger(mode="disabled").mode == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert gk.loggers.WandbLogger().mode is None  # wandb reads WANDB_MODE itself
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert gk.loggers.WandbLogger().mode is None  # with a key: wandb's own choice
