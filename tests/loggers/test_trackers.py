@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,12 @@ def test_wandb_offline_holds_the_history_and_the_config(
     assert logger.mode == "offline"  # no API key: no network, no login prompt
     history = _train(logger)
     (found,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    # run.finish() returns before wandb's core process has written the file out: wait for
+    # the run's exit record (the file is complete then), as `wandb sync` later would find it.
+    deadline = time.monotonic() + 120
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(found)):
+        assert time.monotonic() < deadline, "wandb never wrote the run's exit record"
+        time.sleep(0.1)
     records = _wandb_records(found)
     logged: dict[str, list[tuple[int, float]]] = {}
     config: dict[str, Any] = {}

@@ -119,6 +119,18 @@ def test_teardown_finalizes_a_loop_without_launch() -> None:
     assert len(recorder.of("metrics")) == 1
 
 
+def test_teardown_while_an_error_goes_out_finalizes_as_failed() -> None:
+    recorder = Recorder()
+    rt = gk.Runtime(devices="cpu", log_every=5, loggers=recorder)
+    with pytest.raises(KeyError):
+        try:
+            _loop(rt, steps=5)
+            raise KeyError("the program's own failure")
+        finally:
+            rt.teardown()
+    assert recorder.of("finalize") == ["failed"]
+
+
 def test_a_failing_logger_stops_the_run_naming_itself_and_keeps_the_history() -> None:
     recorder = Recorder()
     rt = gk.Runtime(devices="cpu", log_every=5, loggers=[recorder, Failing("log_metrics")])
@@ -183,3 +195,11 @@ def test_import_gpukit_imports_no_tracker() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_logger_failing_at_teardown_is_raised_after_the_teardown() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=5, loggers=[Failing("finalize")])
+    _loop(rt, steps=5)
+    with pytest.raises(gk.LoggerError, match="logger flaky-disk failed in finalize"):
+        rt.teardown()
+    assert not rt.state.modules  # the models were dropped all the same

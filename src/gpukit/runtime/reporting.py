@@ -6,7 +6,8 @@ collective) they get the Runtime's settings as hyper-parameters, under ``runtime
 record ``rt.history`` gains, from a flush of ``rt.log`` or from ``rt.log_metrics``: values
 already read back, so a logger adds no read, copy or collective to the step. They are
 finalized when the function ``rt.launch`` runs returns (``"success"``) or raises
-(``"failed"``), and at ``rt.teardown()`` (``"success"``) if not before.
+(``"failed"``), and at ``rt.teardown()`` if not before (``"failed"`` when it runs while an
+exception is on its way out, as in a ``finally:`` block, else ``"success"``).
 
 A logger that fails stops the run with a :class:`~gpukit.errors.LoggerError` naming it (its
 error is the cause): training on without the log it was asked for would lose it silently.

@@ -26,6 +26,7 @@ import functools
 import gc
 import inspect
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -340,13 +341,14 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Reporting):
         """Drop the wrapped models, then leave the process group this Runtime joined."""
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
-        self._finish_logging("success")  # unless the function rt.launch ran failed before
         self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
         if in_real_process_group() or torch.cuda.is_initialized():
             gc.collect()
         self.strategy.teardown()
+        # Last: a logger that fails to finalize must not leave the process group behind.
+        self._finish_logging("failed" if sys.exc_info()[0] else "success")  # if not before
 
     def _ensure_ready(self) -> None:
         if self._ready:
