@@ -166,3 +166,19 @@ def test_wandb_offline_holds_the_history_and_the_config(
     assert logged == {"loss": _series(history, "loss"), "val_loss": _series(history, "val_loss")}
     assert config["lr"] == 0.1 and config["runtime/strategy"] == "single"
     assert exit_codes == [0]
+
+
+def test_tensorboard_hyperparameters_given_late_go_to_the_text_tab(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoardLogger needs gpukit[tensorboard]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.log_hyperparams({"epochs_done": 1})  # the HPARAMS set is written already
+    logger.finalize("success")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    (text,) = events.Tensors("hyperparams/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert "| lr | 0.1 |" in table and "| epochs_done | 1 |" in table

@@ -38,7 +38,8 @@ class TensorBoardLogger(BaseLogger):
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Keep ``params`` for TensorBoard's HPARAMS tab, written with the first metrics (or at
         the end): TensorBoard reads one set per run, the first one written, so all that came
-        before are written together. Those given later go to the TEXT tab (``hyperparams``)."""
+        before are written together. After that, each call writes them all to the TEXT tab
+        (``hyperparams``)."""
         self._params.update(plain_params(params))
         if self._hparams_written:
             table = "\n".join(f"| {k} | {v} |" for k, v in self._params.items())
