@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import multiprocessing.process
 import os
+import platform
 import subprocess
 import types
 from collections.abc import Callable, Iterator
@@ -20,6 +21,12 @@ from gpukit.devices import hw as _hw
 GiB = 1024**3
 
 PROCESS_GUARD_MESSAGE = "this test starts a process: mark it @pytest.mark.processes"
+
+# The standard library asks `uname -p` once per process, on the first platform.processor() or
+# platform.platform() (gpukit's environment report, MLflow's run tags). Asked here, before any
+# test runs, so that whichever test comes first in a worker is not the one to start it.
+platform.platform()
+platform.processor()
 
 
 class ProcessGuard:

@@ -14,7 +14,7 @@ SRC = PACKAGE.parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Packages by concept, as the README's "Architecture" section describes them.
 ROOMS = {"_util", "bench", "checkpoint", "cli", "devices", "diagnostics", "doctor", "lifecycle",
-         "planning", "runtime", "strategies", "train", "workloads"}  # fmt: skip
+         "loggers", "planning", "runtime", "strategies", "train", "workloads"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -186,7 +186,8 @@ LAYERS = [
     {"devices"},
     {"strategies"},
     {"diagnostics"},
-    {"runtime", "checkpoint", "lifecycle"},  # the training core: the step, its saves, its run
+    {"runtime", "checkpoint", "lifecycle", "loggers"},  # the training core: the step, its saves,
+    # its run, where its metrics go
     {"workloads"},
     {"planning"},
     {"train"},

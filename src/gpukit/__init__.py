@@ -5,7 +5,7 @@
 >>> x = gk.to({"x": [1, 2]}, dev)
 """
 
-from gpukit import strategies
+from gpukit import loggers, strategies
 from gpukit.devices.device import Device, cpu, device, devices, gpu, on
 from gpukit.devices.move import to
 from gpukit.diagnostics.memory import MemoryBreakdown, MemoryReport, memory
@@ -25,6 +25,7 @@ from gpukit.errors import (
     DriverTooOldError,
     GpukitError,
     LaunchError,
+    LoggerError,
     NoKernelImageError,
     NonFiniteError,
     OutOfMemory,
@@ -49,6 +50,7 @@ __all__ = [
     "DriverTooOldError",
     "GpukitError",
     "LaunchError",
+    "LoggerError",
     "MemoryBreakdown",
     "MemoryReport",
     "NoKernelImageError",
@@ -69,6 +71,7 @@ __all__ = [
     "explain_error",
     "gpu",
     "log_placement",
+    "loggers",
     "memory",
     "on",
     "placement",

@@ -25,11 +25,12 @@ Other modules ask here, so the full list of variables lives in one file:
 Numbers are written in ASCII digits: ``int()`` and ``float()`` would also read '٣٠' or
 full-width '３０' as 30, which is refused, naming the variable.
 
-``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``, and
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines with
-restarts. The CUDA variables that gpukit reads only to explain things
-(``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the variables a launcher such as
-torchrun sets for each process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines with restarts,
+and ``MLFLOW_ALLOW_FILE_STORE`` for the MLflow logger's folder store; ``WANDB_API_KEY`` and
+``WANDB_MODE`` are read for the W&B logger's default mode. The CUDA variables that gpukit reads
+only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the variables a
+launcher such as torchrun sets for each process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too.
 """
 
@@ -223,6 +224,22 @@ def set_cuda_launch_blocking() -> None:
     """``CUDA_LAUNCH_BLOCKING=1``: every kernel launch waits for the kernel, so a CUDA error is
     raised at the line that caused it (CUDA reads this when it starts, so set it before)."""
     os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+
+
+def wandb_api_key() -> bool:
+    """Whether ``WANDB_API_KEY`` is set (gpukit's W&B logger then leaves the mode to wandb)."""
+    return bool(os.environ.get("WANDB_API_KEY", "").strip())
+
+
+def wandb_mode() -> str | None:
+    """``WANDB_MODE`` as set (offline, online, disabled), or None when unset."""
+    return os.environ.get("WANDB_MODE", "").strip() or None
+
+
+def allow_mlflow_file_store() -> None:
+    """``MLFLOW_ALLOW_FILE_STORE=true`` unless it is set: MLflow 3 refuses its folder store
+    without it, and a folder is what gpukit's MLflow logger writes to when given one."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
 def cuda_visible_devices() -> str | None:

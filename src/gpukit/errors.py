@@ -90,6 +90,13 @@ class OutOfMemory(GpukitError, RuntimeError):
     it, this is a ``RuntimeError``, so ``except RuntimeError`` code keeps catching it."""
 
 
+class LoggerError(GpukitError, RuntimeError):
+    """A logger given to ``gk.Runtime(loggers=...)`` failed (a full disk, a tracker that
+    refused a value): the message names the logger and the call, and the run stops rather than
+    train on without its log. The logger's own error is the ``__cause__``; ``rt.history``
+    still holds every record."""
+
+
 class LaunchError(GpukitError):
     """A rank of a launched job failed; the message holds its error and traceback."""
 

@@ -27,7 +27,8 @@ from gpukit.runtime.runtime import Runtime
 Builder = Callable[[nn.Module, Optimizer], loops.Loop]
 FRAMEWORK_MODULES = ("accelerate", "lightning", "lightning.fabric", "lightning_fabric")
 GPUKIT_VARIANTS = ("gpukit", "gpukit-train-step", "gpukit-train-default")
-ALL_VARIANTS = ["plain", "plain-logged", *GPUKIT_VARIANTS, "accelerate", "fabric"]
+LOGGER_VARIANTS = ("gpukit+csv", "gpukit+tensorboard")
+ALL_VARIANTS = ["plain", "plain-logged", *GPUKIT_VARIANTS, *LOGGER_VARIANTS, "accelerate", "fabric"]
 
 
 @pytest.fixture
@@ -80,6 +81,10 @@ def test_plain_and_every_gpukit_variant_are_timed_every_round(no_frameworks: Non
     logged = result.variant("gpukit-train-default")  # it logs: compared with a loop that does
     assert logged.baseline == "plain-logged" and logged.baseline_ratio is not None
     assert result.variant("gpukit").baseline == "plain"
+    for name in LOGGER_VARIANTS:  # the same loop with a logger: compared with plain-logged too
+        v = result.variant(name)
+        if v.available:  # tensorboard is optional
+            assert v.baseline == "plain-logged" and len(v.baseline_ratios) == 2
     assert result.environment["threads"] == 1 and result.environment["device"] == "cpu"
 
 
@@ -90,7 +95,7 @@ def test_missing_frameworks_are_reported_not_installed(no_frameworks: None) -> N
         assert not v.available and v.note == "not installed"
         assert v.seconds_per_step is None and v.ratio is None and v.version is None
     text = render_plain(result.table())
-    assert text.count("not installed") == 2
+    assert text.count("not installed") == 2 + (not result.variant(LOGGER_VARIANTS[1]).available)
     assert all(f"│ {name} " in text for name in ALL_VARIANTS)
 
 
@@ -148,8 +153,9 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
 
 @pytest.mark.parametrize(
     "build",
-    [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop, loops.plain_logged_loop],
-)
+    [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop, loops.plain_logged_loop,
+     loops.logger_loop("csv")],
+)  # fmt: skip
 def test_gpukit_loops_do_exactly_the_same_arithmetic_as_plain(build: Builder) -> None:
     """Bit for bit, because each gpukit variant computes the same float32 operations in the
     same order: no autocast (precision "32", also what "auto" gives on the CPU), and one

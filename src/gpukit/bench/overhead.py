@@ -12,6 +12,8 @@ cross-entropy, float32; see :mod:`gpukit.bench.overhead_loops`) runs as
 - ``gpukit-train-default``: ``rt.train_step`` then ``rt.log(loss=loss)``, with the Runtime
   settings ``gpukit train`` uses by default (its ``--oom``, ``--log-every 10``, ``--seed 0``,
   read from its argument parser), on the CPU; compared with ``plain-logged`` too;
+- ``gpukit+csv``, ``gpukit+tensorboard``: ``gpukit-train-default`` with ``loggers=["csv"]`` or
+  ``["tensorboard"]`` (where installed), writing into a temporary folder at every read-back;
 - ``accelerate``: through Hugging Face Accelerate (``Accelerator(cpu=True)``), where installed;
 - ``fabric``: through Lightning Fabric (``Fabric(accelerator="cpu", devices=1)``), where installed.
 
@@ -107,6 +109,20 @@ VARIANTS = (
         loops.train_default_loop,
         loops.train_default,
         version=__version__,
+        baseline="plain-logged",
+    ),
+    _Variant(
+        "gpukit+csv",
+        loops.logger_loop("csv"),
+        lambda: {**loops.train_default(), "loggers": "csv"},
+        version=__version__,
+        baseline="plain-logged",
+    ),
+    _Variant(
+        "gpukit+tensorboard",
+        loops.logger_loop("tensorboard"),
+        lambda: {**loops.train_default(), "loggers": "tensorboard"},
+        ("tensorboard",),
         baseline="plain-logged",
     ),
     _Variant("accelerate", loops.accelerate_loop, lambda: dict(loops.ACCELERATE), ("accelerate",)),
@@ -355,7 +371,7 @@ def as_result(result: OverheadResult, quick: bool = False) -> BenchResult:
         notes=[
             "× plain: median of the per-round ratios to plain; lowest/highest: their range",
             "× baseline: the same, to the plain loop doing the same work "
-            "(gpukit-train-default: plain-logged)",
+            "(gpukit-train-default and the loggers: plain-logged)",
             "the limit: 1.000, the plain loop itself; a busy machine widens the range first",
         ],
         parameters={

@@ -14,6 +14,7 @@ the CPU and one micro-batch per step, the gpukit variants compute exactly what p
 from __future__ import annotations
 
 import importlib
+import tempfile
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -24,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpukit.bench.train_defaults import runtime_settings
+from gpukit.loggers.registry import make_loggers
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import mlp
 
@@ -146,6 +148,27 @@ def train_default_loop(model: nn.Module, optimizer: Optimizer) -> Loop:
     """``gpukit train``'s loop with its default settings: ``rt.train_step``, then
     ``rt.log(loss=loss)`` (read back every ``--log-every`` steps)."""
     return _train_step(Runtime(**train_default()), model, optimizer, log=True)
+
+
+def logger_loop(name: str) -> Callable[[nn.Module, Optimizer], Loop]:
+    """``gpukit train``'s default loop with the logger ``name`` ("csv", "tensorboard"), which
+    writes into a temporary folder (removed with the loop): what a logger adds per step.
+
+    >>> model, optimizer = make_model_and_optimizer()
+    >>> logger_loop("csv")(model, optimizer)(make_batches(2))
+    """
+
+    def build(model: nn.Module, optimizer: Optimizer) -> Loop:
+        folder = tempfile.TemporaryDirectory(prefix="gpukit-bench-")
+        rt = Runtime(**train_default(), loggers=make_loggers([name], folder.name))
+        inner = _train_step(rt, model, optimizer, log=True)
+
+        def train(batches: Sequence[Batch], _folder: Any = folder) -> None:
+            inner(batches)  # _folder: the folder lives as long as the loop
+
+        return train
+
+    return build
 
 
 def _train_step(rt: Runtime, model: nn.Module, optimizer: Optimizer, log: bool) -> Loop:

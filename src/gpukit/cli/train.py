@@ -26,6 +26,8 @@ holds checkpoints is refused unless --resume (continue) or --overwrite (start ov
 checkpoints are moved aside, not deleted). --resume continues from the newest good checkpoint
 exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
 checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+--logger tensorboard,wandb,mlflow also writes DIR/tensorboard/, DIR/wandb/ (offline without
+WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
@@ -77,6 +79,7 @@ from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
+from gpukit.train.loggers import train_loggers
 from gpukit.train.loop import DEFAULT_PROGRESS_EVERY, TrainConfig, check, fit
 from gpukit.train.outdir import check_out, claim_out
 
@@ -113,6 +116,12 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.add_argument(
+        "--logger",
+        default=None,
+        metavar="NAMES",
+        help="also log to csv, tensorboard, wandb, mlflow (a comma list), under --out DIR",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -169,7 +178,11 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
     # The settings without a flag keep gk.Runtime's defaults, but checkpoints: under --out.
-    rt = Runtime(**{**values(args), "strategy": _strategy(args), "checkpoints": checkpoints})
+    loggers = train_loggers(args.logger, args.out)
+    rt = Runtime(
+        **{**values(args), "strategy": _strategy(args), "checkpoints": checkpoints},
+        loggers=loggers,
+    )
     config = TrainConfig(
         workload=args.workload,
         epochs=args.epochs,
@@ -276,7 +289,8 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
     runner = [sys.executable, str(Path(_launched_script.__file__))]
     command = [*runner, "-m", "gpukit", "train", "--strategy", strategy]
     command += command_line(args, skip=("strategy",))
-    for name in ("workload", "epochs", "max_steps", "batch_size", "lr", "progress_every", "out"):
+    flags = ("workload", "epochs", "max_steps", "batch_size", "lr", "progress_every", "out")
+    for name in (*flags, "logger"):
         value = getattr(args, name)
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]

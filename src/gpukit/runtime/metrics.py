@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numbers
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -51,6 +52,9 @@ class Metrics:
         self._counts: dict[str, int] = {}
         self._calls = 0  # since the last flush: a window holds log_every calls at most
         self._checks: dict[tuple[str, ...], torch.Tensor] = {}  # names -> their check, on device
+        # Called with each record appended to history (the Runtime's loggers): values already
+        # read back, so it adds no read, copy or collective.
+        self.on_record: Callable[[dict[str, float]], None] | None = None
 
     def log(self, step: int, metrics: dict[str, torch.Tensor | float]) -> None:
         """Add ``metrics`` to the sums; flush every ``log_every`` calls (``step``: the
@@ -104,6 +108,8 @@ class Metrics:
         self.history.append(record)
         self._sums.clear()
         self._counts.clear()
+        if self.on_record is not None:
+            self.on_record(record)
         return record
 
     def record(self, step: int, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -124,6 +130,8 @@ class Metrics:
         numbers = {name: float(_as_tensor(name, v)) for name, v in values.items()}
         record: dict[str, float] = {"step": step, **dict(sorted(numbers.items()))}
         self.history.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
         return record
 
     def _across_ranks(self, names: tuple[str, ...]) -> list[float]:

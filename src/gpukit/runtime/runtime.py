@@ -26,6 +26,7 @@ import functools
 import gc
 import inspect
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.reporting import Reporting
 from gpukit.runtime.settings import Settings, arguments_doc
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
@@ -58,7 +60,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation):
+class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -100,6 +102,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation):
             guard=guard,
         )
         self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
+        self._init_loggers()
         self._ready = False
         if settings.seed is not None:
             seed_everything(settings.seed)
@@ -352,6 +355,8 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation):
         if in_real_process_group() or torch.cuda.is_initialized():
             gc.collect()
         self.strategy.teardown()
+        # Last: a logger that fails to finalize must not leave the process group behind.
+        self._finish_logging("failed" if sys.exc_info()[0] else "success")  # if not before
 
     def _ensure_ready(self) -> None:
         if self._ready:
@@ -364,6 +369,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation):
             )
         self.strategy.setup_environment()
         self._ready = True
+        self._start_loggers()
 
 
 # help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
@@ -373,10 +379,16 @@ Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     """``fn(rt, *args)``, then the last logging window read back: every rank that returns
-    normally reaches this point (module level, so ``spawn`` can pickle it)."""
-    result = fn(rt, *args)
-    rt._close_window()
+    normally reaches this point (module level, so ``spawn`` can pickle it). The loggers are
+    finalized here, as failed when ``fn`` raised."""
+    try:
+        result = fn(rt, *args)
+        rt._close_window()
+    except BaseException:
+        rt._finish_logging("failed")
+        raise
     rt.lifecycle.finished(rt.global_step)
+    rt._finish_logging("success")
     return result
 
 

@@ -35,6 +35,7 @@ from gpukit.lifecycle.checks import (
     check_resume,
     parse_save_every,
 )
+from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.config import (
     DevicesSpec,
     OomPolicy,
@@ -239,12 +240,26 @@ class Settings:
         no_flag="none (gpukit train's loop has no scheduler)",
     )
 
+    loggers: LoggersSpec = setting(
+        None,
+        help="where metrics and hyper-parameters go besides rt.history",
+        allowed="names (csv, tensorboard, wandb, mlflow), logger objects, or None",
+        doc="where rank 0 sends each record ``rt.history`` gains and the hyper-parameters: "
+        '``"csv"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` (written under the parent of '
+        "``checkpoints``, which they need), logger objects such as "
+        '``gk.loggers.TensorBoardLogger("runs/a/tb")``, or one\'s own (see '
+        "``gpukit.loggers``); one or a list.",
+        flag=False,
+        no_flag="--logger csv,tensorboard,wandb,mlflow: written under --out DIR",
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check = option(f).check
             if check is not None:
                 check(getattr(self, f.name))
         check_needs_folder(self)
+        check_loggers(self.loggers, run_folder(self.checkpoints))
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:
@@ -255,6 +270,16 @@ class Settings:
         """The settings as keyword arguments (``gk.Runtime(**s.keywords())`` makes them
         again)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def run_folder(checkpoints: str | Path | None) -> Path | None:
+    """The run's folder, where named loggers write: the parent of its ``checkpoints`` folder
+    (None without one).
+
+    >>> run_folder("runs/a/checkpoints").as_posix()
+    'runs/a'
+    """
+    return None if checkpoints is None else Path(checkpoints).parent
 
 
 def option(f: dataclasses.Field[Any]) -> Option:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
 from gpukit.diagnostics.memory import report as memory_report
 from gpukit.errors import ConfigError
+from gpukit.loggers.csv_logger import column_names, write_history, write_rows
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload
 from gpukit.workloads.flops import mfu
@@ -180,7 +180,7 @@ class MetricsCsv:
         self.path = path
         past = read_history(path) if resumed_from_step is not None else []
         self.past = [r for r in past if r["step"] <= (resumed_from_step or 0)]
-        self._names = _names(self.past)
+        self._names = column_names(self.past)
         self._seen = 0  # records of this run's history already in the file
         path.parent.mkdir(parents=True, exist_ok=True)
         write_history(path, self.past)
@@ -191,13 +191,13 @@ class MetricsCsv:
         if not new:
             return
         self._seen = len(history)
-        names = _names(new)
+        names = column_names(new)
         if not set(names) <= set(self._names):  # a new column: the header changes
-            self._names = _names(self.past + history)
+            self._names = column_names(self.past + history)
             write_history(self.path, self.past + history)
             return
         with open(self.path, "a", newline="") as f:
-            _write_rows(csv.writer(f), new, self._names)
+            write_rows(csv.writer(f), new, self._names)
 
     def whole(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
         """The whole run's records: the kept rows of earlier runs, then ``history``."""
@@ -234,27 +234,6 @@ def read_history(path: Path) -> list[dict[str, float]]:
                     "wrote; move it away to start it afresh"
                 )
     return records
-
-
-def write_history(path: Path, history: list[dict[str, float]]) -> None:
-    """Write ``history`` as a CSV (step, then the metrics by name), replacing the file whole:
-    written aside and renamed, so a reader never sees half a file."""
-    names = _names(history)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", *names])
-        _write_rows(writer, history, names)
-    os.replace(partial, path)
-
-
-def _names(history: list[dict[str, float]]) -> list[str]:
-    return sorted({k for row in history for k in row} - {"step"})
-
-
-def _write_rows(writer: Any, history: list[dict[str, float]], names: list[str]) -> None:
-    for row in history:
-        writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])
 
 
 def _plot_loss(

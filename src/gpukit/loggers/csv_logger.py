@@ -1,0 +1,86 @@
+"""``CsvLogger``: the metrics as one CSV file, readable while the run goes.
+
+A row per record (``step``, then the metrics by name). Rows are appended as they come; when a
+record brings a metric name the header does not have yet, the file is rewritten whole, written
+aside and renamed (:func:`write_history`), so a reader never sees half a file. Hyper-parameters
+go to ``hyperparams.json`` beside it.
+
+>>> import tempfile
+>>> folder = tempfile.mkdtemp()
+>>> log = CsvLogger(folder)
+>>> log.log_metrics({"loss": 0.5}, step=10)
+>>> log.log_metrics({"loss": 0.25, "val_loss": 0.5}, step=20)
+>>> log.path.read_text().splitlines()
+['step,loss,val_loss', '10,0.5,', '20,0.25,0.5']
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from gpukit.loggers.base import BaseLogger
+
+
+class CsvLogger(BaseLogger):
+    """Metrics to ``folder/filename`` (default ``metrics.csv``), hyper-parameters to
+    ``folder/hyperparams.json``. The file is started afresh by the first record."""
+
+    name = "csv"
+
+    def __init__(self, folder: str | os.PathLike[str], filename: str = "metrics.csv") -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / filename
+        self._records: list[dict[str, float]] = []
+        self._names: list[str] = []
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Merge ``params`` into ``hyperparams.json`` (rewritten whole, aside then renamed)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / "hyperparams.json"
+        known = json.loads(path.read_text()) if path.exists() else {}
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({**known, **params}, indent=2, default=str) + "\n")
+        os.replace(partial, path)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Append a row; a new metric name rewrites the file with the wider header."""
+        record: dict[str, float] = {"step": step, **metrics}
+        self._records.append(record)
+        if not self._names or not set(metrics) <= set(self._names):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._names = column_names(self._records)
+            write_history(self.path, self._records)
+            return
+        with open(self.path, "a", newline="") as f:
+            write_rows(csv.writer(f), [record], self._names)
+
+    def __repr__(self) -> str:
+        return f"CsvLogger({str(self.folder)!r})"
+
+
+def write_history(path: Path, history: list[dict[str, float]]) -> None:
+    """Write ``history`` as a CSV (step, then the metrics by name), replacing the file whole:
+    written aside and renamed, so a reader never sees half a file."""
+    names = column_names(history)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", *names])
+        write_rows(writer, history, names)
+    os.replace(partial, path)
+
+
+def column_names(history: list[dict[str, float]]) -> list[str]:
+    """The metric columns of ``history``: every name but ``step``, sorted."""
+    return sorted({k for row in history for k in row} - {"step"})
+
+
+def write_rows(writer: Any, history: list[dict[str, float]], names: list[str]) -> None:
+    """A row per record of ``history``: the step, then the values of ``names`` (blank where a
+    record has none)."""
+    for row in history:
+        writer.writerow([int(row["step"]), *(row.get(n, "") for n in names)])

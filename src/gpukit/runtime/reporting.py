@@ -1,0 +1,118 @@
+"""What the Runtime tells its loggers (``gk.Runtime(loggers=[...])``; see
+:mod:`gpukit.loggers`): the mixin behind ``rt.loggers`` and ``rt.log_hyperparams``.
+
+Rank 0 alone talks to the loggers. When the run is ready (its first ``rt.setup``, step or
+collective) they get the Runtime's settings as hyper-parameters, under ``runtime/``; then each
+record ``rt.history`` gains, from a flush of ``rt.log`` or from ``rt.log_metrics``: values
+already read back, so a logger adds no read, copy or collective to the step. They are
+finalized when the function ``rt.launch`` runs returns (``"success"``) or raises
+(``"failed"``), and at ``rt.teardown()`` if not before (``"failed"`` when it runs while an
+exception is on its way out, as in a ``finally:`` block, else ``"success"``).
+
+A logger that fails stops the run with a :class:`~gpukit.errors.LoggerError` naming it (its
+error is the cause): training on without the log it was asked for would lose it silently.
+While the run is already failing, a logger's failure to finalize is only logged, so that the
+first error is the one raised.
+
+>>> import gpukit as gk
+>>> class Printer(gk.loggers.BaseLogger):
+...     def log_metrics(self, metrics, step):
+...         print(step, metrics)
+>>> rt = gk.Runtime(devices="cpu", loggers=[Printer()])
+>>> _ = rt.log_metrics(val_loss=0.25)
+0 {'val_loss': 0.25}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from gpukit.errors import ConfigError, LoggerError
+from gpukit.loggers.base import Logger, logger_name
+from gpukit.loggers.registry import make_loggers
+from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.settings import Settings, record, run_folder
+from gpukit.runtime.state import TrainState
+from gpukit.strategies import Strategy
+
+_log = logging.getLogger("gpukit")
+
+
+class Reporting:
+    """``rt.loggers`` and ``rt.log_hyperparams`` (a mixin of ``gk.Runtime``)."""
+
+    config: Settings
+    metrics: Metrics
+    strategy: Strategy
+    state: TrainState
+
+    def _init_loggers(self) -> None:
+        """Make the loggers the settings name (a missing package is refused here)."""
+        self.loggers: list[Logger] = make_loggers(
+            self.config.loggers, run_folder(self.config.checkpoints)
+        )
+        self._logging: Literal["idle", "started", "finished"] = "idle"
+        if self.loggers:
+            self.metrics.on_record = self._to_loggers
+
+    def log_hyperparams(self, params: dict[str, Any] | None = None, **more: Any) -> None:
+        """Send hyper-parameters of the program's own (``params`` and keywords: numbers,
+        text, bools) to the loggers, from rank 0; the Runtime's settings go there by
+        themselves.
+
+        >>> import gpukit as gk
+        >>> gk.Runtime(devices="cpu").log_hyperparams(lr=0.1, layers=4)  # no logger: nothing
+        """
+        values = {**(params or {}), **more}
+        if not values:
+            raise ConfigError(
+                "rt.log_hyperparams() got nothing: pass a dict or keywords, e.g. "
+                "rt.log_hyperparams(lr=0.1)"
+            )
+        if self._logging_here():
+            self._start_loggers()
+            self._each("log_hyperparams", values)
+
+    def _logging_here(self) -> bool:
+        return bool(self.loggers) and self._logging != "finished" and self.strategy.rank == 0
+
+    def _start_loggers(self) -> None:
+        """Rank 0, once: the settings as the first hyper-parameters."""
+        if self._logging == "idle" and self._logging_here():
+            self._logging = "started"
+            settings = record(self.config, strategy=self.strategy.name)
+            self._each("log_hyperparams", {f"runtime/{k}": v for k, v in settings.items()})
+
+    def _to_loggers(self, rec: dict[str, float]) -> None:
+        if self._logging_here():
+            self._start_loggers()
+            metrics = {k: v for k, v in rec.items() if k != "step"}
+            self._each("log_metrics", metrics, int(rec["step"]))
+
+    def _finish_logging(self, status: Literal["success", "failed"]) -> None:
+        """Finalize every started logger once; while failing, their errors are only logged."""
+        started, self._logging = self._logging == "started", "finished"
+        if not started:
+            return
+        if status == "success":
+            self._each("finalize", status)
+            return
+        for logger in self.loggers:
+            try:
+                logger.finalize(status)
+            except Exception as err:
+                _log.warning("logger %s failed to finalize: %r", logger_name(logger), err)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for logger in self.loggers:
+            try:
+                getattr(logger, method)(*args)
+            except Exception as err:
+                raise LoggerError(
+                    f"logger {logger_name(logger)} failed in {method} at step "
+                    f"{self.state.global_step}: {type(err).__name__}: {err}. The run stops "
+                    "rather than train on without the log it was asked for (rt.history holds "
+                    "every record so far): fix what the logger needs, or leave it out of "
+                    "gk.Runtime(loggers=...)"
+                ) from err

@@ -1,0 +1,59 @@
+"""`gpukit train --logger`: the loggers write under --out, csv is metrics.csv itself, and a
+bad request is one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpukit.cli.__main__ import main
+from gpukit.train.report import read_history
+
+
+def test_tensorboard_writes_under_out_and_csv_is_metrics_csv(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="--logger tensorboard needs gpukit[tensorboard]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    argv = ["train", "--workload", "mlp", "--max-steps", "6", "--log-every", "2"]
+    assert main([*argv, "--out", str(out), "--logger", "csv,tensorboard"]) == 0
+    history = read_history(out / "metrics.csv")
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [s for s, _ in scalars] == [int(r["step"]) for r in history] == [2, 4, 6]
+    assert [v for _, v in scalars] == pytest.approx([r["loss"] for r in history], rel=1e-6)
+    # csv adds no second file: metrics.csv is it.
+    assert sorted(p.name for p in out.glob("*.csv")) == ["metrics.csv"]
+    assert not (out / "hyperparams.json").exists()
+
+
+def test_logger_without_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--workload", "mlp", "--max-steps", "1", "--logger", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert "--logger csv: loggers write under --out DIR" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_logger_lists_the_known_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--workload", "mlp", "--max-steps", "1", "--out", str(out)]
+    assert main([*argv, "--logger", "csv,neptune"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown logger 'neptune': give a comma list of csv, tensorboard, wandb, mlflow" in err
+    assert not out.exists()
+
+
+def test_each_rank_of_a_job_gets_the_logger_flag() -> None:
+    import argparse
+
+    from gpukit.cli.train import _worker_command, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--out", "runs/a", "--logger", "tensorboard,mlflow"])
+    command = _worker_command(args, "ddp")
+    assert command[command.index("--logger") + 1] == "tensorboard,mlflow"
