@@ -42,6 +42,7 @@ from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.checkpointing import Checkpointing
+from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.config import resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.launch import spawn
@@ -75,6 +76,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Progressing):
         )
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
+        self.compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
         guard = None
         if settings.nonfinite is not None:
@@ -145,7 +147,9 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Progressing):
             )
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
-            module = self.strategy.setup_module(self.precision.setup_module(user))
+            # compile=...: the strategy's result compiled in place (gpukit.runtime.compiling).
+            placed = self.compiler.before_strategy(self.precision.setup_module(user), user)
+            module = self.compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
             after = dict(self.unwrap(module).named_parameters(remove_duplicate=False))

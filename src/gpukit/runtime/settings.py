@@ -35,6 +35,7 @@ from gpukit.lifecycle.checks import (
     check_resume,
     parse_save_every,
 )
+from gpukit.runtime.compiling import check_compile
 from gpukit.runtime.config import (
     DevicesSpec,
     OomPolicy,
@@ -237,6 +238,20 @@ class Settings:
         check=check_scheduler_steps,
         flag=False,
         no_flag="none (gpukit train's loop has no scheduler)",
+    )
+
+    compile: bool | str = setting(
+        False,
+        help="torch.compile the model: single and ddp (the whole model), fsdp (each block)",
+        allowed="False, True, or a torch.compile backend's name",
+        doc="``torch.compile`` the model at ``rt.setup``: True (torch's default backend, "
+        'inductor) or a backend\'s name ("aot_eager"). Under single and ddp the whole model '
+        "(DDP's wrapper included, as torch recommends), under fsdp each repeated block before "
+        "it is sharded; dp and dp-balanced refuse it. Parameter names and checkpoints are an "
+        "uncompiled run's (see ``gpukit.runtime.compiling``).",
+        check=check_compile,
+        flag=False,
+        no_flag="--compile (True: torch's default backend)",
     )
 
     def __post_init__(self) -> None:
