@@ -189,3 +189,39 @@ def test_ddp_on_two_ranks_compiles_the_wrapper_and_matches_the_plain_run() -> No
     # (accumulating, then synchronising) nothing compiles again.
     graphs = result["graphs"]
     assert graphs[0] >= 1 and graphs == [graphs[0]] * STEPS, graphs
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _fsdp_run(rt: gk.Runtime) -> dict[str, Any]:
+    graphs: list[int] = []
+    model, _ = _train(rt, _Blocks(), graphs=graphs)
+    return {
+        "compiled": [b._compiled_call_impl is not None for b in rt.unwrap(model).blocks],
+        "root": model._compiled_call_impl is None,
+        "names": sorted(rt.full_state_dict(model)),
+        "graphs": graphs,
+        "plan": rt.strategy.plans[0].render(),  # type: ignore[attr-defined]
+    }
+
+
+@pytest.mark.processes
+def test_fsdp_on_two_ranks_compiles_each_block_before_sharding() -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], compile="aot_eager", seed=0)
+    result = rt.launch(_fsdp_run)
+    assert result["compiled"] == [True, True] and result["root"]
+    assert "compile: blocks" in result["plan"]
+    assert result["names"] == sorted(_Blocks().state_dict())
+    graphs = result["graphs"]
+    assert graphs == [graphs[0]] * STEPS, graphs  # no recompile after the first step
