@@ -40,7 +40,12 @@ Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds 
 --strategy fsdp shards every weight, gradient and optimizer state over the processes (each
 repeated block is one group, gathered only while it computes; the plan is printed at the
 start); --activation-checkpointing full|selective recomputes each block's activations in the
-backward instead of keeping them, and --compile compiles each block (both need --strategy fsdp).
+backward instead of keeping them (it needs --strategy fsdp).
+
+--compile runs the model under torch.compile: the whole model under single and ddp (DDP's
+wrapper included, so gradients are still averaged during the backward), each repeated block
+under fsdp; dp and dp-balanced refuse it (they copy the model onto the devices every step).
+The first steps are slower while it compiles; checkpoints are the same as without it.
 
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
@@ -57,6 +62,7 @@ Example:
     gpukit train --workload mlp --progress-every 60 | tee train.log
     gpukit train --devices 2 --out runs/gpt --save-every 10m --max-restarts 3
     gpukit train --devices 2 --strategy fsdp --activation-checkpointing selective
+    gpukit train --workload cnn --devices 2 --compile
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="fsdp only: torch.compile each repeated block before sharding it",
+        help="torch.compile the model (single, ddp: all of it; fsdp: each repeated block; "
+        "not dp or dp-balanced)",
     )
     parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after S optimizer steps")
@@ -179,10 +186,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
     # The settings without a flag keep gk.Runtime's defaults, but checkpoints: under --out.
     loggers = train_loggers(args.logger, args.out)
-    rt = Runtime(
-        **{**values(args), "strategy": _strategy(args), "checkpoints": checkpoints},
-        loggers=loggers,
-    )
+    chosen = {"strategy": _strategy(args), "checkpoints": checkpoints, "compile": args.compile}
+    rt = Runtime(**{**values(args), **chosen}, loggers=loggers)
     config = TrainConfig(
         workload=args.workload,
         epochs=args.epochs,
@@ -258,27 +263,17 @@ def _out_of_memory(err: BaseException, settings: dict[str, Any] | None) -> OutOf
 
 
 def _strategy(args: argparse.Namespace) -> Any:
-    """``--strategy``, with fsdp's own flags; a usage error when they come with another one."""
-    fsdp_flags = [
-        flag
-        for flag, given in (
-            ("--activation-checkpointing", args.activation_checkpointing is not None),
-            ("--compile", args.compile),
-        )
-        if given
-    ]
+    """``--strategy``, with fsdp's own flag; a usage error when it comes with another one.
+    (``--compile`` is the Runtime's, for every strategy that can compile.)"""
     if args.strategy != FSDP.name:
-        if fsdp_flags:
+        if args.activation_checkpointing is not None:
             raise ConfigError(
-                f"{' and '.join(fsdp_flags)}: only --strategy fsdp recomputes or compiles its "
-                f"blocks, but --strategy is {args.strategy!r}: add --strategy fsdp, or drop "
-                f"{' and '.join(fsdp_flags)}"
+                "--activation-checkpointing: only --strategy fsdp recomputes its blocks, but "
+                f"--strategy is {args.strategy!r}: add --strategy fsdp, or drop "
+                "--activation-checkpointing"
             )
         return args.strategy
-    return FSDP(
-        activation_checkpointing=args.activation_checkpointing or "off",
-        compile=bool(args.compile),
-    )
+    return FSDP(activation_checkpointing=args.activation_checkpointing or "off")
 
 
 def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:

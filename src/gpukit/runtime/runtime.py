@@ -43,6 +43,7 @@ from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.checkpointing import Checkpointing
+from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.config import resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.evaluation import Evaluation
@@ -51,6 +52,7 @@ from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.progressing import Progressing
 from gpukit.runtime.reporting import Reporting
 from gpukit.runtime.settings import Settings, arguments_doc
 from gpukit.runtime.state import TrainState, user_model
@@ -60,7 +62,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting):
+class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -77,6 +79,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting):
         )
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
+        self.compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
         guard = None
         if settings.nonfinite is not None:
@@ -148,7 +151,9 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting):
             )
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
-            module = self.strategy.setup_module(self.precision.setup_module(user))
+            # compile=...: the strategy's result compiled in place (gpukit.runtime.compiling).
+            placed = self.compiler.before_strategy(self.precision.setup_module(user), user)
+            module = self.compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
             after = dict(self.unwrap(module).named_parameters(remove_duplicate=False))

@@ -36,6 +36,7 @@ from gpukit.lifecycle.checks import (
     parse_save_every,
 )
 from gpukit.loggers.registry import LoggersSpec, check_loggers
+from gpukit.runtime.compiling import check_compile
 from gpukit.runtime.config import (
     DevicesSpec,
     OomPolicy,
@@ -251,6 +252,19 @@ class Settings:
         "``gpukit.loggers``); one or a list.",
         flag=False,
         no_flag="--logger csv,tensorboard,wandb,mlflow: written under --out DIR",
+    )
+    compile: bool | str = setting(
+        False,
+        help="torch.compile the model: single and ddp (the whole model), fsdp (each block)",
+        allowed="False, True, or a torch.compile backend's name",
+        doc="``torch.compile`` the model at ``rt.setup``: True (torch's default backend, "
+        'inductor) or a backend\'s name ("aot_eager"). Under single and ddp the whole model '
+        "(DDP's wrapper included, as torch recommends), under fsdp each repeated block before "
+        "it is sharded; dp and dp-balanced refuse it. Parameter names and checkpoints are an "
+        "uncompiled run's (see ``gpukit.runtime.compiling``).",
+        check=check_compile,
+        flag=False,
+        no_flag="--compile (True: torch's default backend)",
     )
 
     def __post_init__(self) -> None:

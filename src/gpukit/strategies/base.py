@@ -152,6 +152,13 @@ class Strategy(abc.ABC):
     def check_precision(self, precision: str) -> None:  # noqa: B027
         """Refuse a run ``precision`` (its name) this strategy's own settings cannot go with."""
 
+    def enable_compile(self, backend: str | None) -> bool:
+        """The run compiles its model with ``torch.compile`` (``backend``: None for torch's
+        default); raise ConfigError where this strategy cannot. True: the Runtime compiles, in
+        place, what ``setup_module`` returns (so DDP's wrapper is inside the compiled call, as
+        torch recommends); False: this strategy compiles in ``setup_module`` itself."""
+        return True
+
     @abc.abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the model; return what the training loop should call. The base places it on

@@ -185,6 +185,14 @@ class DP(Strategy):
         0.5,
     )
 
+    def enable_compile(self, backend: str | None) -> bool:
+        raise ConfigError(
+            f"compile: strategy {self.name!r} copies the model onto every device at each step "
+            "(torch's DataParallel), which torch.compile cannot follow: use strategy='ddp' (one "
+            "process per device, compiled; `gpukit train --strategy ddp --compile`), or drop "
+            "compile"
+        )
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         devices = [d.torch for d in self.devices]

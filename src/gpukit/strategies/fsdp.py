@@ -24,6 +24,7 @@ state, if it has any), so it trains them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any, ClassVar
@@ -146,9 +147,17 @@ class FSDP(DDP):
             accumulation=accumulation,
             tp_plan=tp_plan,
         )
+        self.compile_backend: str | None = None  # torch.compile's backend for the blocks
         self.mesh: Any = None
         self.plans: list[ShardPlan] = []
         self._roots: dict[int, list[Any]] = {}  # id(set-up module) -> its sharded roots
+
+    def enable_compile(self, backend: str | None) -> bool:
+        # Compiled as torchtitan does: each repeated block before it is sharded, so that
+        # fully_shard's hooks stay between compiled blocks, outside the graphs.
+        self.options = dataclasses.replace(self.options, compile="blocks")
+        self.compile_backend = backend
+        return False
 
     # -- processes ---------------------------------------------------------------------------
     def configure(self, devices: list[Device]) -> None:
@@ -251,8 +260,9 @@ class FSDP(DDP):
         if o.tp > 1:
             self._parallelize(module)
         if o.compile:
+            backend = {"backend": self.compile_backend} if self.compile_backend else {}
             for block in blocks:
-                block.compile()
+                block.compile(**backend)
         for group in groups:
             target = group.modules[0] if len(group.modules) == 1 else group.modules
             self._shard(api, target, settings, group.names)

@@ -18,25 +18,22 @@ from the whole run.
 
 from __future__ import annotations
 
-import datetime
 import math
-import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpukit import _env
 from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
+from gpukit.runtime.progress import DEFAULT_EVERY, Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
 from gpukit.train.report import (
@@ -54,9 +51,8 @@ from gpukit.workloads.base import load_workload
 # from gk.Runtime's, in gpukit.runtime.settings.
 RUNTIME_DEFAULTS: dict[str, Any] = train_defaults()
 DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
-# Seconds between progress lines when stdout is not a terminal: often enough to see a run is
-# alive in a CI log, rarely enough not to flood it.
-DEFAULT_PROGRESS_EVERY = 30.0
+# Seconds between progress lines when stdout is not a terminal (gpukit.runtime.progress).
+DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
 
 
 @dataclass(frozen=True)
@@ -254,157 +250,13 @@ def micro_batch(global_batch: int, world_size: int, accumulate: int) -> int:
     return global_batch // parts
 
 
-class _Quiet:
-    """No progress shown: ranks other than 0, or ``progress=False``. The loop tells every
-    kind of progress the same things: an epoch starts, a step ends, an epoch ends, the run
-    ends; each with the step and what ``rt.log`` has read back so far."""
-
-    def __enter__(self) -> _Quiet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Nothing was opened, so nothing closes."""
-
-    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
-        """Epoch ``epoch`` starts at ``step``: shown by the displays that show anything."""
-
-    def advance(self, step: int, history: list[dict[str, float]]) -> None:
-        """Optimizer step ``step`` ended."""
-
-    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
-        """An epoch ended at ``step``."""
-
-    def finish(self, step: int, history: list[dict[str, float]]) -> None:
-        """The run ended at ``step``; ``history`` holds its last read-back."""
-
-
-def _last_loss(history: list[dict[str, float]]) -> float | None:
-    return next((r["loss"] for r in reversed(history) if "loss" in r), None)
-
-
-class _Bar(_Quiet):
-    """rich's progress bar, redrawn in place: on a terminal, or in a notebook."""
-
-    def __init__(self, total: int, global_batch: int, first_step: int) -> None:
-        self.global_batch, self.first_step = global_batch, first_step
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} steps"),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[rate]:.0f} samples/s"),
-            TimeRemainingColumn(),
-        )
-        self.task = self.progress.add_task("train", total=total, loss="-", rate=0.0)
-        self.start = time.perf_counter()
-
-    def __enter__(self) -> _Bar:
-        self.progress.start()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
-
-    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
-        self.advance(step, history)
-
-    def advance(self, step: int, history: list[dict[str, float]]) -> None:
-        loss = _last_loss(history)
-        elapsed = time.perf_counter() - self.start
-        rate = (step - self.first_step) * self.global_batch / elapsed if elapsed else 0.0
-        shown = f"{loss:.4f}" if loss is not None else "-"  # "-": nothing read back yet
-        self.progress.update(self.task, completed=step, loss=shown, rate=rate)
-
-    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
-        self.advance(step, history)
-
-    def finish(self, step: int, history: list[dict[str, float]]) -> None:
-        self.advance(step, history)
-
-
-class ProgressLines(_Quiet):
-    """Progress as plain lines, for output that is not a terminal (CI logs, pipes, files),
-    where a redrawn bar would be lost or come out as control characters: a line at the start
-    and end of each epoch, at the end, and after a step when ``every`` seconds have passed
-    since the last line (0: after every step). Each line: steps, epoch, the last loss read
-    back, samples/s and the time left, from ``clock`` (seconds).
-
-    >>> clock = iter([0.0, 0.0, 10.0, 31.0, 40.0]).__next__
-    >>> lines = ProgressLines(total=4, epochs=1, global_batch=8, first_step=0, every=30,
-    ...                       clock=clock, out=sys.stdout)
-    >>> with lines:
-    ...     lines.epoch_start(1, 0, [])
-    ...     lines.advance(1, [])                              # 10 s: too soon for a line
-    ...     lines.advance(2, [{"step": 2.0, "loss": 0.5}])    # 31 s
-    ...     lines.finish(4, [{"step": 4.0, "loss": 0.25}])    # 40 s
-    train 0/4 steps (0%), epoch 1/1, loss -, - samples/s, ETA -
-    train 2/4 steps (50%), epoch 1/1, loss 0.5000, 1 samples/s, ETA 0:00:31
-    train 4/4 steps (100%), epoch 1/1, loss 0.2500, 1 samples/s, ETA 0:00:00
-    """
-
-    def __init__(
-        self,
-        total: int,
-        epochs: int,
-        global_batch: int,
-        first_step: int,
-        every: float,
-        clock: Callable[[], float] = time.monotonic,
-        out: IO[str] | None = None,
-    ) -> None:
-        self.total, self.epochs, self.every = total, epochs, every
-        self.global_batch, self.first_step = global_batch, first_step
-        self.clock, self.out = clock, out
-        self.epoch = 1
-        self.start = self.last_time = 0.0
-        self.last_shown: tuple[int, float | None] | None = None  # (step, loss) of the last line
-
-    def __enter__(self) -> ProgressLines:
-        self.start = self.last_time = self.clock()
-        return self
-
-    def epoch_start(self, epoch: int, step: int, history: list[dict[str, float]]) -> None:
-        self.epoch = epoch
-        self._line(step, history, self.clock())
-
-    def advance(self, step: int, history: list[dict[str, float]]) -> None:
-        now = self.clock()
-        if now - self.last_time >= self.every:
-            self._line(step, history, now)
-
-    def epoch_end(self, step: int, history: list[dict[str, float]]) -> None:
-        if (step, _last_loss(history)) != self.last_shown:  # not the line just printed again
-            self._line(step, history, self.clock())
-
-    def finish(self, step: int, history: list[dict[str, float]]) -> None:
-        self.epoch_end(step, history)
-
-    def _line(self, step: int, history: list[dict[str, float]], now: float) -> None:
-        loss = _last_loss(history)
-        done, elapsed = step - self.first_step, now - self.start
-        rate = eta = "-"
-        if done > 0 and elapsed > 0:
-            rate = f"{done * self.global_batch / elapsed:.0f}"
-            left = (self.total - step) * elapsed / done
-            eta = str(datetime.timedelta(seconds=round(left)))
-        print(
-            f"train {step}/{self.total} steps ({step / self.total:.0%}), epoch "
-            f"{self.epoch}/{self.epochs}, loss {f'{loss:.4f}' if loss is not None else '-'}, "
-            f"{rate} samples/s, ETA {eta}",
-            file=self.out or sys.stdout,
-            flush=True,
-        )
-        self.last_time, self.last_shown = now, (step, loss)
-
-
 def _progress(
     rt: Runtime, config: TrainConfig, total: int, steps_per_epoch: int, global_batch: int
-) -> _Quiet:
+) -> Quiet:
     if not rt.is_global_zero or not config.progress:
-        return _Quiet()
+        return Quiet()
     console = Console()
     if console.is_terminal or console.is_jupyter:
-        return _Bar(total, global_batch, rt.global_step)
+        return Bar(total, global_batch, rt.global_step)
     epochs = math.ceil(total / steps_per_epoch)  # the epochs this run reaches
     return ProgressLines(total, epochs, global_batch, rt.global_step, config.progress_every)

@@ -1,0 +1,227 @@
+"""gk.Runtime(compile=...): the model under torch.compile for single, ddp and fsdp; refused by
+dp; the same results, names and checkpoints as an uncompiled run, and no recompile per step.
+
+Compiling is slow on a CPU: tiny models, few steps; the fast "aot_eager" backend where the
+point is dynamo's behaviour (graphs, recompiles), inductor (the default, which starts the C++
+compiler: tests marked processes) where it is the result.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch._dynamo.utils import counters
+
+import gpukit as gk
+from gpukit.errors import ConfigError
+from gpukit.runtime import compiling
+
+STEPS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)
+    ]
+
+
+def _train(rt: gk.Runtime, model: Any = None, graphs: list[int] | None = None) -> tuple[Any, Any]:
+    model = rt.setup(model if model is not None else _model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = rt.setup(model, optimizer)
+    for batch in _batches():
+        batch = gk.to(batch, rt.device)
+        loss = rt.train_step(
+            optimizer, batch, lambda b: nn.functional.cross_entropy(model(b[0]), b[1])
+        )
+        rt.log(loss=loss)
+        if graphs is not None:
+            graphs.append(counters["stats"]["unique_graphs"])
+    return model, optimizer
+
+
+def _weights(rt: gk.Runtime, model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in rt.unwrap(model).state_dict().items()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.processes  # inductor runs the C++ compiler
+def test_a_compiled_single_run_computes_what_the_plain_one_does() -> None:
+    user = _model()
+    rt = gk.Runtime(devices="cpu", compile=True, log_every=1)  # inductor
+    model, _ = _train(rt, user)
+    plain = gk.Runtime(devices="cpu", log_every=1)
+    want, _ = _train(plain)
+    got, expected = _weights(rt, model), _weights(plain, want)
+    assert list(got) == list(expected) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    losses = [r["loss"] for r in rt.history]
+    assert losses == pytest.approx([r["loss"] for r in plain.history], rel=1e-5)
+    # The user's module is the one trained, and it is not compiled itself.
+    assert rt.unwrap(model) is user and user._compiled_call_impl is None
+    assert list(model.state_dict()) == list(user.state_dict())
+    assert counters["stats"]["unique_graphs"] == 1
+    rt.teardown()
+    assert user._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_no_recompile_after_the_first_step(precision: str, accumulate: int) -> None:
+    rt = gk.Runtime(devices="cpu", compile="aot_eager", precision=precision, accumulate=accumulate)
+    graphs: list[int] = []
+    _train(rt, graphs=graphs)  # a new batch each step, as training has
+    assert graphs == [1] * STEPS, graphs
+
+
+def test_checkpoints_keep_the_names_and_load_either_way(tmp_path: Path) -> None:
+    compiled = gk.Runtime(devices="cpu", compile="aot_eager", seed=0)
+    model, _ = _train(compiled)
+    compiled.save(tmp_path / "compiled")
+    (saved,) = (tmp_path / "compiled").glob("step-*/model.safetensors")
+    assert sorted(load_file(saved)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+    plain = gk.Runtime(devices="cpu", seed=0)
+    other = plain.setup(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    plain.setup(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    plain.load(tmp_path / "compiled")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _weights(plain, other).values(), _weights(compiled, model).values(), strict=True
+        )
+    )
+    plain.save(tmp_path / "plain")
+
+    again = gk.Runtime(devices="cpu", compile="aot_eager", seed=0)
+    third = again.setup(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    again.setup(third, torch.optim.SGD(third.parameters(), lr=0.1, momentum=0.9))
+    again.load(tmp_path / "plain")
+    assert again.global_step == STEPS
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _weights(again, third).values(), _weights(compiled, model).values(), strict=True
+        )
+    )
+
+
+def test_fsdp_compiles_each_block_and_dp_is_refused() -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], compile="aot_eager")
+    assert rt.strategy.options.compile == "blocks"  # type: ignore[attr-defined]
+    assert rt.strategy.compile_backend == "aot_eager"  # type: ignore[attr-defined]
+    for strategy in ("dp", "dp-balanced"):
+        with pytest.raises(ConfigError, match=r"strategy='ddp'.*drop compile"):
+            gk.Runtime(strategy=strategy, devices=["cpu", "cpu"], compile=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [(3, "compile=3: give True"), ("", "give True"), ("nope", "not a torch.compile backend")],
+)
+def test_bad_compile_values_are_refused(value: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        gk.Runtime(devices="cpu", compile=value)
+
+
+def test_a_torch_that_cannot_compile_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    said = "Python 3.12+ not yet supported for torch.compile"
+    monkeypatch.setattr(compiling, "_dynamo_supported", lambda: (False, said))
+    with pytest.raises(
+        ConfigError, match=rf"torch.compile does not run .*{re.escape(said)}.*drop compile"
+    ):
+        gk.Runtime(devices="cpu", compile=True)
+    gk.Runtime(devices="cpu")  # without compile, nothing is asked of torch
+
+
+def _ddp_run(rt: gk.Runtime, backend: str | bool) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rt2 = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], compile=backend, accumulate=2, seed=0)
+    graphs: list[int] = []
+    model, _ = _train(rt2, graphs=graphs)
+    plain = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], accumulate=2, seed=0)
+    want, _ = _train(plain)
+    return {
+        "wrapped": isinstance(model, DistributedDataParallel)
+        and model._compiled_call_impl is not None,
+        "got": _weights(rt2, model),
+        "want": _weights(plain, want),
+        "graphs": graphs,
+        "names": list(model.state_dict()),
+    }
+
+
+@pytest.mark.processes
+def test_ddp_on_two_ranks_compiles_the_wrapper_and_matches_the_plain_run() -> None:
+    rt = gk.Runtime(strategy="ddp", devices=["cpu", "cpu"])
+    result = rt.launch(_ddp_run, True)
+    assert result["wrapped"]
+    assert result["names"] == [
+        "module.0.weight",
+        "module.0.bias",
+        "module.2.weight",
+        "module.2.bias",
+    ]
+    for name, want in result["want"].items():
+        torch.testing.assert_close(result["got"][name], want, rtol=1e-5, atol=1e-6)
+    # DDPOptimizer may cut the model into a graph per gradient bucket; after the first step
+    # (accumulating, then synchronising) nothing compiles again.
+    graphs = result["graphs"]
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * STEPS, graphs
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _fsdp_run(rt: gk.Runtime) -> dict[str, Any]:
+    graphs: list[int] = []
+    model, _ = _train(rt, _Blocks(), graphs=graphs)
+    return {
+        "compiled": [b._compiled_call_impl is not None for b in rt.unwrap(model).blocks],
+        "root": model._compiled_call_impl is None,
+        "names": sorted(rt.full_state_dict(model)),
+        "graphs": graphs,
+        "plan": rt.strategy.plans[0].render(),  # type: ignore[attr-defined]
+    }
+
+
+@pytest.mark.processes
+def test_fsdp_on_two_ranks_compiles_each_block_before_sharding() -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], compile="aot_eager", seed=0)
+    result = rt.launch(_fsdp_run)
+    assert result["compiled"] == [True, True] and result["root"]
+    assert "compile: blocks" in result["plan"]
+    assert result["names"] == sorted(_Blocks().state_dict())
+    graphs = result["graphs"]
+    assert graphs == [graphs[0]] * STEPS, graphs  # no recompile after the first step
