@@ -297,6 +297,7 @@ def test_history_steps_are_integers_and_log_metrics_records_values_as_given():
     assert record == {"step": 0, "acc": 1.0, "val_loss": 0.5}
     assert all(type(r["step"]) is int for r in rt.history)
     assert rt.history == [{"step": 0, "loss": 2.0}, record]
+    assert rt.log_metrics(third=1 / 3)["third"] == 1 / 3  # a Python float is kept, not rounded
 
 
 @pytest.mark.parametrize(

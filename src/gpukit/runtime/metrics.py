@@ -127,8 +127,12 @@ class Metrics:
                 "rt.log_metrics(step=...): the step is the run's own (rt.global_step), "
                 "stamped on every record; log your value under another name"
             )
-        numbers = {name: float(_as_tensor(name, v)) for name, v in values.items()}
-        record: dict[str, float] = {"step": step, **dict(sorted(numbers.items()))}
+        # A Python number is kept as it is (a float64); only a tensor is read back.
+        kept = {
+            name: float(v) if isinstance(v, numbers.Real) else float(_as_tensor(name, v))
+            for name, v in values.items()
+        }
+        record: dict[str, float] = {"step": step, **dict(sorted(kept.items()))}
         self.history.append(record)
         if self.on_record is not None:
             self.on_record(record)
