@@ -49,6 +49,7 @@ from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.profiling import Profiling
 from gpukit.runtime.settings import Settings, arguments_doc
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
@@ -57,7 +58,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing):
+class Runtime(RuntimeViews, Registry, Checkpointing, Profiling):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
