@@ -894,6 +894,25 @@ API_CASES = [
         "of 2 items",
         id="workload-two-items",
     ),
+    # -- rt.profile ------------------------------------------------------------------------------
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu").profile(active=0),
+        ConfigError,
+        "active=0.*at least 1",
+        id="profile-active-0",
+    ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu").profile("prof", wait=-1),
+        ConfigError,
+        "wait=-1",
+        id="profile-wait-negative",
+    ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu").profile("data.txt"),
+        ConfigError,
+        "data.txt is a file",
+        id="profile-folder-is-a-file",
+    ),
 ]
 
 
@@ -1161,6 +1180,18 @@ CLI_CASES = [
         ["trace", f"{SYNTAX}.py"], {}, ["line 1 does not compile"], id="trace-syntax-error"
     ),
     pytest.param(["trace"], {}, ["nothing to trace"], id="trace-nothing"),
+    pytest.param(
+        ["trace", "--profile", "prof", "--profile-window", "1,1", "--workload", "mlp"],
+        {},
+        ["--profile-window '1,1'", "WAIT,WARMUP,ACTIVE"],
+        id="trace-profile-window-two-numbers",
+    ),
+    pytest.param(
+        ["trace", "--profile", "data.txt", "--workload", "mlp"],
+        {},
+        ["--profile data.txt", "give a folder"],
+        id="trace-profile-to-a-file",
+    ),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),
     pytest.param(["launch", "--nnodes", "0", "data.txt"], {}, ["--nnodes 0"], id="launch-nnodes-0"),

@@ -20,14 +20,16 @@ from gpukit.errors import ConfigError
 nanogpt_loop_module = importlib.import_module("gpukit.bench.nanogpt_loop")
 
 
-def test_a_short_run_has_both_variants_and_a_ratio() -> None:
+def test_a_short_run_has_the_variants_and_their_ratios() -> None:
     result = run_trace_cost(workload="mlp", steps=3, rounds=2)
     names = [v["name"] for v in result["variants"]]
-    assert names == ["untraced", "traced"]
+    assert names == ["untraced", "traced", "gpukit trace"]
     assert all(len(v["rounds"]) == 2 and v["seconds_per_step"] > 0 for v in result["variants"])
     low, high = result["ratio_range"]
     assert low <= result["ratio"] <= high and result["environment"]["device"] == "cpu"
-    assert table(result).row_count == 2
+    low, high = result["cli_ratio_range"]
+    assert low <= result["cli_ratio"] <= high
+    assert table(result).row_count == 3
 
 
 def test_cli_writes_the_json_it_prints(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -39,7 +41,9 @@ def test_cli_writes_the_json_it_prints(tmp_path: Path, capsys) -> None:  # type:
     assert [(r["workload"], r["variant"]) for r in printed["rows"]] == [
         ("mlp", "untraced"),
         ("mlp", "traced"),
+        ("mlp", "gpukit trace"),
     ]
+    assert set(printed["summary"]) == {"mlp: traced x untraced", "mlp: gpukit trace x untraced"}
     assert printed["raw"]["results"][0]["rounds"] == 1
 
 
@@ -59,10 +63,10 @@ TINY = NanoGPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4
 
 def test_the_nanogpt_loop_in_a_quick_run() -> None:
     result = run_trace_cost(workload="nanogpt", steps=2, rounds=1, nanogpt=TINY)
-    assert [v["name"] for v in result["variants"]] == ["untraced", "traced"]
+    assert [v["name"] for v in result["variants"]] == ["untraced", "traced", "gpukit trace"]
     assert result["workload"] == "nanogpt" and result["loop"] == "nanoGPT-style script"
     assert all(v["seconds_per_step"] > 0 for v in result["variants"])
-    assert table(result).row_count == 2
+    assert table(result).row_count == 3
 
 
 def test_a_trace_of_the_nanogpt_loop_finds_its_reads_at_its_own_lines() -> None:

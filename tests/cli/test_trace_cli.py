@@ -223,3 +223,89 @@ def test_a_script_that_traces_itself_runs_under_gpukit_trace(tmp_path: Path, cap
     assert main(["trace", "--json", str(script)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [s["op"] for s in data["syncs"]] == ["item"]
+
+
+PLAIN_LOOP = """\
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(7):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    value = loss.item()
+"""
+
+RUNTIME_LOOP = """\
+import torch
+import gpukit as gk
+rt = gk.Runtime(devices="cpu", accumulate=2)
+model = torch.nn.Linear(4, 1)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for micro in range(12):
+    rt.backward(model(torch.randn(8, 4)).pow(2).mean())
+    rt.step(opt)
+"""
+
+
+def _profile_marks(path: Path) -> int:
+    with path.open(encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    return len({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")})
+
+
+def test_profile_of_a_plain_loop_counts_optimizer_steps(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = _script(tmp_path, PLAIN_LOOP)
+    assert main(["trace", "--json", str(script)]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    prof = tmp_path / "prof"
+    assert main(["trace", "--json", "--profile", str(prof), str(script)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    path = prof / "gpukit_rank0.5.pt.trace.json"
+    assert data["profile"]["steps_counted"] == 7
+    assert data["profile"]["windows"] == [
+        {
+            "first": 3,
+            "last": 5,
+            "rank": 0,
+            "path": str(path),
+            "table": str(prof / "gpukit_rank0.5.summary.txt"),
+        }
+    ]
+    assert _profile_marks(path) == 3
+    # The trace's counts are the same with the profiler on: exact, not sampled.
+    assert {k: v for k, v in data.items() if k != "profile"} == plain
+    assert [(s["op"], s["count"]) for s in data["syncs"]] == [("item", 7)]
+
+
+def test_profile_of_a_runtime_script_counts_its_steps_and_prints_the_table(
+    tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    prof = tmp_path / "prof"
+    args = ["trace", "--profile", str(prof), "--profile-window", "0,1,2"]
+    assert main([*args, str(_script(tmp_path, RUNTIME_LOOP))]) == 0
+    out = capsys.readouterr().out
+    path = prof / "gpukit_rank0.3.pt.trace.json"  # 6 Runtime steps of 2 micro-batches
+    assert f"Profile of steps 2-3 (rank 0): {path}" in out
+    assert "Self CPU" in out and "Placement log:" in out and "gk.trace:" in out
+    assert _profile_marks(path) == 2
+
+
+def test_profile_window_not_reached_says_so(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["trace", "--profile", str(tmp_path / "p"), "--profile-window", "7,1,3"]
+    assert main([*args, str(_script(tmp_path, PLAIN_LOOP))]) == 0
+    out = capsys.readouterr().out
+    assert "Profile: nothing written: 7 steps ran, the window was steps 9-11" in out
+
+
+@pytest.mark.parametrize("window", ["1,1", "1,1,0", "a,b,c", "-1,1,3"])
+def test_bad_profile_window_is_refused_before_the_script_runs(
+    tmp_path: Path, capsys, window: str
+) -> None:  # type: ignore[no-untyped-def]
+    args = ["trace", "--profile", str(tmp_path / "p"), f"--profile-window={window}"]
+    assert main([*args, str(_script(tmp_path, "raise SystemExit(9)"))]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile-window {window!r}" in err and "WAIT,WARMUP,ACTIVE" in err
+    assert not (tmp_path / "p").exists()

@@ -10,21 +10,23 @@ Two kinds of loop, as people trace them:
   cut from a ``np.memmap`` at ``torch.randint`` offsets, a hand-set learning rate, gradient
   clipping, ``loss.item()`` every few iterations and a periodic evaluation.
 
-The same model and optimizer run both variants, alternately:
+The same model and optimizer run the variants, alternately:
 
 - ``untraced``: the loop as it is;
-- ``traced``: the same steps inside ``with gk.trace():`` (copies, syncs, ops per device).
+- ``traced``: the same steps inside ``with gk.trace():`` (copies, syncs, ops per device);
+- ``gpukit trace``: the same steps as ``gpukit trace`` runs a script: inside ``gk.trace()``
+  and a placement log that counts per module (``log_placement(level="module")``).
 
 Method (see :mod:`gpukit.bench.timing`): ``steps`` warm-up steps of each variant untimed; then
 ``rounds`` rounds, each timing ``steps`` steps of each variant (order alternating between
 rounds), the garbage collector run before each timed block and off during it; on a GPU the
 device is synchronised before each clock read. Reported: the median seconds per step of each,
-and the ratio as the median of the per-round ratios (each compares timings taken moments apart,
-so slow drifts of the machine cancel out).
+and each traced variant's ratio to ``untraced`` as the median of the per-round ratios (each
+compares timings taken moments apart, so slow drifts of the machine cancel out).
 
 >>> result = run_trace_cost(workload="mlp", steps=2, rounds=1)
 >>> [v["name"] for v in result["variants"]], result["loop"]
-(['untraced', 'traced'], 'gpukit train')
+(['untraced', 'traced', 'gpukit trace'], 'gpukit train')
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
 NANOGPT = "nanogpt"  # the workload name of the nanoGPT-style script's loop
-TITLE = "what gk.trace() costs on a training loop (traced / untraced)"
+TITLE = "what gk.trace() and gpukit trace cost on a training loop (traced / untraced)"
+CLI = "gpukit trace"  # the variant run as the command runs a script: trace and placement log
 # The suite's loops: gpukit train's on the gpt workload, and a script's in nanoGPT's habits.
 SUITE_WORKLOADS = ("gpt", NANOGPT)
 FULL, QUICK = (20, 7), (4, 3)  # (steps per round, rounds)
@@ -69,10 +72,12 @@ def run_trace_cost(
 ) -> dict[str, Any]:
     """Time ``steps`` training steps of ``workload`` (``nanogpt``: the nanoGPT-style loop,
     with the settings ``nanogpt``, by default its CPU sizes) with and without the trace,
-    ``rounds`` times; a JSON-ready dict with the environment, both variants and the ratio."""
+    ``rounds`` times; a JSON-ready dict with the environment, the variants and their ratios
+    (``ratio``: traced, ``cli_ratio``: as ``gpukit trace`` runs it)."""
     check_count("steps", steps)
     check_count("rounds", rounds)
     check_workload(workload)
+    from gpukit.diagnostics.oplog import log_placement
     from gpukit.diagnostics.trace import trace
 
     with contextlib.ExitStack() as stack:
@@ -85,15 +90,20 @@ def run_trace_cost(
             with trace():
                 step(steps)
 
+        def as_cli() -> None:
+            with trace(), log_placement(level="module"):
+                step(steps)
+
         # Warm-up (one run of each) covers lazy initialisation, optimizer state, allocator
         # caches and the trace's own first-use costs.
         timings = time_rounds(
-            {"untraced": lambda: step(steps), "traced": traced},
+            {"untraced": lambda: step(steps), "traced": traced, CLI: as_cli},
             rounds,
             per=steps,
             synchronize=synchronizer(step.device),
         )
     ratios = timings.ratios("traced", "untraced")
+    cli_ratios = timings.ratios(CLI, "untraced")
     device = str(step.device)
     return {
         "experiment": "trace",
@@ -108,28 +118,34 @@ def run_trace_cost(
         ],
         "ratio": timings.ratio("traced", "untraced"),
         "ratio_range": [min(ratios), max(ratios)],
+        "cli_ratio": timings.ratio(CLI, "untraced"),
+        "cli_ratio_range": [min(cli_ratios), max(cli_ratios)],
     }
 
 
 def table(result: dict[str, Any]) -> Table:
-    """The result as a table: ms per step of each variant, and the traced/untraced ratio (the
+    """The result as a table: ms per step of each variant, and its ratio to untraced (the
     median of the per-round ratios) with its range over the rounds."""
-    low, high = result["ratio_range"]
-    untraced, traced = result["variants"]
-    rows = [
-        ["untraced", f"{untraced['seconds_per_step'] * 1e3:.2f}", "1.000", ""],
-        [
-            "traced",
-            f"{traced['seconds_per_step'] * 1e3:.2f}",
-            f"{result['ratio']:.3f}",
-            f"{low:.3f}-{high:.3f}",
-        ],
-    ]
+    rows = []
+    for variant in result["variants"]:
+        low, high, ratio = _ratios(result, variant["name"])
+        per_round = "" if variant["name"] == "untraced" else f"{low:.3f}-{high:.3f}"
+        rows.append([variant["name"], f"{variant['seconds_per_step'] * 1e3:.2f}",
+                     f"{ratio:.3f}", per_round])  # fmt: skip
     title = (
-        f"Cost of gk.trace(): {result['workload']}, {result['steps']} steps x "
+        f"Cost of gk.trace() and gpukit trace: {result['workload']}, {result['steps']} steps x "
         f"{result['rounds']} rounds, {result['environment']['device']}"
     )
     return make_table(title, ["variant", "ms/step (median)", "x untraced", "per round"], rows)
+
+
+def _ratios(result: dict[str, Any], name: str) -> tuple[float | None, float | None, float]:
+    """(lowest, highest, median) ratio of variant ``name`` to untraced."""
+    if name == "untraced":
+        return None, None, 1.0
+    prefix = "cli_" if name == CLI else ""
+    low, high = result.get(f"{prefix}ratio_range", (None, None))
+    return low, high, result[f"{prefix}ratio"]
 
 
 def _training_step(workload: str) -> Any:
@@ -176,7 +192,7 @@ def run(
 
     >>> r = run(workloads=("mlp",), steps=2, rounds=1)
     >>> [row["variant"] for row in r.rows]
-    ['untraced', 'traced']
+    ['untraced', 'traced', 'gpukit trace']
     """
     default_steps, default_rounds = QUICK if quick else FULL
     for name in workloads:
@@ -193,9 +209,8 @@ def as_result(results: Sequence[dict[str, Any]], quick: bool = False) -> BenchRe
     variant."""
     rows = []
     for result in results:
-        low, high = result["ratio_range"]
         for variant in result["variants"]:
-            traced = variant["name"] == "traced"
+            low, high, ratio = _ratios(result, variant["name"])
             rows.append(
                 {
                     "workload": result["workload"],
@@ -203,15 +218,18 @@ def as_result(results: Sequence[dict[str, Any]], quick: bool = False) -> BenchRe
                     "device": result["environment"]["device"],
                     "variant": variant["name"],
                     "ms_per_step": variant["seconds_per_step"] * 1e3,
-                    "ratio": result["ratio"] if traced else 1.0,
-                    "low": low if traced else None,
-                    "high": high if traced else None,
+                    "ratio": ratio,
+                    "low": low,
+                    "high": high,
                 }
             )
     first = results[0]
     return BenchResult(
         experiment="trace",
-        title=f"trace: cost of gk.trace(), {first['steps']} steps x {first['rounds']} rounds",
+        title=(
+            f"trace: cost of gk.trace() and gpukit trace, {first['steps']} steps x "
+            f"{first['rounds']} rounds"
+        ),
         keys=("workload", "variant"),
         columns=(
             Column("workload"),
@@ -224,11 +242,18 @@ def as_result(results: Sequence[dict[str, Any]], quick: bool = False) -> BenchRe
             Column("high", "highest", "", 3, compare=False),
         ),
         rows=rows,
-        summary={f"{r['workload']}: traced x untraced": r["ratio"] for r in results},
+        summary={
+            f"{r['workload']}: {name} x untraced": _ratios(r, name)[2]
+            for r in results
+            for name in ("traced", CLI)
+            if name == "traced" or "cli_ratio" in r
+        },
         notes=[
             "× untraced: median of the per-round ratios; lowest/highest: their range",
             "the limit: 1.000; every op goes through the trace's dispatch mode, so the cost "
             "grows with the ops per step, not with their size",
+            "gpukit trace: the trace and a placement log counting per module, as the command "
+            "runs a script (one dispatch pass serves both)",
         ],
         parameters={
             "steps": first["steps"],
@@ -242,7 +267,7 @@ def as_result(results: Sequence[dict[str, Any]], quick: bool = False) -> BenchRe
 
 
 def plot(result: BenchResult, path: Path) -> None:
-    """Time per step untraced and traced, per workload, with the ratio on the traced bar."""
+    """Time per step of each variant, per workload, with the ratio on the traced bars."""
     from gpukit.bench.plotting import bar_labels, figure
 
     workloads = list(dict.fromkeys(r["workload"] for r in result.rows))
@@ -253,12 +278,13 @@ def plot(result: BenchResult, path: Path) -> None:
         "training loop",
         "time per step (ms, median of the rounds)",
     ) as ax:
-        width = 0.38
-        for i, variant in enumerate(("untraced", "traced")):
-            xs = [w + (i - 0.5) * width for w in range(len(workloads))]
+        variants = list(dict.fromkeys(r["variant"] for r in result.rows))
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
+            xs = [w + (i - (len(variants) - 1) / 2) * width for w in range(len(workloads))]
             ys = [by[(w, variant)]["ms_per_step"] for w in workloads]
             bars = ax.bar(xs, ys, width, label=variant)
-            if variant == "traced":
+            if variant != "untraced":
                 ratios = [by[(w, variant)]["ratio"] for w in workloads]
                 for bar, ratio in zip(bars, ratios, strict=True):
                     ax.annotate(f"x{ratio:.2f}", (bar.get_x() + width / 2, bar.get_height()),

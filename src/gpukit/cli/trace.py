@@ -16,12 +16,23 @@ follow its name). --workload NAME instead traces --steps optimizer steps of gpuk
 on one device. --blocking sets CUDA_LAUNCH_BLOCKING=1 first, so that a CUDA error is reported
 at the line that caused it, not at a later one; an error is shown after the trace, in words.
 
+--profile DIR also profiles a window of training steps with torch.profiler: --profile-window
+WAIT,WARMUP,ACTIVE (default 1,1,3) skips WAIT steps, profiles and drops WARMUP, keeps ACTIVE.
+A step is one optimizer step of a gk.Runtime when the script uses one (rt.step that stepped,
+rt.train_step), else a step() of the first torch.optim optimizer that steps; the script needs
+no change. The window goes to DIR/gpukit_rank{R}.{STEP}.pt.trace.json (Chrome/Perfetto JSON,
+read by TensorBoard's profiler plugin, chrome://tracing and ui.perfetto.dev; one file per
+rank), its top ops by self time to ...summary.txt and after the report. The profiled steps run
+under the trace too: their CPU times include its per-op cost.
+
 Example:
     gpukit trace train.py --epochs 1
     gpukit trace --workload gpt --steps 20
     gpukit trace --json --workload mlp
     gpukit trace --out trace.json train.py --epochs 1
     gpukit trace --blocking train.py
+    gpukit trace --profile prof/ train.py
+    gpukit trace --profile prof/ --profile-window 2,1,5 --workload gpt
 """
 
 from __future__ import annotations
@@ -59,6 +70,15 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--out", type=Path, metavar="FILE", help="also write the JSON to FILE (before the script)"
     )
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR", help="also write a torch.profiler trace to DIR"
+    )
+    parser.add_argument(
+        "--profile-window",
+        default="1,1,3",
+        metavar="W,U,A",
+        help="steps to wait, warm up and profile (1,1,3)",
+    )
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     parser.set_defaults(run=run)
@@ -66,19 +86,27 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = _check(args)
+    window = _profile_window(args)
     if args.blocking:
         _env.set_cuda_launch_blocking()
     from gpukit.diagnostics.oplog import log_placement
+    from gpukit.diagnostics.profiles import StepProfile
     from gpukit.diagnostics.trace import trace
 
     failure: BaseException | None = None
     exit_code = 0
+    profile = None
+    if args.profile is not None:
+        wait, warmup, active = window
+        profile = StepProfile(args.profile, wait=wait, warmup=warmup, active=active)
     # The placement log only aggregates per module (no record per op): its summary says which
-    # ops ran on the CPU while the model is on a GPU, and which ops mixed devices.
+    # ops ran on the CPU while the model is on a GPU, and which ops mixed devices. Entered
+    # inside the trace, it rides on the trace's dispatch mode: one pass per op serves both.
     with (
         _stdout_to_stderr() if args.json else contextlib.nullcontext(),
         trace() as t,
         log_placement(level="module") as placement,
+        profile if profile is not None else contextlib.nullcontext(),
     ):
         try:
             if isinstance(target, Path):
@@ -87,14 +115,19 @@ def run(args: argparse.Namespace) -> int:
                 _run_workload(target, args.steps)
         except Exception as err:  # shown after the trace, which is the point of running this
             failure = err
+    found = t.to_dict()
+    if profile is not None:
+        found["profile"] = profile.to_dict()
     if args.out is not None:
-        args.out.write_text(json.dumps(t.to_dict(), indent=2) + "\n", encoding="utf-8")
+        args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
     if args.json:
-        print_json(t.to_dict())
+        print_json(found)
     else:
         out = console()
         out.print(t.report(), markup=False, highlight=False)
         out.print(str(placement.summary()), markup=False, highlight=False)
+        if profile is not None:
+            out.print(profile.report(), markup=False, highlight=False)
     if failure is not None:
         _report_failure(failure)
         return 1
@@ -128,6 +161,21 @@ def _check(args: argparse.Namespace) -> Path | str:
         raise ConfigError(f"script {args.script!r} not found (from {Path.cwd()})")
     _check_compiles(path)
     return path
+
+
+def _profile_window(args: argparse.Namespace) -> tuple[int, int, int]:
+    """--profile-window as (wait, warmup, active); checked whether --profile is given or not."""
+    text = str(args.profile_window)
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 3 and all(p.isdigit() for p in parts) and int(parts[2]) >= 1:
+        wait, warmup, active = map(int, parts)
+        if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+            raise ConfigError(f"--profile {args.profile}: that is a file; give a folder")
+        return wait, warmup, active
+    raise ConfigError(
+        f"--profile-window {text!r}: give WAIT,WARMUP,ACTIVE as three whole numbers, ACTIVE at "
+        "least 1 (e.g. 1,1,3: skip a step, profile and drop one, keep three)"
+    )
 
 
 def _check_compiles(path: Path) -> None:

@@ -37,8 +37,19 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit._util.text import described
-from gpukit.diagnostics.op_records import FactKey, OpRecord, TensorSpec, fact, joined, specs
+from gpukit.diagnostics.op_records import (
+    FactKey,
+    OpRecord,
+    Placement,
+    TensorSpec,
+    fact,
+    joined,
+    signature,
+    specs,
+)
 from gpukit.diagnostics.oplog_summary import ModuleStats, PlacementSummary, device_counts
+from gpukit.diagnostics.trace.records import Recorder
+from gpukit.diagnostics.trace.records import state as trace_state
 from gpukit.errors import ConfigError
 
 Level = Literal["op", "module"]
@@ -75,17 +86,20 @@ class PlacementLog:
         self._params: Counter[str] = Counter()  # parameter elements per device, modules that ran
         self._seen: set[int] = set()
         self._names: dict[int, str] = {}
-        self._op_names: dict[Any, str] = {}
+        self._op_names: dict[int, tuple[Any, str]] = {}  # id(op) -> (op, its name)
+        self._facts: dict[tuple[int, str, Placement, Placement], tuple[FactKey, bool]] = {}
+        self._listener = self._on_module_op if level == "module" else self._on_op
         self._stack: list[_Frame] = []
         self._thread = 0
         self._pid = 0
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
+        self._joined: Recorder | None = None  # the trace whose dispatch mode this log rides on
         self._out: TextIO | None = None
         self._owns_out = False
 
     def __enter__(self) -> PlacementLog:
-        if self._mode is not None:
+        if self._mode is not None or self._joined is not None:
             raise ConfigError("this log_placement() is already active: use a new one to nest")
         if isinstance(self._file, (str, os.PathLike)):
             try:
@@ -105,8 +119,13 @@ class PlacementLog:
             self._handles.append(register_module_forward_pre_hook(self._pre))
             # always_call: a forward that raises still pops its module off the stack.
             self._handles.append(register_module_forward_hook(self._post, always_call=True))
-            self._mode = _Mode(self)
-            self._mode.__enter__()
+            recorder = trace_state.recorder
+            if recorder is not None:  # inside gk.trace(): one dispatch pass serves both
+                self._joined = recorder
+                recorder.listeners.append(self._listener)
+            else:
+                self._mode = _Mode(self)
+                self._mode.__enter__()
         except BaseException:
             self._teardown()
             raise
@@ -121,6 +140,9 @@ class PlacementLog:
 
     def _teardown(self) -> None:
         self._mode = None
+        if self._joined is not None:
+            self._joined.listeners.remove(self._listener)
+            self._joined = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -227,10 +249,16 @@ class PlacementLog:
             stats = self.modules[name] = ModuleStats(name, type_name)
         return stats
 
+    def _op_name(self, func: Any) -> str:
+        # By id: OpOverload's __hash__ is Python code; holding the op keeps its id unique.
+        known = self._op_names.get(id(func))
+        if known is None:
+            name = getattr(getattr(func, "_schema", None), "name", str(func))
+            known = self._op_names[id(func)] = (func, name)
+        return known[1]
+
     def _on_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        op = self._op_names.get(func)
-        if op is None:
-            op = self._op_names[func] = getattr(getattr(func, "_schema", None), "name", str(func))
+        op = self._op_name(func)
         inputs = specs(args) + specs(tuple(kwargs.values())) if kwargs else specs(args)
         outputs = specs(out)
         if not inputs and not outputs:
@@ -259,6 +287,44 @@ class PlacementLog:
         if frame is not None:
             frame.ops[dev] = frame.ops.get(dev, 0) + 1
 
+    def _on_module_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """level="module", counted by signature: what fact() says of an op follows from the op,
+        its module and where its tensors are, so it is worked out once per such combination
+        (and for each copy, whose bytes it also counts); this runs for every op."""
+        ins = signature(args)
+        if kwargs and ins is not None:
+            more = signature(tuple(kwargs.values()))
+            ins = None if more is None else ins + more
+        outs = signature(out)
+        if ins is None or outs is None:  # data that only the walker reads
+            self._on_op(func, args, kwargs, out)
+            return
+        if not ins and not outs:
+            return  # no tensor in or out (the profiler's record_function marks)
+        frame = None
+        if _current_node() is not None:
+            module = BACKWARD
+        elif self._stack:
+            frame = self._stack[-1]
+            module = frame.name
+        else:
+            module = NO_MODULE
+        sig = (id(func), module, ins, outs)
+        known = self._facts.get(sig)
+        if known is None or known[1]:
+            inputs = specs(args) + specs(tuple(kwargs.values())) if kwargs else specs(args)
+            key, nbytes = fact(self._op_name(func), inputs, specs(out), module)
+            known = self._facts[sig] = (key, key[3] is not None)
+            if nbytes:
+                self._bytes[key] += nbytes
+        key = known[0]
+        self._counts[key] += 1
+        dev = key[2]
+        stats = frame.stats if frame is not None and frame.stats else self._stats(module, "")
+        stats.ops[dev] = stats.ops.get(dev, 0) + 1
+        if frame is not None:
+            frame.ops[dev] = frame.ops.get(dev, 0) + 1
+
 
 class _Mode(TorchDispatchMode):
     """Sees each aten op below autograd, so backward ops too; the log does the bookkeeping."""
@@ -276,9 +342,9 @@ class _Mode(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except BaseException:
-            self.log._on_op(func, args, kwargs, None)  # the op that failed, with its inputs
+            self.log._listener(func, args, kwargs, None)  # the op that failed, with its inputs
             raise
-        self.log._on_op(func, args, kwargs, out)
+        self.log._listener(func, args, kwargs, out)
         return out
 
 

@@ -52,6 +52,7 @@ from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.precision import make_precision
+from gpukit.runtime.profiling import Profiling
 from gpukit.runtime.progressing import Progressing
 from gpukit.runtime.reporting import Reporting
 from gpukit.runtime.settings import Settings, arguments_doc
@@ -62,7 +63,7 @@ from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing):
+class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing, Profiling):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the

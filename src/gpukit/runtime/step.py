@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpukit._util.batch import batch_size, chunk_sizes, split
+from gpukit.diagnostics import profiles
 from gpukit.diagnostics.memory import breakdown, report
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
@@ -175,6 +176,7 @@ class Stepper:
             if guard.due(step):
                 guard.read(self.strategy.rank)  # one small read per logging window
         self.boundaries.step_ended(step)
+        profiles.step_ended(self)  # rt.profile / gpukit trace --profile count this step
         return stepped
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -1,5 +1,7 @@
 """The dispatch mode of ``gk.trace()``: counts every aten op per device, and hands the few that
-copy across devices or read data back to the host to the :class:`~.records.Recorder`.
+copy across devices or read data back to the host to the :class:`~.records.Recorder`, and every
+op to the recorder's listeners (a placement log entered inside the trace: one dispatch pass
+serves both).
 
 It runs for every op, so the common path is one device lookup and two dict lookups: no frame
 walk, no strings, no Python-level wrapper around the op or the mode. Only the watched ops
@@ -58,6 +60,7 @@ class TraceMode(TorchDispatchMode):
         self.recorder = recorder
         self.ops = recorder.ops
         self.inner = recorder.inner  # the list itself: nested traces join and leave it
+        self.listeners = recorder.listeners  # the same: placement logs join and leave it
         self.pid = _pid[0]
         # id(op) -> (op, what to call, its handler or None): one dict lookup per op instead of
         # OpOverload's Python-level __hash__ and __call__. Holding the op keeps its id unique.
@@ -69,7 +72,17 @@ class TraceMode(TorchDispatchMode):
         seen = self.seen.get(id(func))
         if seen is None:
             seen = self.seen[id(func)] = (func, _direct(func), WATCHED.get(func))
-        out = seen[1](*args, **kwargs) if kwargs else seen[1](*args)
+        listeners = self.listeners
+        if not listeners:
+            out = seen[1](*args, **kwargs) if kwargs else seen[1](*args)
+        else:
+            try:
+                out = seen[1](*args, **kwargs) if kwargs else seen[1](*args)
+            except BaseException:
+                if self.pid == _pid[0]:
+                    for listen in listeners:  # the op that failed, with its inputs
+                        listen(func, args, kwargs or {}, None)
+                raise
         if self.pid != _pid[0]:
             return out  # a forked child (see _pid)
         first = args[0] if args else out
@@ -82,6 +95,8 @@ class TraceMode(TorchDispatchMode):
                 inner.ops[device] += 1
         if seen[2] is not None and not state.busy:
             seen[2](self.recorder, args, kwargs or {}, out)
+        for listen in listeners:  # untraced() or not: a placement log sees every op
+            listen(func, args, kwargs or {}, out)
         return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ import torch
 from gpukit.diagnostics.trace.where import Where, user_frame
 
 TransferKind = Literal["h2d", "d2h", "d2d"]
+OpListener = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
 
 HOST = "cpu"
 # Copies to or from these move no data; tests stand the meta device in for a GPU by emptying it.
@@ -67,9 +69,12 @@ class Recorder:
     """The counts behind one ``gk.trace()``: the dispatch mode and the entry points write them,
     :class:`~gpukit.diagnostics.trace.session.Trace` reads them.
 
-    ``ops`` and ``inner`` are read by the dispatch mode on every op, so they are plain
-    attributes: ``ops`` counts aten ops per device, ``inner`` holds the recorders of traces
-    entered inside this one, which see what this one sees while they are active.
+    ``ops``, ``inner`` and ``listeners`` are read by the dispatch mode on every op, so they
+    are plain attributes: ``ops`` counts aten ops per device, ``inner`` holds the recorders of
+    traces entered inside this one, which see what this one sees while they are active, and
+    ``listeners`` the callables that see every op of the mode too, as
+    ``listener(op, args, kwargs, out)`` (``out`` None when the op raised): a placement log
+    entered inside the trace rides on its dispatch mode rather than adding a second one.
 
     >>> r = Recorder()
     >>> r.record_transfer(torch.device("cuda:0"), torch.device("cpu"), 4, False, False)
@@ -80,6 +85,7 @@ class Recorder:
     def __init__(self) -> None:
         self.ops: defaultdict[torch.device, int] = defaultdict(int)
         self.inner: list[Recorder] = []
+        self.listeners: list[OpListener] = []
         self._transfers: dict[tuple[Any, ...], list[int]] = {}  # key -> [count, bytes]
         self._syncs: dict[tuple[Any, ...], int] = {}
 
