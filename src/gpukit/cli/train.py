@@ -89,6 +89,14 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
     parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of flags (keys: the long names with underscores, e.g. max_steps = "
+        "50); flags given here win over it. --out DIR writes DIR/config.toml, which reruns "
+        "the run",
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         choices=("off", "full", "selective"),
         default=None,
@@ -136,7 +144,7 @@ def register(sub: Any) -> None:
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
     add_setting_flags(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, config_parser=parser)  # config_parser: for --config
 
 
 def run(args: argparse.Namespace) -> int:
