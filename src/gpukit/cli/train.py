@@ -19,13 +19,20 @@ explain). The explanation ends with the planner's figures for this run and for i
 (a smaller micro-batch with more accumulation, bf16, fsdp, activation checkpointing): each
 one's peak per device and whether it fits the device that ran out.
 
-With --out DIR: DIR/metrics.json, DIR/metrics.csv (a row per read-back, written as they come),
-DIR/loss.png and DIR/checkpoints/ (one per epoch, and every --save-every N steps or time such
-as 10m; the newest --keep kept). DIR is checked before anything starts: a folder that already
-holds checkpoints is refused unless --resume (continue) or --overwrite (start over; the old
-checkpoints are moved aside, not deleted). --resume continues from the newest good checkpoint
-exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
-checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+Each built-in workload has a held-out validation set (never trained on), evaluated at the end
+of every epoch and where --max-steps stops the run, over every rank's share with each sample
+counted once: val_loss, and val_accuracy for mlp and cnn.
+
+With --out DIR: DIR/metrics.json (with final_val_loss and every value the run used),
+DIR/metrics.csv (columns step, epoch, elapsed, lr, loss, val_accuracy, val_loss: a row per
+read-back, written as they come, and one per validation pass), DIR/loss.png (training and
+validation loss), DIR/config.toml (every flag as the run used it: --config DIR/config.toml
+trains the same run again) and DIR/checkpoints/ (one per epoch, and every --save-every N steps
+or time such as 10m; the newest --keep kept). DIR is checked before anything starts: a folder
+that already holds checkpoints is refused unless --resume (continue) or --overwrite (start
+over; the old checkpoints are moved aside, not deleted). --resume continues from the newest
+good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after
+that checkpoint, which a run that died had logged) and draws loss.png from the whole run.
 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
@@ -43,6 +50,9 @@ backward instead of keeping them, and --compile compiles each block (both need -
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
 
+--config FILE reads flags from a TOML file, keyed by their long names with underscores
+(max_steps = 50, resume = true); flags on the command line win over it.
+
 --batch-size is the global batch of one optimizer step: it is split over the devices and the
 --accumulate micro-steps, so it must be a multiple of devices x accumulate.
 
@@ -55,6 +65,8 @@ Example:
     gpukit train --workload mlp --progress-every 60 | tee train.log
     gpukit train --devices 2 --out runs/gpt --save-every 10m --max-restarts 3
     gpukit train --devices 2 --strategy fsdp --activation-checkpointing selective
+    gpukit train --config run.toml --max-steps 100    # run.toml's flags, --max-steps over it
+    gpukit train --config runs/mlp/config.toml --out runs/again   # the same run again
 """
 
 from __future__ import annotations
@@ -303,6 +315,12 @@ def _summary(m: dict[str, Any]) -> None:
         ["strategy / precision", f"{m['strategy']} x{len(m['devices'])} / {m['precision']}"],
         ["steps (global batch)", f"{m['steps']} ({m['global_batch']})"],
         ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],
+    ]
+    if m.get("final_val_loss") is not None:  # the last validation pass
+        accuracy = m.get("final_val_accuracy")
+        shown = f"{m['final_val_loss']:.4f}" + (f" (accuracy {accuracy:.1%})" if accuracy else "")
+        rows.append(["validation loss", shown])
+    rows += [
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
     ]
