@@ -134,7 +134,8 @@ def test_gpukit_train_reads_back_only_at_its_logging_interval() -> None:
     from gpukit.train.loop import TrainConfig, fit
 
     rt = gk.Runtime(devices="cpu", seed=0, log_every=5, oom="recover")
-    config = TrainConfig(workload="mlp", max_steps=20, progress=False, sample=False)
+    # The validation pass at the end reads back once (tests/train/test_validation.py).
+    config = TrainConfig(workload="mlp", max_steps=20, progress=False, sample=False, validate=False)
     with gk.trace() as t:
         fit(rt, config)
     fit_syncs = [s for s in t.syncs if s.file.endswith("loop.py")]

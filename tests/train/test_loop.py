@@ -36,7 +36,19 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     assert row["device"] == "cpu" and row["peak"] > 0 and row["total"] > row["peak"]
     assert metrics["memory"]["imbalance"] is None and metrics["oom_retries"] == []
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
-    assert rows[0].keys() == {"step", "loss"} and len(rows) == 64 // 4
+    assert list(rows[0]) == [
+        "step", "epoch", "elapsed", "lr", "loss", "val_accuracy", "val_loss"
+    ]  # fmt: skip
+    trained = [r for r in rows if r["loss"]]
+    assert len(trained) == 64 // 4 and all(float(r["lr"]) == 3e-3 for r in rows)
+    # A validation row at the end of each epoch, after that step's training row.
+    checked = [(int(r["step"]), int(r["epoch"])) for r in rows if r["val_loss"]]
+    assert checked == [(32, 1), (64, 2)] and rows[-1]["val_loss"] and not rows[-1]["loss"]
+    elapsed = [float(r["elapsed"]) for r in rows]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    assert metrics["final_val_loss"] == float(rows[-1]["val_loss"])
+    assert [v["step"] for v in metrics["validation"]] == [32, 64]
+    assert 0.5 < metrics["final_val_accuracy"] <= 1.0
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000064"
     summary = capsys.readouterr().out
@@ -93,10 +105,16 @@ def small_workload(seed: int) -> Workload:
     return Workload("small", torch.nn.Linear(4, 1), data, _MseThatDies(), 16, 0.05, 3, 0.0)
 
 
-def _csv_steps(path: Path) -> list[int]:
+def _csv_rows(path: Path) -> list[dict[str, str]]:
     lines = path.read_text().splitlines()
-    assert lines[0] == "step,loss" and lines.count("step,loss") == 1  # one header
-    return [int(line.split(",")[0]) for line in lines[1:]]
+    assert lines[0].startswith("step,epoch,elapsed,lr,loss")
+    assert lines.count(lines[0]) == 1  # one header
+    return list(csv.DictReader(lines))
+
+
+def _csv_steps(path: Path) -> list[int]:
+    """The steps of the training rows (those with a loss; validation rows have none)."""
+    return [int(r["step"]) for r in _csv_rows(path) if r["loss"]]
 
 
 def test_resume_appends_to_metrics_csv_after_a_run_that_died(
@@ -134,8 +152,7 @@ def test_resume_appends_to_metrics_csv_after_a_run_that_died(
     assert (tmp_path / "metrics.csv").read_text().splitlines()[1:3] == before
     assert plotted == [[2, 4, 6, 8, 10, 12]]  # loss.png: the whole run
     assert resumed["steps"] == 12 and resumed["resumed_from_step"] == 4
-    last = (tmp_path / "metrics.csv").read_text().splitlines()[-1]
-    assert resumed["final_loss"] == float(last.split(",")[1])
+    assert resumed["final_loss"] == float(_csv_rows(tmp_path / "metrics.csv")[-1]["loss"])
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     assert on_disk["steps"] == 12 and on_disk["resumed_from_step"] == 4
 
@@ -148,7 +165,10 @@ def test_resume_from_the_end_of_a_finished_run_keeps_its_rows(tmp_path: Path) ->
     text = (tmp_path / "metrics.csv").read_text()
     assert text.startswith(first) and _csv_steps(tmp_path / "metrics.csv") == [4, 8, 12]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["final_loss"] == float(text.splitlines()[-1].split(",")[1])
+    rows = _csv_rows(tmp_path / "metrics.csv")
+    assert metrics["final_loss"] == float(rows[-2]["loss"])  # the last row: validation's
+    assert [int(r["step"]) for r in rows if r["val_loss"]] == [8, 12]
+    assert metrics["final_val_loss"] == float(rows[-1]["val_loss"])
     assert metrics["steps"] == 12 and metrics["resumed_from_step"] == 8
 
 
@@ -234,7 +254,9 @@ def test_progress_lines_read_nothing_back_from_the_device(capsys) -> None:
     # A line after every step, and metrics.csv written as the run goes: still only rt.log's
     # read-backs (20 steps / 5).
     rt = gk.Runtime(devices="cpu", seed=0, log_every=5)
-    config = TrainConfig(workload="mlp", max_steps=20, progress_every=0, sample=False)
+    config = TrainConfig(
+        workload="mlp", max_steps=20, progress_every=0, sample=False, validate=False
+    )
     with gk.trace() as t:
         fit(rt, config)
     assert len(_progress_lines(capsys.readouterr().out)) == 21

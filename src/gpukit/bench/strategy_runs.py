@@ -37,6 +37,7 @@ def measure_configuration(p: Planned, s: Settings) -> tuple[list[dict[str, Any]]
         batch_size=batch,
         progress=False,
         sample=False,
+        validate=False,  # training steps only: the timed difference is theirs
     )
     longer = replace(short, max_steps=s.warmup + s.steps)
     # The processes of one launch share the cores: each gets its share (torchrun gives each

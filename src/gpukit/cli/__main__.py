@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from gpukit import __version__
 from gpukit.cli import bench, devices, doctor, launch, plan, trace, train
+from gpukit.cli._config_file import with_config_file
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.diagnostics.readable import explain_error
@@ -47,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # run as the program: the `gpukit` script or `python -m gpukit`
         current_folder_first()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        args = with_config_file(parser, args, argv)  # --config FILE: its flags, argv's over them
         return int(args.run(args))
     except OutOfMemory as err:
         print(f"gpukit {args.command}: {err}", file=sys.stderr)

@@ -237,7 +237,11 @@ def _run_workload(name: str, steps: int) -> None:
     # gpukit train's precision ("auto"), the loop this traces.
     rt = Runtime(seed=0, oom="recover", precision=RUNTIME_DEFAULTS["precision"])
     try:
-        fit(rt, TrainConfig(workload=name, max_steps=steps, progress=False, sample=False))
+        # The training steps alone: no validation pass at the end.
+        config = TrainConfig(
+            workload=name, max_steps=steps, progress=False, sample=False, validate=False
+        )
+        fit(rt, config)
     finally:
         rt.teardown()
 

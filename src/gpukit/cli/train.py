@@ -19,13 +19,20 @@ explain). The explanation ends with the planner's figures for this run and for i
 (a smaller micro-batch with more accumulation, bf16, fsdp, activation checkpointing): each
 one's peak per device and whether it fits the device that ran out.
 
-With --out DIR: DIR/metrics.json, DIR/metrics.csv (a row per read-back, written as they come),
-DIR/loss.png and DIR/checkpoints/ (one per epoch, and every --save-every N steps or time such
-as 10m; the newest --keep kept). DIR is checked before anything starts: a folder that already
-holds checkpoints is refused unless --resume (continue) or --overwrite (start over; the old
-checkpoints are moved aside, not deleted). --resume continues from the newest good checkpoint
-exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
-checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+Each built-in workload has a held-out validation set (never trained on), evaluated at the end
+of every epoch and where --max-steps stops the run, over every rank's share with each sample
+counted once: val_loss, and val_accuracy for mlp and cnn.
+
+With --out DIR: DIR/metrics.json (with final_val_loss and every value the run used),
+DIR/metrics.csv (columns step, epoch, elapsed, lr, loss, val_accuracy, val_loss: a row per
+read-back, written as they come, and one per validation pass), DIR/loss.png (training and
+validation loss), DIR/config.toml (every flag as the run used it: --config DIR/config.toml
+trains the same run again) and DIR/checkpoints/ (one per epoch, and every --save-every N steps
+or time such as 10m; the newest --keep kept). DIR is checked before anything starts: a folder
+that already holds checkpoints is refused unless --resume (continue) or --overwrite (start
+over; the old checkpoints are moved aside, not deleted). --resume continues from the newest
+good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after
+that checkpoint, which a run that died had logged) and draws loss.png from the whole run.
 --logger tensorboard,wandb,mlflow also writes DIR/tensorboard/, DIR/wandb/ (offline without
 WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 
@@ -50,6 +57,9 @@ The first steps are slower while it compiles; checkpoints are the same as withou
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
 
+--config FILE reads flags from a TOML file, keyed by their long names with underscores
+(max_steps = 50, resume = true); flags on the command line win over it.
+
 --batch-size is the global batch of one optimizer step: it is split over the devices and the
 --accumulate micro-steps, so it must be a multiple of devices x accumulate.
 
@@ -63,6 +73,8 @@ Example:
     gpukit train --devices 2 --out runs/gpt --save-every 10m --max-restarts 3
     gpukit train --devices 2 --strategy fsdp --activation-checkpointing selective
     gpukit train --workload cnn --devices 2 --compile
+    gpukit train --config run.toml --max-steps 100    # run.toml's flags, --max-steps over it
+    gpukit train --config runs/mlp/config.toml --out runs/again   # the same run again
 """
 
 from __future__ import annotations
@@ -97,6 +109,14 @@ def register(sub: Any) -> None:
         sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of flags (keys: the long names with underscores, e.g. max_steps = "
+        "50); flags given here win over it. --out DIR writes DIR/config.toml, which reruns "
+        "the run",
+    )
     parser.add_argument(
         "--activation-checkpointing",
         choices=("off", "full", "selective"),
@@ -152,7 +172,7 @@ def register(sub: Any) -> None:
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
     add_setting_flags(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, config_parser=parser)  # config_parser: for --config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,6 +324,12 @@ def _summary(m: dict[str, Any]) -> None:
         ["strategy / precision", f"{m['strategy']} x{len(m['devices'])} / {m['precision']}"],
         ["steps (global batch)", f"{m['steps']} ({m['global_batch']})"],
         ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],
+    ]
+    if m.get("final_val_loss") is not None:  # the last validation pass
+        accuracy = m.get("final_val_accuracy")
+        shown = f"{m['final_val_loss']:.4f}" + (f" (accuracy {accuracy:.1%})" if accuracy else "")
+        rows.append(["validation loss", shown])
+    rows += [
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
     ]

@@ -74,9 +74,16 @@ def write_history(path: Path, history: list[dict[str, float]]) -> None:
     os.replace(partial, path)
 
 
+# Columns that say where a record stands come first, in this order (gpukit train's metrics.csv
+# has them); the metrics follow by name.
+FIRST_COLUMNS = ("epoch", "elapsed", "lr")
+
+
 def column_names(history: list[dict[str, float]]) -> list[str]:
-    """The metric columns of ``history``: every name but ``step``, sorted."""
-    return sorted({k for row in history for k in row} - {"step"})
+    """The columns of ``history`` after ``step``: those of ``FIRST_COLUMNS`` it has, then every
+    other name, sorted."""
+    found = {k for row in history for k in row} - {"step"}
+    return [n for n in FIRST_COLUMNS if n in found] + sorted(found - set(FIRST_COLUMNS))
 
 
 def write_rows(writer: Any, history: list[dict[str, float]], names: list[str]) -> None:

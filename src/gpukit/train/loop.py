@@ -6,8 +6,13 @@ seconds and at the start and end of each epoch), logging that reads the loss bac
 ``log_every`` steps, a checkpoint at the end of each epoch (and when ``max_steps`` stops the
 run), and at the end a summary with throughput, MFU on GPUs and peak memory per device, written
 under ``out`` as ``metrics.json``, ``metrics.csv`` and ``loss.png`` (see
-:mod:`gpukit.train.report`). A resumed run appends to ``metrics.csv`` and draws ``loss.png``
+:mod:`gpukit.train.report`), with ``config.toml`` (the flags that make the run again, see
+:mod:`gpukit.train.rerun`). A resumed run appends to ``metrics.csv`` and draws ``loss.png``
 from the whole run.
+
+A workload's validation set is evaluated at the end of every epoch and where ``max_steps``
+stops the run (:mod:`gpukit.train.validation`), into ``rt.log_metrics``; ``seconds`` and
+``samples_per_s`` leave that time out (``validation_seconds`` holds it).
 
 >>> import gpukit as gk
 >>> config = TrainConfig(workload="mlp", max_steps=3, progress=False)
@@ -38,12 +43,15 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
 from gpukit.train.report import (
     MetricsCsv,
+    learning_rate,
     metrics,
     read_history,
     run_memory,
     with_peak_tensors,
     write_outputs,
 )
+from gpukit.train.rerun import rerun_flags, to_toml
+from gpukit.train.validation import evaluate
 from gpukit.workloads.base import load_workload
 
 # The Runtime settings `gpukit train` uses when given no option (its flags' defaults, and what
@@ -70,6 +78,7 @@ class TrainConfig:
     progress: bool = True  # progress on rank 0 (off when stdout carries JSON)
     progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between lines off a terminal
     sample: bool = True  # generate text at the end, for workloads that can
+    validate: bool = True  # evaluate the workload's validation set, where it has one
 
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
@@ -84,6 +93,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
 
 
 def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]:
+    started = time.perf_counter()
     workload = load_workload(config.workload, seed=config.seed)
     epochs = config.epochs or workload.epochs
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
@@ -120,11 +130,24 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     if config.max_steps is not None:
         total = min(total, config.max_steps)
     global_batch = per_rank * rt.world_size * rt.accumulate
-    csv_log = (
-        MetricsCsv(Path(config.out) / "metrics.csv", resumed)
-        if config.out and rt.is_global_zero
-        else None
-    )
+    recorded = _recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr)
+    csv_log = None
+    if config.out and rt.is_global_zero:
+        csv_log = MetricsCsv(Path(config.out) / "metrics.csv", resumed)
+        flags = rerun_flags(recorded, rt.precision.name, getattr(rt.strategy, "options", None))
+        (Path(config.out) / "config.toml").write_text(to_toml(flags))
+    # metrics.csv's columns besides the metrics: all read on the host, nothing from a device.
+    before = csv_log.elapsed if csv_log is not None else 0.0  # a resumed run's time so far
+
+    def stamp(record: dict[str, float]) -> dict[str, float]:
+        return {
+            "epoch": max(1, -(-int(record["step"]) // steps_per_epoch)),
+            "elapsed": round(before + time.perf_counter() - started, 3),
+            **learning_rate(optimizer),
+        }
+
+    validation = workload.validation if config.validate else None
+    checked_at, validation_seconds = None, 0.0
     first_step, start = rt.global_step, time.perf_counter()
     bar = _progress(rt, config, total, steps_per_epoch, global_batch)
     with bar:
@@ -136,16 +159,27 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
                 peaks.after_step()
                 bar.advance(rt.global_step, rt.history)
                 if csv_log is not None:
-                    csv_log.update(rt.history)
+                    csv_log.update(rt.history, stamp)
                 if rt.global_step >= total:
                     break
             if rt.global_step < total:  # the last epoch's end is the line after the last flush
                 bar.epoch_end(rt.global_step, rt.history)
+            if validation is not None and checked_at != rt.global_step:
+                # Before the checkpoint: a run resumed from it keeps this record.
+                checking = time.perf_counter()
+                accuracy = workload.accuracy
+                rt.log_metrics(
+                    **evaluate(rt, model, criterion, validation, per_rank, accuracy=accuracy)
+                )
+                checked_at = rt.global_step
+                validation_seconds += time.perf_counter() - checking
+                if csv_log is not None:
+                    csv_log.update(rt.history, stamp)
             if checkpoints is not None and rt.lifecycle.saved_step != rt.global_step:
                 rt.save(checkpoints)
         rt.flush_logs()
         bar.finish(rt.global_step, rt.history)  # the last line shows the last loss
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - validation_seconds
     samples_per_s = (rt.global_step - first_step) * global_batch / seconds if seconds else 0.0
     peaks.stop()  # a run shorter than the window
     memory = run_memory(rt)  # every rank takes part: it gathers under DDP
@@ -166,7 +200,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
         return {}
     history = rt.history
     if csv_log is not None:
-        csv_log.update(history)
+        csv_log.update(history, stamp)
         history = csv_log.whole(history)
     summary = metrics(
         rt,
@@ -175,10 +209,11 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
         seconds=seconds,
         global_batch=global_batch,
         memory=memory,
-        config=_recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr),
+        config=recorded,
         history=history,
         resumed_from_step=resumed,
     )
+    summary["validation_seconds"] = validation_seconds
     summary["model_state"] = model_state
     if rt.nonfinite is not None:
         summary["skipped_steps"] = rt.skipped_steps()
@@ -191,9 +226,11 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
 
 def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
     """The run as ``metrics.json`` records it: what it was asked, with the values it used
-    where the workload chose them (``used``), and under ``runtime`` every setting of its
-    Runtime (apart: ``resume`` there is the Runtime's policy, here ``--resume``)."""
+    where the workload chose them (``used``: never None), and under ``runtime`` every setting
+    of its Runtime (apart: ``resume`` there is the Runtime's policy, here ``--resume``), with
+    the strategy and precision it chose."""
     runtime = record(rt.settings, strategy=rt.strategy.name)
+    runtime["precision"] = rt.precision.name
     return {**asdict(config), **used, "runtime": runtime}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,9 @@ def metrics(
     ``memory`` is :func:`run_memory` of the run, ``config`` what it was asked to do (as a dict).
     MFU is given on GPUs of known peak (see :func:`gpukit.workloads.flops.mfu`), else None.
     ``history`` is the whole run's (default: what ``rt.log`` read back in this process), for
-    ``final_loss``; ``resumed_from_step`` the checkpoint's step when the run was resumed.
+    ``final_loss``, ``final_val_loss`` and ``validation`` (each validation record, with
+    ``val_accuracy`` too where the workload has it); ``resumed_from_step`` the checkpoint's
+    step when the run was resumed.
     ``steps`` counts the whole run; ``seconds``, ``samples_per_s`` and ``mfu`` measure this
     session only (a resumed run may train on other devices, and a session that died left no
     time to add).
@@ -71,10 +73,16 @@ def metrics(
     utilisation = (
         mfu(flops_per_s, rt.device_info.name, gpu_count(rt)) if rt.device.type == "cuda" else None
     )
-    losses = [r["loss"] for r in (rt.history if history is None else history) if "loss" in r]
+    records = rt.history if history is None else history
+    losses = [r["loss"] for r in records if "loss" in r]
+    validation = [validation_record(r) for r in records if "val_loss" in r]
+    last = validation[-1] if validation else {}
     return {
         "workload": workload.name,
         "final_loss": losses[-1] if losses else None,
+        "final_val_loss": last.get("val_loss"),
+        "final_val_accuracy": last.get("val_accuracy"),
+        "validation": validation,
         "steps": rt.global_step,
         "resumed_from_step": resumed_from_step,
         "samples_per_s": samples_per_s,
@@ -91,6 +99,30 @@ def metrics(
         "oom_retries": rt.oom_events,
         "config": config,
     }
+
+
+def validation_record(record: Mapping[str, float]) -> dict[str, float]:
+    """A validation record of the history as ``metrics.json`` lists it: its step, epoch and
+    values.
+
+    >>> validation_record({"step": 32, "epoch": 1, "lr": 0.003, "val_loss": 0.5})
+    {'step': 32, 'epoch': 1, 'val_loss': 0.5}
+    """
+    first = {k: record[k] for k in ("step", "epoch") if k in record}
+    return {**first, **{k: v for k, v in record.items() if k.startswith("val_")}}
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """``{"lr": ...}``: the first parameter group's learning rate as the optimizer holds it on
+    the host (none for a rate kept in a device tensor: reading it would wait for the device).
+
+    >>> learning_rate(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5))
+    {'lr': 0.5}
+    """
+    lr = optimizer.param_groups[0].get("lr")
+    if isinstance(lr, torch.Tensor):
+        return {"lr": float(lr)} if lr.device.type == "cpu" else {}
+    return {"lr": float(lr)} if isinstance(lr, (int, float)) else {}
 
 
 def gpu_count(rt: Runtime) -> int:
@@ -165,43 +197,55 @@ class MetricsCsv:
     ``resumed_from_step`` None starts the file afresh. A step (the checkpoint's, on resume)
     keeps the file's rows up to that step and drops later ones: a run that died after its
     last checkpoint logged them, and this run trains those steps again, so each step is in
-    the file once.
+    the file once. ``stamp(record)``, when given, adds columns to each new row as it is
+    written (``gpukit train``: its epoch, the seconds since the run started, the learning
+    rate); :attr:`elapsed` is the last ``elapsed`` of the rows kept (0.0 without one).
 
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
     >>> write_history(path, [{"step": 10.0, "loss": 0.9}, {"step": 20.0, "loss": 0.8}])
     >>> log = MetricsCsv(path, resumed_from_step=10)
-    >>> log.update([{"step": 15.0, "loss": 0.85}])
+    >>> log.update([{"step": 15.0, "loss": 0.85}], stamp=lambda r: {"epoch": 2})
     >>> path.read_text().splitlines()
-    ['step,loss', '10,0.9', '15,0.85']
+    ['step,epoch,loss', '10,,0.9', '15,2,0.85']
     """
 
     def __init__(self, path: Path, resumed_from_step: int | None) -> None:
         self.path = path
         past = read_history(path) if resumed_from_step is not None else []
-        self.past = [r for r in past if r["step"] <= (resumed_from_step or 0)]
-        self._names = column_names(self.past)
+        self.rows = [r for r in past if r["step"] <= (resumed_from_step or 0)]
+        self.elapsed = next((r["elapsed"] for r in reversed(self.rows) if "elapsed" in r), 0.0)
+        self._names = column_names(self.rows)
         self._seen = 0  # records of this run's history already in the file
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_history(path, self.past)
+        write_history(path, self.rows)
 
-    def update(self, history: list[dict[str, float]]) -> None:
+    def update(
+        self,
+        history: list[dict[str, float]],
+        stamp: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    ) -> None:
         """Add the records of ``history`` (this run's, as it grows) not yet in the file."""
         new = history[self._seen :]
         if not new:
             return
         self._seen = len(history)
+        if stamp is not None:
+            new = [{**r, **stamp(r)} for r in new]
+        self.rows += new
         names = column_names(new)
         if not set(names) <= set(self._names):  # a new column: the header changes
-            self._names = column_names(self.past + history)
-            write_history(self.path, self.past + history)
+            self._names = column_names(self.rows)
+            write_history(self.path, self.rows)
             return
         with open(self.path, "a", newline="") as f:
             write_rows(csv.writer(f), new, self._names)
 
     def whole(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
-        """The whole run's records: the kept rows of earlier runs, then ``history``."""
-        return self.past + history
+        """The whole run's records as the file holds them: the kept rows of earlier runs,
+        then those of ``history`` (with their stamps)."""
+        self.update(history)
+        return list(self.rows)
 
 
 def read_history(path: Path) -> list[dict[str, float]]:
@@ -220,8 +264,9 @@ def read_history(path: Path) -> list[dict[str, float]]:
         for line, row in enumerate(csv.DictReader(f), start=2):
             try:
                 record = {k: float(v) for k, v in row.items() if k and v not in ("", None)}
-                if "step" in record:  # steps are counts, as rt.history holds them
-                    record["step"] = int(record["step"])
+                for count in ("step", "epoch"):  # counts, as the run writes them
+                    if count in record:
+                        record[count] = int(record[count])
                 records.append(record)
             except (ValueError, OverflowError) as err:  # OverflowError: a step of inf
                 raise ConfigError(
@@ -248,13 +293,22 @@ def _plot_loss(
     import matplotlib.pyplot as plt
 
     rows = [r for r in history if "loss" in r]
+    checked = [r for r in history if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", label="training")
+    if checked:  # a second series on the same step axis: the validation loss at each pass
+        ax.plot(
+            [r["step"] for r in checked],
+            [r["val_loss"] for r in checked],
+            marker="o",
+            label="validation",
+        )
     if resumed_from_step is not None:
         ax.axvline(resumed_from_step, color="grey", linestyle=":", label="resumed")
+    if checked or resumed_from_step is not None:
         ax.legend(loc="upper right")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(
         f"{metrics['workload']}: {metrics['strategy']} x{metrics['world_size']}, "
         f"{metrics['precision']}"

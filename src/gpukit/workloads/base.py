@@ -48,7 +48,10 @@ class Workload:
     ``dataset`` items are ``(input, target)`` tensor pairs; ``loss(model(input), target)`` is
     the mean over the batch. ``flops_per_sample`` is the forward+backward training cost of one
     item (about 3x its forward FLOPs), 0.0 when unknown. ``sample``, where set, writes text
-    with the trained model on the given device.
+    with the trained model on the given device. ``validation``, where set, holds held-out
+    ``(input, target)`` items that ``gpukit train`` evaluates at the end of every epoch (its
+    ``val_loss``); ``accuracy`` True adds ``val_accuracy``, the share of items whose output's
+    argmax over the last dimension is the target (a classifier's).
 
     >>> import torch
     >>> from torch import nn
@@ -67,6 +70,8 @@ class Workload:
     epochs: int
     flops_per_sample: float
     sample: Callable[[nn.Module, torch.device], str] | None = None
+    validation: Dataset[Any] | None = None  # held out: never in ``dataset``
+    accuracy: bool = False  # val_accuracy too: argmax of the output against the target
 
     def __post_init__(self) -> None:
         problems = [
@@ -294,6 +299,9 @@ def _check_parts(w: Workload) -> None:
     """Refuse, before any process starts, a workload that cannot train: a model with nothing
     to train, a dataset that is empty or whose items are not (input, target) pairs."""
     problem = _model_problem(w.model) or _dataset_problem(w.dataset)
+    if problem is None and w.validation is not None:
+        found = _dataset_problem(w.validation)
+        problem = f"its validation set: {found}" if found else None
     if problem is None and not callable(w.loss):
         problem = f"the loss is {described(w.loss)}, not a function loss(output, target)"
     if problem is not None:

@@ -13,6 +13,13 @@ the target the same characters shifted by one, so every position predicts the ne
 >>> text = w.sample(w.model, torch.device("cpu"))  # untrained: gibberish, but 200 characters
 >>> len(text)
 200
+
+The validation set is other public-domain text, bundled apart (``heldout.txt``: none of it is
+in the training text), cut into windows that do not overlap; the training set is the whole
+training text, as without it.
+
+>>> len(w.validation), w.validation.vocab == w.dataset.vocab
+(74, True)
 """
 
 from __future__ import annotations
@@ -49,13 +56,14 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-def corpus() -> str:
-    """The bundled training text, without its one-line header.
+def corpus(name: str = "corpus") -> str:
+    """The bundled training text (``"heldout"``: the validation text), without its one-line
+    header.
 
-    >>> corpus()[:200].isascii()
-    True
+    >>> corpus()[:200].isascii(), corpus("heldout")[:8]
+    (True, 'INVICTUS')
     """
-    path = resources.files("gpukit.workloads") / "data" / "corpus.txt"
+    path = resources.files("gpukit.workloads") / "data" / f"{name}.txt"
     text = path.read_text(encoding="ascii")
     return text.split("\n", 1)[1]
 
@@ -63,17 +71,20 @@ def corpus() -> str:
 class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Windows over ``text`` as ``(input, target)`` pairs of character ids (int64).
 
-    Window ``i`` starts at character ``i * stride``; ``vocab`` maps ids back to characters.
+    Window ``i`` starts at character ``i * stride``; ``vocab`` maps ids back to characters
+    (default: the text's own characters; give another dataset's to share its ids).
 
     >>> ds = CharDataset("hello world", context=4, stride=2)
     >>> len(ds), ds.decode(ds[0][0].tolist()), ds.decode(ds[0][1].tolist())
     (4, 'hell', 'ello')
     """
 
-    def __init__(self, text: str, context: int, stride: int = STRIDE) -> None:
+    def __init__(
+        self, text: str, context: int, stride: int = STRIDE, vocab: str | None = None
+    ) -> None:
         if len(text) <= context:
             raise ValueError(f"text of {len(text)} characters is too short for context={context}")
-        self.vocab = "".join(sorted(set(text)))
+        self.vocab = vocab if vocab is not None else "".join(sorted(set(text)))
         self.index = {ch: i for i, ch in enumerate(self.vocab)}
         self.data = torch.tensor(self.encode(text), dtype=torch.long)
         self.context = context
@@ -291,6 +302,7 @@ def build(seed: int = 0, config: GPTConfig | None = None) -> Workload:
     text = corpus()
     config = config or GPTConfig(vocab_size=len(set(text)))
     dataset = CharDataset(text, config.context, STRIDE)
+    held_out = CharDataset(corpus("heldout"), config.context, config.context, dataset.vocab)
     if config.vocab_size < len(dataset.vocab):
         raise ConfigError(
             f"GPTConfig(vocab_size={config.vocab_size}) is too small for the text's "
@@ -309,4 +321,5 @@ def build(seed: int = 0, config: GPTConfig | None = None) -> Workload:
         epochs=8,
         flops_per_sample=flops_per_sample(model),
         sample=Sampler(dataset.vocab),
+        validation=held_out,
     )

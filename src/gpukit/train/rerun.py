@@ -1,0 +1,91 @@
+"""``config.toml``: the run ``gpukit train`` made, as a config file that makes it again.
+
+``gpukit train --out DIR`` writes ``DIR/config.toml`` when the run starts: every flag of the
+run with the value it used (the workload's learning rate, batch size and epochs where none was
+given, the strategy and precision the Runtime chose), keyed by the flag's long name with
+underscores, as ``gpukit train --config`` reads it. ``gpukit train --config DIR/config.toml
+--out OTHER`` trains the same run again (``--resume`` and ``--overwrite`` are left out: they
+say what to do with a folder, not what to train). ``metrics.json`` holds the same values under
+``config`` (and every setting of the Runtime under ``config.runtime``).
+
+>>> print(to_toml({"workload": "mlp", "lr": 0.003, "max_steps": None, "compile": False}))
+# gpukit train --config FILE: the flags of a run, by their long names with underscores
+workload = "mlp"
+lr = 0.003
+compile = false
+<BLANKLINE>
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpukit.runtime.settings import fields, option
+
+# TrainConfig's fields that are flags of gpukit train (progress and sample are not).
+TRAIN_FLAGS = ("workload", "epochs", "max_steps", "batch_size", "lr", "seed", "out")
+TRAIN_FLAGS_AFTER = ("progress_every",)
+HEADER = "# gpukit train --config FILE: the flags of a run, by their long names with underscores"
+
+
+def rerun_flags(
+    recorded: Mapping[str, Any], precision: str, strategy_options: object = None
+) -> dict[str, Any]:
+    """The flags that train the run again, from its record (``metrics.json``'s ``config``):
+    the run's own, then every Runtime setting that has a flag (``precision``: the one the
+    Runtime chose), then fsdp's ``activation_checkpointing`` and ``compile`` when
+    ``strategy_options`` (the strategy's ``options``) has them. None: left out.
+
+    >>> recorded = {"workload": "mlp", "lr": 0.003, "seed": 0, "progress_every": 30.0,
+    ...             "runtime": {"strategy": "single", "precision": "auto",
+    ...                         "devices": ["cpu", "cpu"], "clip": None}}
+    >>> rerun_flags(recorded, "32")
+    {'workload': 'mlp', 'lr': 0.003, 'seed': 0, 'strategy': 'single', 'precision': '32', \
+'devices': 'cpu,cpu', 'progress_every': 30.0}
+    """
+    runtime = recorded.get("runtime", {})
+    out: dict[str, Any] = {k: recorded.get(k) for k in TRAIN_FLAGS}
+    for f in fields():
+        if option(f).flag and f.name in runtime:
+            out[f.name] = precision if f.name == "precision" else runtime[f.name]
+    for name in ("activation_checkpointing", "compile"):
+        value = getattr(strategy_options, name, None)
+        if value is not None:
+            out[name] = bool(value) if name == "compile" else value
+    out.update({k: recorded.get(k) for k in TRAIN_FLAGS_AFTER})
+    return {k: _flag_value(v) for k, v in out.items() if v is not None}
+
+
+def _flag_value(value: Any) -> Any:
+    """A recorded value as its flag takes it: a list of devices as the text "a,b"."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return ",".join(str(v) for v in value)
+    return value
+
+
+def to_toml(values: Mapping[str, Any]) -> str:
+    """``values`` (bools, numbers and text; None left out) as TOML, one ``key = value`` a
+    line under a comment line."""
+    lines = [HEADER]
+    for key, value in values.items():
+        if value is None:
+            continue
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # the shortest text that reads back as the same float
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
