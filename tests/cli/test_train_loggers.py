@@ -18,12 +18,16 @@ def test_tensorboard_writes_under_out_and_csv_is_metrics_csv(tmp_path: Path) -> 
     out = tmp_path / "run"
     argv = ["train", "--workload", "mlp", "--max-steps", "6", "--log-every", "2"]
     assert main([*argv, "--out", str(out), "--logger", "csv,tensorboard"]) == 0
-    history = read_history(out / "metrics.csv")
+    rows = read_history(out / "metrics.csv")
+    history = [r for r in rows if "loss" in r]  # the validation pass has a row of its own
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("loss")]
     assert [s for s, _ in scalars] == [int(r["step"]) for r in history] == [2, 4, 6]
     assert [v for _, v in scalars] == pytest.approx([r["loss"] for r in history], rel=1e-6)
+    # the validation loss reaches TensorBoard too, at the step it was measured
+    validation = [(int(r["step"]), r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [(e.step, e.value) for e in events.Scalars("val_loss")] == pytest.approx(validation)
     # csv adds no second file: metrics.csv is it.
     assert sorted(p.name for p in out.glob("*.csv")) == ["metrics.csv"]
     assert not (out / "hyperparams.json").exists()
