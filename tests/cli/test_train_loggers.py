@@ -30,6 +30,17 @@ def test_tensorboard_writes_under_out_and_csv_is_metrics_csv(tmp_path: Path) -> 
     logged = events.Scalars("val_loss")
     assert [e.step for e in logged] == [step for step, _ in validation] == [6]
     assert [e.value for e in logged] == pytest.approx([v for _, v in validation], rel=1e-6)
+    # the run's own values are its hyper-parameters, besides the Runtime's settings
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    params = {}
+    for content in events.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            for key, value in data.session_start_info.hparams.items():
+                params[key] = getattr(value, value.WhichOneof("kind"))
+    assert params["workload"] == "mlp" and params["batch_size"] == 64 and params["lr"] > 0
+    assert params["runtime/strategy"] == "single"
     # csv adds no second file: metrics.csv is it.
     assert sorted(p.name for p in out.glob("*.csv")) == ["metrics.csv"]
     assert not (out / "hyperparams.json").exists()

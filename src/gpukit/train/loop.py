@@ -131,6 +131,11 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
         total = min(total, config.max_steps)
     global_batch = per_rank * rt.world_size * rt.accumulate
     recorded = _recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr)
+    # The loggers get the run's own values as hyper-parameters (the Runtime sends its settings
+    # by itself): the workload, epochs, global batch size and learning rate it used.
+    rt.log_hyperparams(
+        {k: v for k, v in recorded.items() if isinstance(v, (bool, int, float, str))}
+    )
     csv_log = None
     if config.out and rt.is_global_zero:
         csv_log = MetricsCsv(Path(config.out) / "metrics.csv", resumed)
