@@ -29,6 +29,7 @@ from gpukit.errors import (
     NonFiniteError,
     OutOfMemory,
     Preempted,
+    RunComplete,
     ShardedTensorError,
     SimulationUnsupported,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "PlacementLog",
     "PlacementReport",
     "Preempted",
+    "RunComplete",
     "Runtime",
     "ShardedTensorError",
     "SimulationUnsupported",

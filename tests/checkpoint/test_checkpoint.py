@@ -185,8 +185,6 @@ def test_every_file_of_a_checkpoint_gets_the_mode_the_umask_gives(
         saved = rt.save(tmp_path / "checkpoints")
     finally:
         os.umask(previous)
-    modes = {
-        p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(saved).rglob("*") if p.is_file()
-    }
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(saved).rglob("*") if p.is_file()}
     assert "model.safetensors" in modes and "state.pt" in modes
     assert set(modes.values()) == {0o666 & ~umask}, modes

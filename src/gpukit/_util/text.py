@@ -176,9 +176,7 @@ def make_table(title: str | None, header: Sequence[str], rows: Sequence[Sequence
     >>> render_table("Summary", ["", ""], [["steps", "3"]]).splitlines()[1:]
     ['┌───────┬───┐', '│ steps │ 3 │', '└───────┴───┘']
     """
-    table = Table(
-        title=title, title_justify="left", header_style="bold", show_header=any(header)
-    )
+    table = Table(title=title, title_justify="left", header_style="bold", show_header=any(header))
     for name in header:
         table.add_column(name, overflow="fold")
     for row in rows:

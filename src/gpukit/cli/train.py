@@ -25,7 +25,9 @@ as 10m; the newest --keep kept). DIR is checked before anything starts: a folder
 holds checkpoints is refused unless --resume (continue) or --overwrite (start over; the old
 checkpoints are moved aside, not deleted). --resume continues from the newest good checkpoint
 exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
-checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+checkpoint, which a run that died had logged) and draws loss.png from the whole run. A run
+already complete (its checkpoint at the last step asked for) says so and exits 0, changing
+nothing: raise --max-steps or --epochs to train further, or --overwrite to start over.
 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
@@ -71,7 +73,7 @@ from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
-from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.errors import ConfigError, OutOfMemory, RunComplete
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
@@ -199,6 +201,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 name="gpukit train",
             )
         metrics = rt.launch(fit, config)
+    except RunComplete as done:  # --resume with nothing left to train: said, not an error
+        if rt.rank == 0:
+            console().print(str(done), markup=False, highlight=False)
+        return 0
     except Exception as err:
         if not is_oom(err):
             raise
