@@ -31,7 +31,8 @@ nothing: raise --max-steps or --epochs to train further, or --overwrite to start
 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
-run whose processes stop making progress for S seconds, naming the stuck rank and its line;
+run whose processes stop making progress for S seconds, naming the stuck rank and its line
+(given for a one-process run, that process runs under the launcher, which watches it);
 SIGTERM or Ctrl-C, to this command or to any of its processes, finishes the current step on
 every rank, saves, and exits 143, never restarted (copies of the signal count once; a second
 Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds the wait);
@@ -132,8 +133,9 @@ def register(sub: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="with several processes or restarts: end the run when no rank makes progress for "
-        "this long, naming the stuck one (default 300; 0: never)",
+        help="end the run when no rank makes progress for this long, naming the stuck one "
+        "(default 300 with several processes or restarts; given for one process, that process "
+        "runs under gpukit's launcher, which watches it; 0: never)",
     )
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
@@ -167,6 +169,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         )
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
+    if args.overwrite and not args.out:
+        raise ConfigError(
+            "--overwrite needs --out DIR: it starts over in DIR, moving its checkpoints aside"
+        )
     checkpoints = Path(args.out) / "checkpoints" if args.out else None
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
@@ -188,7 +194,16 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         check(config, rt.world_size, rt.accumulate)
         if not worker:  # the launcher checked it before starting this process
             check_out(args.out, resume=args.resume, overwrite=args.overwrite)
-        if not worker and (rt.strategy.needs_launch or args.max_restarts):
+        # A hang watch needs the launcher too, even for one process: it is what watches.
+        watched = bool(args.max_restarts or args.hang_timeout)
+        if watched and rt.strategy.traits.drives_all_devices and not worker:
+            raise ConfigError(
+                f"--max-restarts and --hang-timeout run the processes under gpukit's launcher, "
+                f"but --strategy {rt.strategy.name} drives every device from one process, "
+                "which cannot run there: use --strategy ddp (one process per device), or drop "
+                "--max-restarts and --hang-timeout"
+            )
+        if not worker and (rt.strategy.needs_launch or watched):
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.
             nproc, strategy = rt.world_size, rt.strategy.name
