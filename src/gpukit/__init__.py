@@ -30,6 +30,7 @@ from gpukit.errors import (
     NonFiniteError,
     OutOfMemory,
     Preempted,
+    RunComplete,
     ShardedTensorError,
     SimulationUnsupported,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "PlacementLog",
     "PlacementReport",
     "Preempted",
+    "RunComplete",
     "Runtime",
     "ShardedTensorError",
     "SimulationUnsupported",

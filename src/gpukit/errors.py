@@ -167,6 +167,19 @@ class NonFiniteError(GpukitError, RuntimeError):
     steps in a row did under ``nonfinite="skip"``; the message names the step and the rank."""
 
 
+class RunComplete(GpukitError):
+    """A resumed run has nothing left to train: its checkpoint is already at (or past) the
+    last step asked for. ``gpukit train --resume`` says so and exits 0, leaving ``--out`` as
+    it was; the message says how to train further.
+
+    >>> import gpukit as gk
+    >>> gk.RunComplete("already complete at step 5 of 5").will_repeat
+    True
+    """
+
+    will_repeat = True
+
+
 class SimulationUnsupported(GpukitError):
     """The planner's simulation cannot run this case (the message says which part and why);
     ``gk.plan`` then answers with the closed form and says so in the plan's notes."""

@@ -72,3 +72,17 @@ def test_described_adds_the_type_where_the_repr_leaves_it_in_doubt(
     value: object, shown: str
 ) -> None:
     assert described(value) == shown
+
+
+def test_a_table_of_label_value_pairs_has_no_blank_header_row() -> None:
+    from gpukit._util.text import render_table
+
+    lines = render_table("Training summary", ["", ""], [["steps", "3"], ["loss", "0.5"]])
+    assert lines.splitlines()[-4:] == [
+        "┌───────┬─────┐",
+        "│ steps │ 3   │",
+        "│ loss  │ 0.5 │",
+        "└───────┴─────┘",
+    ]
+    with_header = render_table(None, ["name", ""], [["steps", "3"]])
+    assert "name" in with_header.splitlines()[1]  # one named column keeps the header row

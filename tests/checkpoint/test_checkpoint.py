@@ -168,3 +168,23 @@ def test_a_resume_with_more_accumulation_opens_a_fresh_window(tmp_path: Path) ->
         rt.backward(model(torch.ones(4, 2)).pow(2).mean())
         stepped.append(rt.step(opt))
     assert stepped == [False, True] and rt.global_step == 4
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_of_a_checkpoint_gets_the_mode_the_umask_gives(
+    tmp_path: Path, umask: int
+) -> None:
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        rt = gk.Runtime(devices="cpu")
+        model = nn.Linear(3, 2)
+        rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        saved = rt.save(tmp_path / "checkpoints")
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(saved).rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and "state.pt" in modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes

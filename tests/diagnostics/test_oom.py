@@ -404,3 +404,33 @@ def test_injected_oom_is_a_real_torch_oom_that_parses() -> None:
     assert huge is not None and (huge.requested or 0) > 0
     with pytest.raises(ConfigError, match="samples=0"):
         injected_oom(0, 8)
+
+
+@pytest.mark.parametrize(
+    ("device", "named", "format"),
+    [("cpu", "cpu", "cpu"), ("cuda:1", "cuda:1", "current"), ("mps", "mps", "mps")],
+)
+def test_injected_oom_is_worded_by_the_allocator_of_the_device(
+    device: str, named: str, format: str
+) -> None:
+    err = injected_oom(16, 8, device)
+    assert isinstance(err, TORCH_OOM) and is_oom(err)
+    n = parse(str(err))
+    assert n is not None and n.device == named and n.format == format
+    assert n.requested == 16 * 2**20
+    assert str(explain(err)).startswith(f"out of memory on {named}: asked for 16 MiB")
+
+
+def test_a_cpu_run_with_injected_oom_names_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpukit as gk
+
+    monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "2")
+    rt = gk.Runtime(devices="cpu", oom="raise")
+    plain = torch.nn.Linear(3, 1)
+    model, optimizer = rt.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    batch = (torch.randn(4, 3), torch.randn(4, 1))
+    with pytest.raises(gk.OutOfMemory) as caught:
+        rt.train_step(optimizer, batch, lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+    text = str(caught.value)
+    assert text.startswith("out of memory on cpu") and "cuda" not in text.split("\n")[0]
+    assert "injected by GPUKIT_FAULT_OOM_ABOVE=2" in text

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
+from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
 from gpukit.strategies import PerDevice
 from gpukit.strategies._parallel import parallel_apply, replicate
@@ -405,3 +406,45 @@ def test_mfu_counts_the_gpus_of_one_dp_process() -> None:
     two_processes = SimpleNamespace(world_size=2, strategy=SimpleNamespace(driven_devices=[1]))
     assert gpu_count(one_process) == gpu_count(two_processes) == 2  # type: ignore[arg-type]
     assert mfu(989e12, "NVIDIA H100 80GB HBM3", gpus=2) == 0.5
+
+
+@pytest.mark.parametrize("strategy", ["dp", "dp-balanced"])
+@pytest.mark.parametrize("devices", ["all", "auto"])
+def test_one_process_over_the_only_cpu_is_refused_without_gpus(
+    fake_gpus,
+    strategy: str,
+    devices: str,  # type: ignore[no-untyped-def]
+) -> None:
+    fake_gpus(0)
+    with pytest.raises(ConfigError) as caught:
+        gk.Runtime(strategy=strategy, devices=devices)
+    message = str(caught.value)
+    assert f"strategy={strategy!r} drives 2 or more GPUs from one process" in message
+    assert f"devices={devices!r}" in message and "no GPU" in message
+    assert "--strategy ddp --devices N" in message and "strategy='single'" in message
+    # Devices given explicitly are the user's choice: CPUs rehearse dp in one process.
+    assert len(gk.Runtime(strategy=strategy, devices=["cpu", "cpu"]).strategy.devices) == 2
+
+
+def test_auto_or_all_must_find_several_gpus_for_dp(fake_gpus) -> None:  # type: ignore[no-untyped-def]
+    fake_gpus(1)
+    with pytest.raises(ConfigError, match="it names 1 of this machine's 1 GPU"):
+        gk.Runtime(strategy="dp", devices="all")
+    fake_gpus(2)
+    with pytest.raises(ConfigError, match="devices='auto' gives 1 device"):
+        gk.Runtime(strategy="dp", devices="auto")  # the best device: one GPU of two
+    assert [str(d) for d in gk.Runtime(strategy="dp", devices="all").strategy.devices] == [
+        "cuda:0",
+        "cuda:1",
+    ]
+
+
+def test_gpukit_train_refuses_dp_over_the_only_cpu(
+    fake_gpus,
+    capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+) -> None:
+    fake_gpus(0)
+    args = ["train", "--workload", "mlp", "--strategy", "dp-balanced", "--devices", "all"]
+    assert main([*args, "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "drives 2 or more GPUs from one process" in err and "--strategy ddp" in err

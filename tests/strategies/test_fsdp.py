@@ -372,3 +372,26 @@ def test_only_gpukits_own_wrapper_is_looked_inside(one_rank: Callable[..., Any])
 def test_fp16_gathering_without_a_scaler_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"mixed='fp16'.*precision='16-mixed'"):
         gk.Runtime(strategy=gk.strategies.FSDP(mixed="fp16"), devices=["cpu"], precision="32")
+
+
+def test_the_plan_of_a_model_set_up_again_is_printed_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def setup_twice(rt: gk.Runtime, width: int) -> None:
+        for _ in range(2):  # a second setup of the same model in the same run
+            torch.manual_seed(0)
+            rt.setup(nn.Sequential(nn.Linear(4, width), nn.Linear(width, width)))
+
+    for _ in range(2):  # a loop that makes a new Runtime each time
+        rt = gk.Runtime(strategy="fsdp", devices=["cpu"])
+        try:
+            rt.launch(setup_twice, 6)
+        finally:
+            rt.teardown()
+    assert capsys.readouterr().out.count("gpukit: fsdp over 1 rank(s)") == 1
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu"])
+    try:
+        rt.launch(setup_twice, 10)  # another model: its own plan
+    finally:
+        rt.teardown()
+    assert capsys.readouterr().out.count("gpukit: fsdp over 1 rank(s)") == 1

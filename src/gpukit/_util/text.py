@@ -170,8 +170,13 @@ def explained(what: str, why: str, fixes: Sequence[str]) -> str:
 
 
 def make_table(title: str | None, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
-    """A rich table with one column per header entry."""
-    table = Table(title=title, title_justify="left", header_style="bold")
+    """A rich table with one column per header entry; no header row when every entry is
+    empty (a table of label/value pairs), rather than a blank row.
+
+    >>> render_table("Summary", ["", ""], [["steps", "3"]]).splitlines()[1:]
+    ['┌───────┬───┐', '│ steps │ 3 │', '└───────┴───┘']
+    """
+    table = Table(title=title, title_justify="left", header_style="bold", show_header=any(header))
     for name in header:
         table.add_column(name, overflow="fold")
     for row in rows:

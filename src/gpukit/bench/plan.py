@@ -16,8 +16,13 @@ error is taken against the lowest (the peak without that race; on CUDA, freed me
 as free at once, so the allocator's max allocated matches it). Rows for 8 and 64 ranks are
 simulated only: the per-rank peak must not grow with the count.
 
->>> settings(quick=True), settings(quick=False).repeats
-(Settings(workloads=('mlp',), repeats=1), 3)
+``--quick`` measures the mlp alone, once per case, and only single on 1 rank and ddp and fsdp
+on 2 (the cases that start processes and shard; the 1-rank ddp and fsdp rows are simulated
+only), and simulates 8 ranks but not 64: each measured case starts `gpukit train` processes,
+the slowest part on a small machine.
+
+>>> settings(quick=True).measured, settings(quick=False).repeats
+((('single', 1), ('ddp', 2), ('fsdp', 2)), 3)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from gpukit.workloads.base import load_workload
 
 TITLE = "Planner vs measurement: predicted and measured peak tensor memory per rank"
 CASES = (("single", 1), ("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2))
+QUICK_CASES = (("single", 1), ("ddp", 2), ("fsdp", 2))  # measured with --quick
 SIMULATED_ONLY = (8, 64)
 STEPS = 3
 # Seconds a 2-rank `gpukit train` of 3 steps may take before it counts as hung.
@@ -69,13 +75,16 @@ class Settings:
 
     workloads: tuple[str, ...]
     repeats: int
+    measured: tuple[tuple[str, int], ...] = CASES  # the rest of CASES: simulated only
+    simulated_only: tuple[int, ...] = SIMULATED_ONLY
 
 
 def settings(quick: bool = False) -> Settings:
-    """Every built-in workload, 3 runs per case; ``quick``: the mlp alone, once per case (each
-    2-rank case launches two processes, too slow on a 2-core machine for the others)."""
+    """Every built-in workload, 3 runs per case; ``quick``: the mlp alone, once per case, fewer
+    cases measured and fewer simulated (each measured case starts processes, too slow on a
+    2-core machine for more)."""
     if quick:
-        return Settings(("mlp",), 1)
+        return Settings(("mlp",), 1, QUICK_CASES, SIMULATED_ONLY[:1])
     return Settings(("mlp", "cnn", "gpt"), 3)
 
 
@@ -88,10 +97,12 @@ def run(quick: bool = False) -> BenchResult:
         workload = load_workload(name, seed=0)
         facts = model_facts(workload.model, workload.dataset[0], loss=workload.loss)
         for strategy, ranks in CASES:
-            measured = [measured_peaks(name, strategy, ranks) for _ in range(s.repeats)]
-            raw[f"{name}/{strategy}/{ranks}"] = measured
+            measured = None
+            if (strategy, ranks) in s.measured:
+                measured = [measured_peaks(name, strategy, ranks) for _ in range(s.repeats)]
+                raw[f"{name}/{strategy}/{ranks}"] = measured
             rows.append(_row(name, strategy, ranks, workload.batch_size, facts, measured))
-        for ranks in SIMULATED_ONLY:
+        for ranks in s.simulated_only:
             for strategy in ("ddp", "fsdp"):
                 rows.append(_row(name, strategy, ranks, workload.batch_size, facts, None))
     measured_rows = [r for r in rows if r["measured_min"] is not None]
@@ -115,9 +126,25 @@ def run(quick: bool = False) -> BenchResult:
             "measured: the lowest rank peak of `peak_tensors` over the runs (see the module "
             "doc for the spread in 'measured max'); errors are (predicted - measured) / "
             "measured",
-            "8 and 64 ranks: simulated only (no measurement on a 2-core machine)",
+            f"{' and '.join(map(str, s.simulated_only))} ranks: simulated only (no measurement "
+            "on a 2-core machine)",
+            *(
+                [
+                    "quick: ddp and fsdp on 1 rank simulated only, 64 ranks left out (each "
+                    "measured case starts gpukit train processes)"
+                ]
+                if quick
+                else []
+            ),
         ],
-        parameters={"quick": quick, "repeats": s.repeats, "steps": STEPS, "precision": "32"},
+        parameters={
+            "quick": quick,
+            "repeats": s.repeats,
+            "steps": STEPS,
+            "precision": "32",
+            "measured": [f"{strategy} x{ranks}" for strategy, ranks in s.measured],
+            "simulated_only_ranks": list(s.simulated_only),
+        },
         environment=environment_of([torch.device("cpu")]),
         raw=raw,
     )

@@ -109,7 +109,7 @@ def settings(quick: bool) -> Settings:
     2
     """
     if quick:
-        return Settings(warmup=3, steps=6, rounds=2, cpu_batch=16)
+        return Settings(warmup=2, steps=4, rounds=2, cpu_batch=8)
     return Settings(warmup=5, steps=20, rounds=5, cpu_batch=None)
 
 
@@ -395,8 +395,8 @@ def _parameters(quick: bool, s: Settings, devices: list[torch.device]) -> dict[s
         "optimizer": "AdamW at the workload's lr",
         "matmul_tf32": tf32_matmul(),
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "quick_skipped": "torch.compile on the CPU; steps and blocks (6 x 2); the CPU batch "
-        "(16 instead of the workload's)"
+        "quick_skipped": f"torch.compile on the CPU; steps and blocks ({s.steps} x {s.rounds}); "
+        f"the CPU batch ({s.cpu_batch} instead of the workload's)"
         if quick
         else None,
     }

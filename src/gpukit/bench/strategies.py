@@ -239,8 +239,9 @@ def _parameters(quick: bool, s: Settings, gpus: list[torch.device]) -> dict[str,
         "strategies": list(STRATEGIES),
         "runtime": {k: v for k, v in RUNTIME_DEFAULTS.items() if k not in ("strategy", "devices")},
         "gpus": [str(d) for d in gpus],
-        "quick_skipped": f"workloads {skipped}; device counts above 2; rounds beyond 1; the "
-        "workloads' own batch (16 per device instead)"
+        "quick_skipped": f"workloads {skipped}; device counts above 2; rounds beyond 1; steps "
+        f"({s.warmup} + {s.steps} instead of 5 + 40); the workloads' own batch (16 per device "
+        "instead)"
         if quick
         else None,
     }

@@ -46,7 +46,7 @@ def settings(quick: bool, gpus: int) -> Settings:
     ((1, 2, 3, 4), (1, 2))
     """
     if quick:
-        return Settings(QUICK_WORKLOADS, (1, 2), batch=16, warmup=2, steps=10, rounds=1)
+        return Settings(QUICK_WORKLOADS, (1, 2), batch=16, warmup=1, steps=6, rounds=1)
     counts = tuple(range(1, max(gpus, 2) + 1))
     return Settings(WORKLOADS, counts, batch=None, warmup=5, steps=40, rounds=2)
 

@@ -8,6 +8,8 @@ the processes of one launch, a first untimed run in this process) is its own con
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from dataclasses import replace
 from typing import Any
@@ -44,12 +46,14 @@ def measure_configuration(p: Planned, s: Settings) -> tuple[list[dict[str, Any]]
     # one thread), so k processes never run more threads than there are cores.
     threads = None if in_process else max(1, _hw.cpu_cores()[1] // world)
     devices = list(p.devices or [])
+    # What a run prints (fsdp's plan of groups) is shown by the configuration's first run
+    # alone: the others repeat it.
     if in_process:
         _launch(settings_rt, short, threads, devices)  # untimed: first use in this process
     rounds, last = [], {}
-    for _ in range(s.rounds):
-        first = _launch(settings_rt, short, threads, devices)
-        last = _launch(settings_rt, longer, threads, devices)
+    for i in range(s.rounds):
+        first = _launch(settings_rt, short, threads, devices, quiet=in_process or i > 0)
+        last = _launch(settings_rt, longer, threads, devices, quiet=True)
         taken = last["seconds"] - first["seconds"]
         rounds.append(
             {
@@ -66,14 +70,18 @@ def measure_configuration(p: Planned, s: Settings) -> tuple[list[dict[str, Any]]
 
 
 def _launch(
-    settings_rt: dict[str, Any], config: TrainConfig, threads: int | None, devices: list[str]
+    settings_rt: dict[str, Any],
+    config: TrainConfig,
+    threads: int | None,
+    devices: list[str],
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """One ``fit`` with a fresh Runtime: its loop time, memory rows and GPU utilisation."""
     rt = Runtime(**settings_rt)
     try:
         reset_peaks(devices)  # the report's peaks are this run's, not an earlier one's
         with UtilizationSampler([torch.device(d) for d in devices]) as util:
-            metrics = rt.launch(_measured_fit, config, threads)
+            metrics = rt.launch(_measured_fit, config, threads, quiet)
     finally:
         rt.teardown()  # drops the run's model and collects it: it lives in this process
         if torch.cuda.is_initialized():
@@ -94,10 +102,13 @@ def _launch(
     }
 
 
-def _measured_fit(rt: Runtime, config: TrainConfig, threads: int | None) -> dict[str, Any]:
-    """``fit`` on every rank, and when it ended by the machine's clock (module level, so
-    that spawned processes can import it)."""
+def _measured_fit(
+    rt: Runtime, config: TrainConfig, threads: int | None, quiet: bool = False
+) -> dict[str, Any]:
+    """``fit`` on every rank (``quiet``: what it prints left unshown), and when it ended by the
+    machine's clock (module level, so that spawned processes can import it)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    metrics = fit(rt, config)
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        metrics = fit(rt, config)
     return {**metrics, "ended_at": time.time()} if metrics else metrics

@@ -315,6 +315,28 @@ def point_latest(directory: Path, folder: Path) -> None:
     os.replace(tmp, path)
 
 
+def ordinary_mode(path: Path) -> None:
+    """Give ``path`` the permissions of a file ``open()`` creates (0666 less the umask), as
+    every other file of a checkpoint has: safetensors writes its files readable by their
+    owner alone (0600)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask: read from /proc where there is one, since setting it to read
+    it back would race with threads creating files meanwhile."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def fsync(path: Path) -> None:
     """Flush a file's (or a folder's entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -110,6 +110,8 @@ def save(
                 bad = finite.problems(_entries(models, state, progress))
                 for i, model in enumerate(models):
                     save_model(model, str(tmp / weights_name(i, len(models))))
+            for i in range(len(models)):
+                files.ordinary_mode(tmp / weights_name(i, len(models)))
             torch.save(progress, tmp / files.STATE)
     known: dict[str, Any] = {}
     if shards and failures.agreed:

@@ -32,13 +32,16 @@ or time such as 10m; the newest --keep kept). DIR is checked before anything sta
 that already holds checkpoints is refused unless --resume (continue) or --overwrite (start
 over; the old checkpoints are moved aside, not deleted). --resume continues from the newest
 good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after
-that checkpoint, which a run that died had logged) and draws loss.png from the whole run.
+that checkpoint, which a run that died had logged) and draws loss.png from the whole run. A run
+already complete (its checkpoint at the last step asked for) says so and exits 0, changing
+nothing: raise --max-steps or --epochs to train further, or --overwrite to start over.
 --logger tensorboard,wandb,mlflow also writes DIR/tensorboard/, DIR/wandb/ (offline without
 WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
-run whose processes stop making progress for S seconds, naming the stuck rank and its line;
+run whose processes stop making progress for S seconds, naming the stuck rank and its line
+(given for a one-process run, that process runs under the launcher, which watches it);
 SIGTERM or Ctrl-C, to this command or to any of its processes, finishes the current step on
 every rank, saves, and exits 143, never restarted (copies of the signal count once; a second
 Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds the wait);
@@ -91,7 +94,7 @@ from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
-from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.errors import ConfigError, OutOfMemory, RunComplete
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime import _launched_script
 from gpukit.runtime.agent import run_job
@@ -166,8 +169,9 @@ def register(sub: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="with several processes or restarts: end the run when no rank makes progress for "
-        "this long, naming the stuck one (default 300; 0: never)",
+        help="end the run when no rank makes progress for this long, naming the stuck one "
+        "(default 300 with several processes or restarts; given for one process, that process "
+        "runs under gpukit's launcher, which watches it; 0: never)",
     )
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
@@ -201,6 +205,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         )
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
+    if args.overwrite and not args.out:
+        raise ConfigError(
+            "--overwrite needs --out DIR: it starts over in DIR, moving its checkpoints aside"
+        )
     checkpoints = Path(args.out) / "checkpoints" if args.out else None
     if args.save_every is not None and checkpoints is None:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
@@ -224,7 +232,16 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         check(config, rt.world_size, rt.accumulate)
         if not worker:  # the launcher checked it before starting this process
             check_out(args.out, resume=args.resume, overwrite=args.overwrite)
-        if not worker and (rt.strategy.needs_launch or args.max_restarts):
+        # A hang watch needs the launcher too, even for one process: it is what watches.
+        watched = bool(args.max_restarts or args.hang_timeout)
+        if watched and rt.strategy.traits.drives_all_devices and not worker:
+            raise ConfigError(
+                f"--max-restarts and --hang-timeout run the processes under gpukit's launcher, "
+                f"but --strategy {rt.strategy.name} drives every device from one process, "
+                "which cannot run there: use --strategy ddp (one process per device), or drop "
+                "--max-restarts and --hang-timeout"
+            )
+        if not worker and (rt.strategy.needs_launch or watched):
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.
             nproc, strategy = rt.world_size, rt.strategy.name
@@ -237,6 +254,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 name="gpukit train",
             )
         metrics = rt.launch(fit, config)
+    except RunComplete as done:  # --resume with nothing left to train: said, not an error
+        if rt.rank == 0:
+            console().print(str(done), markup=False, highlight=False)
+        return 0
     except Exception as err:
         if not is_oom(err):
             raise

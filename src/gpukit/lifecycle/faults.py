@@ -2,7 +2,8 @@
 them.
 
 - ``GPUKIT_FAULT_OOM_ABOVE=N`` makes every micro-batch of more than N samples raise a real
-  ``torch.OutOfMemoryError``, whose message reads like the CUDA allocator's own.
+  ``torch.OutOfMemoryError``, whose message reads like the own of the allocator of the device
+  the run computes on (a CUDA GPU's, the CPU's, MPS's).
 - ``GPUKIT_FAULT=KIND:RANK:STEP[,KIND:RANK:STEP...]`` makes rank RANK fail as KIND says when
   it begins optimizer step STEP (counted from 1): ``raise`` (a RuntimeError), ``exit``
   (``os._exit(3)``: no Python error, no cleanup), ``sigkill`` (the process kills itself: what
@@ -26,6 +27,8 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from gpukit import _env
 from gpukit.diagnostics.oom_message import OOM_ERROR
@@ -121,38 +124,57 @@ class FaultPlan:
 
 
 class OomFault:
-    """The out-of-memory fault the environment asks for (``limit`` None: none)."""
+    """The out-of-memory fault the environment asks for (``limit`` None: none), raised as the
+    allocator of ``device`` (the device the run computes on) words it."""
 
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None = None, device: torch.device | str = "cuda:0") -> None:
+        self.limit, self.device = limit, device
 
     @classmethod
-    def from_env(cls) -> OomFault:
-        return cls(_env.fault_oom_above())
+    def from_env(cls, device: torch.device | str = "cuda:0") -> OomFault:
+        return cls(_env.fault_oom_above(), device)
 
     def check(self, samples: int) -> None:
         """Raise the injected error when a micro-batch of ``samples`` is over the limit."""
         if self.limit is not None and samples > self.limit:
-            raise injected_oom(samples, self.limit)
+            raise injected_oom(samples, self.limit, self.device)
 
 
-def injected_oom(samples: int, limit: int) -> BaseException:
-    """A real torch out-of-memory error, as the fault injection GPUKIT_FAULT_OOM_ABOVE raises."""
+def injected_oom(samples: int, limit: int, device: torch.device | str = "cuda:0") -> BaseException:
+    """A real torch out-of-memory error, as the fault injection GPUKIT_FAULT_OOM_ABOVE raises,
+    in the words of ``device``'s allocator (a CUDA GPU's, the CPU's or MPS's), so that the
+    explanation names the device the run uses.
+
+    >>> str(injected_oom(4, 2, "cpu")).split(" (injected")[0]
+    'DefaultCPUAllocator: not enough memory: you tried to allocate 4194304 bytes.'
+    """
     for name, value in (("samples", samples), ("limit", limit)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"injected_oom({name}={value!r}): give a whole number >= 1")
+    dev = torch.device(device)
     total, requested = 16 * 2**30, min(samples * 2**20, 8 * 2**30)  # 1 MiB a sample
-    message = (
-        f"CUDA out of memory. Tried to allocate {_torch_size(requested)}. GPU 0 has a total "
-        f"capacity of {_torch_size(total)} of which 0 bytes is free. Of the allocated memory "
-        f"{_torch_size(total - 2**30)} is allocated by PyTorch, and 0 bytes is reserved by "
-        "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-        "documentation for Memory Management  "
-        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-        f" (injected by GPUKIT_FAULT_OOM_ABOVE={limit}: a micro-batch of {samples} samples)"
-    )
-    return OOM_ERROR(message)
+    if dev.type == "cpu":
+        message = (
+            f"DefaultCPUAllocator: not enough memory: you tried to allocate {requested} bytes."
+        )
+    elif dev.type == "mps":
+        message = (
+            f"MPS backend out of memory (MPS allocated: {_torch_size(total - 2**30)}, other "
+            f"allocations: {_torch_size(2**30)}, max allowed: {_torch_size(total)}). Tried to "
+            f"allocate {_torch_size(requested)} on private pool."
+        )
+    else:  # CUDA (ROCm's torch names its GPUs cuda too)
+        message = (
+            f"CUDA out of memory. Tried to allocate {_torch_size(requested)}. GPU {dev.index or 0}"
+            f" has a total capacity of {_torch_size(total)} of which 0 bytes is free. Of the "
+            f"allocated memory {_torch_size(total - 2**30)} is allocated by PyTorch, and 0 bytes "
+            "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+            "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+            "fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        )
+    note = f" (injected by GPUKIT_FAULT_OOM_ABOVE={limit}: a micro-batch of {samples} samples)"
+    return OOM_ERROR(message + note)
 
 
 def _torch_size(n: int) -> str:

@@ -21,6 +21,7 @@ from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
 from gpukit.devices import hw as _hw
 from gpukit.errors import ConfigError
+from gpukit.strategies import Strategy
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
 OomPolicy = Literal["raise", "recover", "auto"]
@@ -92,6 +93,35 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
                 "['cpu', 'cpu'] (or devices='auto' for the best one)"
             )
     return [resolve_device(s) for s in items]
+
+
+def check_device_count(spec: DevicesSpec, devices: list[Device], strategy: Strategy) -> None:
+    """Refuse a strategy that needs more devices than ``devices="auto"``/``"all"`` found here
+    (dp and dp-balanced drive several GPUs from one process; over the one CPU of a machine
+    without GPUs they would train as ``single`` does, without a word). A list or a count
+    given explicitly is the user's choice, and stays allowed."""
+    least = strategy.traits.min_devices
+    if not (isinstance(spec, str) and spec in ("auto", "all")) or len(devices) >= least:
+        return
+    gpus = [d for d in list_devices() if d.type == "cuda"]
+    name = strategy.name
+    found = (
+        "this machine has no GPU, so it names the CPU alone"
+        if not gpus
+        else f"it names {len(devices)} of this machine's {len(gpus)} GPU(s)"
+    )
+    fixes = (
+        "on a machine without GPUs use strategy='ddp' with devices=N for N CPU processes "
+        "(gpukit train --strategy ddp --devices N), or strategy='single'"
+        if not gpus
+        else "use devices='all' on a machine with several GPUs, or strategy='single'"
+    )
+    raise ConfigError(
+        f"strategy={name!r} drives {least} or more GPUs from one process, but "
+        f"devices={spec!r} gives {len(devices)} device(s) ({found}): it would train on "
+        f"{devices[0]} alone, as strategy='single' does. Instead, {fixes}; to rehearse {name} "
+        "on the CPU, give the devices, e.g. devices=['cpu', 'cpu']"
+    )
 
 
 def cpu_process_limit() -> int:

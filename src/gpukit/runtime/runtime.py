@@ -44,7 +44,7 @@ from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
-from gpukit.runtime.config import resolve_devices
+from gpukit.runtime.config import check_device_count, resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.evaluation import Evaluation
 from gpukit.runtime.launch import spawn
@@ -75,9 +75,9 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
         self.config = settings = Settings(*args, **kwargs)
         log_every = settings.log_every
         launched = _env.launched() is not None
-        self.strategy = choose(
-            settings.strategy, resolve_devices(settings.devices, launched), launched
-        )
+        devices = resolve_devices(settings.devices, launched)
+        self.strategy = choose(settings.strategy, devices, launched)
+        check_device_count(settings.devices, devices, self.strategy)
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
         self.compiler = Compiler(settings.compile, self.strategy)
@@ -101,7 +101,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
             self.state,
             self.strategy,
             self.precision,
-            OomFault.from_env(),
+            OomFault.from_env(self.strategy.device.torch),
             boundaries=self.lifecycle,
             guard=guard,
         )

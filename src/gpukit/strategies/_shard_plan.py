@@ -1,6 +1,8 @@
 """What fsdp did to a model, in numbers: its groups, and the bytes each rank keeps.
 
-Printed on rank 0 when the model is set up, and kept as ``strategy.plans`` (one per model):
+Printed on rank 0 when the model is set up (once per process for the same plan: a loop that
+sets up the same model again, such as a new Runtime per trial or a benchmark's repeated runs,
+shows it once), and kept as ``strategy.plans`` (one per model):
 
     fsdp over 2 ranks (2 sharding, no replicas, no tensor parallel): 3 groups
     group      parameters   full size   per rank
@@ -78,6 +80,19 @@ class ShardPlan:
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
+
+
+# The plans this process has printed, as text.
+_SHOWN: set[str] = set()
+
+
+def show_once(plan: ShardPlan) -> None:
+    """Print ``plan`` unless this process printed the same plan before (a different model,
+    rank count or setting is a different plan, and is printed)."""
+    text = plan.render()
+    if text not in _SHOWN:
+        _SHOWN.add(text)
+        print(text, flush=True)
 
 
 def describe_plan(

@@ -41,7 +41,7 @@ from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._groups import find_groups
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
-from gpukit.strategies._shard_plan import ShardPlan, describe_plan
+from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
 from gpukit.strategies.traits import STATES, Collective, Traits
@@ -276,7 +276,7 @@ class FSDP(DDP):
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
         if self.rank == 0:
-            print(plan.render(), flush=True)
+            show_once(plan)
         return module
 
     def _data_mesh(self) -> Any:

@@ -37,10 +37,11 @@ from gpukit import _env
 from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, RunComplete
 from gpukit.runtime.progress import DEFAULT_EVERY, Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
+from gpukit.train.outdir import complete_message
 from gpukit.train.report import (
     MetricsCsv,
     learning_rate,
@@ -129,6 +130,10 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     total = epochs * steps_per_epoch
     if config.max_steps is not None:
         total = min(total, config.max_steps)
+    if resumed is not None and rt.global_step >= total:  # before anything in out is touched
+        raise RunComplete(
+            complete_message(config.out, rt.global_step, total, epochs, config.max_steps)
+        )
     global_batch = per_rank * rt.world_size * rt.accumulate
     recorded = _recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr)
     # The loggers get the run's own values as hyper-parameters (the Runtime sends its settings

@@ -142,3 +142,23 @@ def _check_writable(path: Path, out: str) -> None:
                 folder.rmdir()
             except OSError:
                 warn_user(f"--out {out}: could not remove {folder}, created to check the path")
+
+
+def complete_message(
+    out: str | None, step: int, total: int, epochs: int, max_steps: int | None
+) -> str:
+    """What ``--resume`` says of a run whose newest checkpoint is at ``step`` when ``total``
+    steps (``epochs``, capped by ``max_steps``) were asked for: nothing to train, and how to
+    train further or start over.
+
+    >>> complete_message("runs/mlp", 50, 50, 3, 50).split(": ")[0]
+    'the run in runs/mlp is already complete'
+    """
+    asked = f"--max-steps {max_steps}" if max_steps == total else f"{epochs} epoch(s)"
+    where = f"of the {total}" if step == total else f"past the {total}"
+    further = f"--max-steps (e.g. --max-steps {2 * max(step, 1)}) or --epochs"
+    return (
+        f"the run in {out} is already complete: its newest checkpoint is at step {step} "
+        f"{where} steps asked for ({asked}), so there is nothing to train; {out} is left as "
+        f"it was. To train further, raise {further}; to start over, --overwrite."
+    )

@@ -1,0 +1,44 @@
+"""`gpukit train` flags that would be accepted and then ignored are refused or made to work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpukit.cli import train
+from gpukit.cli.__main__ import main
+
+RUN = ["train", "--workload", "mlp", "--max-steps", "1"]
+
+
+def test_overwrite_without_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*RUN, "--overwrite"]) == 2
+    assert "--overwrite needs --out DIR" in capsys.readouterr().err
+
+
+def test_a_hang_timeout_for_one_process_runs_it_under_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[dict[str, Any]] = []
+
+    def run_job(command: list[str], nproc: int, **options: Any) -> int:
+        started.append({"command": command, "nproc": nproc, **options})
+        return 0
+
+    monkeypatch.setattr(train, "run_job", run_job)
+    assert main([*RUN, "--devices", "cpu", "--hang-timeout", "60"]) == 0
+    (job,) = started
+    assert job["nproc"] == 1 and job["hang_timeout"] == 60.0
+    assert job["command"][job["command"].index("--strategy") + 1] == "single"
+    started.clear()
+    assert main([*RUN, "--devices", "cpu", "--hang-timeout", "0"]) == 0  # 0: never watched
+    assert started == []
+
+
+def test_restarts_or_a_hang_watch_with_dp_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in (["--max-restarts", "1"], ["--hang-timeout", "60"]):
+        args = [*RUN, "--strategy", "dp", "--devices", "cpu,cpu", *flags]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "drives every device from one process" in err and "--strategy ddp" in err
