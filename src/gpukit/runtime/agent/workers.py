@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import queue
 import signal
@@ -125,12 +124,14 @@ def _kill_group(pgid: int) -> None:
 def _load_prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
+    # The C library this process already has loaded (None: its own symbols): finding it by
+    # name would run `ldconfig` in a subprocess at import.
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl_found: Callable[..., int] = libc.prctl
+    except (OSError, AttributeError):
         return None
-    prctl: Callable[..., int] = libc.prctl
-    return prctl
+    return prctl_found
 
 
 # Looked up once, here: the child between fork and exec must not load libraries.
