@@ -263,14 +263,7 @@ class PlacementLog:
         outputs = specs(out)
         if not inputs and not outputs:
             return  # no tensor in or out (the profiler's record_function marks): no placement
-        frame = None
-        if _current_node() is not None:  # autograd is running a backward node
-            module = BACKWARD
-        elif self._stack:
-            frame = self._stack[-1]
-            module = frame.name
-        else:
-            module = NO_MODULE
+        frame, module = self._where()
         if self.level == "op":
             record: OpRecord = _new(OpRecord, (op, inputs, outputs, module))
             self.records.append(record)
@@ -287,6 +280,15 @@ class PlacementLog:
         if frame is not None:
             frame.ops[dev] = frame.ops.get(dev, 0) + 1
 
+    def _where(self) -> tuple[Any, str]:
+        """The innermost module frame running now (None outside one) and the name ops are
+        counted under: the module's, BACKWARD while autograd runs a node, else NO_MODULE."""
+        if _current_node() is not None:  # autograd is running a backward node
+            return None, BACKWARD
+        if self._stack:
+            return self._stack[-1], self._stack[-1].name
+        return None, NO_MODULE
+
     def _on_module_op(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         """level="module", counted by signature: what fact() says of an op follows from the op,
         its module and where its tensors are, so it is worked out once per such combination
@@ -301,14 +303,7 @@ class PlacementLog:
             return
         if not ins and not outs:
             return  # no tensor in or out (the profiler's record_function marks)
-        frame = None
-        if _current_node() is not None:
-            module = BACKWARD
-        elif self._stack:
-            frame = self._stack[-1]
-            module = frame.name
-        else:
-            module = NO_MODULE
+        frame, module = self._where()
         sig = (id(func), module, ins, outs)
         known = self._facts.get(sig)
         if known is None or known[1]:
