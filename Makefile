@@ -46,7 +46,7 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json, gpukit as gk; m = json.load(open('$(DEMO_OUT)/metrics.json')); \
 	d = gk.device(m['devices'][0]); \
 	print(f\"speed: {m['samples_per_s']:.0f} samples/s on {d.name or d} ({d}), {m['precision']} precision\")"
-	@echo "files: $(DEMO_OUT)/metrics.json  $(DEMO_OUT)/metrics.csv  $(DEMO_OUT)/loss.png  $(DEMO_OUT)/checkpoints/"
+	@echo "files: $(DEMO_OUT)/metrics.json  $(DEMO_OUT)/metrics.csv  $(DEMO_OUT)/loss.png  $(DEMO_OUT)/config.toml  $(DEMO_OUT)/checkpoints/"
 	@echo "next:  $(BIN)/gpukit train --workload gpt --max-steps 300 --out $(DEMO_OUT) --resume   # continue this run"
 	@echo "       $(BIN)/gpukit plan --workload gpt --devices 1,2   # memory and speed per strategy, before running"
 	@echo "       README.md, then docs/ (docs/training-runtime.md: your own model and loop)"
