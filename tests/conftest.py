@@ -98,8 +98,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The examples in src/ that start processes (a docstring cannot carry a mark).
 DOCTESTS_THAT_START_PROCESSES = {
-    "gpukit.runtime.agent.run_job",
-    "gpukit.runtime.agent.workers",
+    "gpukit.launch.run_job",
+    "gpukit.launch.workers",
 }
 
 

@@ -13,8 +13,9 @@ PACKAGE = Path(gpukit.__file__).resolve().parent
 SRC = PACKAGE.parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Packages by concept, as the README's "Architecture" section describes them.
-ROOMS = {"_util", "bench", "checkpoint", "cli", "devices", "diagnostics", "doctor", "lifecycle",
-         "loggers", "planning", "runtime", "strategies", "train", "workloads"}  # fmt: skip
+ROOMS = {"_util", "bench", "checkpoint", "cli", "devices", "diagnostics", "doctor", "launch",
+         "lifecycle", "loggers", "planning", "runtime", "strategies", "train",
+         "workloads"}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -186,8 +187,8 @@ LAYERS = [
     {"devices"},
     {"strategies"},
     {"diagnostics"},
-    {"runtime", "checkpoint", "lifecycle", "loggers"},  # the training core: the step, its saves,
-    # its run, where its metrics go
+    {"runtime", "checkpoint", "lifecycle", "loggers", "launch"},  # the training core: the step,
+    # its saves, its run, where its metrics go, the processes that run it
     {"workloads"},
     {"planning"},
     {"train"},

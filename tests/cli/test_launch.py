@@ -16,7 +16,7 @@ import pytest
 
 from gpukit.cli.launch import RUNNER, check, describe_exit, failure_summary, torchrun_args
 from gpukit.errors import ConfigError
-from gpukit.runtime.launch import free_port
+from gpukit.launch.spawn import free_port
 
 SCRIPT = """
 import os, sys, torch, torch.distributed as dist

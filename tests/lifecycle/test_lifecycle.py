@@ -302,7 +302,7 @@ def test_the_heartbeat_preemption_and_guard_add_no_read_per_step(
     beat = heartbeat.read(tmp_path, 0)
     assert beat is not None and beat.phase == "loop" and beat.step == 22
     # Each beat names the Runtime call and the caller's line: ranks that disagree on a
-    # collective are told apart by them (see gpukit.runtime.agent.failures.diverged).
+    # collective are told apart by them (see gpukit.launch.failures.diverged).
     assert re.fullmatch(r"rt\.train_step at test_lifecycle\.py:\d+", beat.where), beat.where
     assert beat.calls >= 22 * 2  # a backward and an optimizer step per step, at least
     # The guard reads its counters once per logging window, beside the metrics' flush.

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from gpukit.launch.spawn import free_port
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
-from gpukit.runtime.launch import free_port
 
 # Signals, grace periods and hang timeouts: one at a time under `make test`.
 pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]

@@ -27,7 +27,7 @@ from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
-from gpukit.runtime import _launched_script
+from gpukit.launch import _launched_script
 
 COMMANDS = (doctor, devices, train, launch, trace, bench, plan)
 

@@ -51,9 +51,9 @@ from typing import Any
 from gpukit import _env
 from gpukit.cli._common import add_command
 from gpukit.errors import ConfigError, LaunchError
-from gpukit.runtime.agent import DEFAULT_HANG_TIMEOUT, RUNNER, run_job
-from gpukit.runtime.agent.failures import describe_exit, first_line, is_consequence
-from gpukit.runtime.launch import check_port
+from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, run_job
+from gpukit.launch.failures import describe_exit, first_line, is_consequence
+from gpukit.launch.spawn import check_port
 
 __all__ = ["RUNNER", "describe_exit", "failure_summary", "register", "run", "torchrun_args"]
 

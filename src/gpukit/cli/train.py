@@ -95,9 +95,8 @@ from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.errors import ConfigError, OutOfMemory, RunComplete
+from gpukit.launch import _launched_script, run_job
 from gpukit.planning.remedies import with_figures
-from gpukit.runtime import _launched_script
-from gpukit.runtime.agent import run_job
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
 from gpukit.train.loggers import train_loggers

@@ -3,7 +3,7 @@ Runtime owns, read from outside the ranks by gpukit's launcher to tell a hang fr
 
 A beat is a few bytes written into a memory-mapped file (``GPUKIT_JOB_DIR/beat-<rank>``): no
 system call, no collective, no device synchronisation; 2-3 µs with the walk up to the caller's
-line. The launcher (``gpukit.runtime.agent``) reads every rank's file; a rank whose last beat is
+line. The launcher (``gpukit.launch``) reads every rank's file; a rank whose last beat is
 older than the hang timeout is stuck, and the one furthest behind (step, then phase) is the one
 to blame.
 
@@ -52,7 +52,7 @@ PHASES: tuple[str, ...] = (
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 # The phases where ranks may meet in a collective, once per Runtime call that enters them:
 # ranks in step make as many of these calls, so a rank standing in another call than its
-# peers at the same count has left their sequence (gpukit.runtime.agent.failures.diverged).
+# peers at the same count has left their sequence (gpukit.launch.failures.diverged).
 _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
 
 # seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from gpukit import _env
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
+from gpukit.launch.spawn import spawn
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
@@ -47,7 +48,6 @@ from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.config import check_device_count, resolve_devices
 from gpukit.runtime.data import DeviceLoader
 from gpukit.runtime.evaluation import Evaluation
-from gpukit.runtime.launch import spawn
 from gpukit.runtime.metrics import Metrics
 from gpukit.runtime.nonfinite import NonFiniteGuard
 from gpukit.runtime.owned import Registry
@@ -121,7 +121,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
         """Run ``fn(runtime, *args)`` on every rank and return rank 0's result.
 
         Starts one process per device when the strategy needs them and none are running yet
-        (see ``gpukit.runtime.launch`` for how: spawned, or forked for a function defined in
+        (see ``gpukit.launch.spawn`` for how: spawned, or forked for a function defined in
         ``python -c`` or a notebook); otherwise calls ``fn`` here. When ``fn`` returns, the
         last logging window is read back (every rank is there).
         """

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.lifecycle.heartbeat import Beat
-from gpukit.runtime.agent.failures import (
+from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
     RankEnd,
@@ -21,8 +20,9 @@ from gpukit.runtime.agent.failures import (
     rank_lines,
     read_error,
 )
-from gpukit.runtime.agent.hangs import Frame, Watch, blame, hang_report, main_stack, user_frame
-from gpukit.runtime.agent.restarts import Progress, Restart, crash_loop, redone, stop_reason
+from gpukit.launch.hangs import Frame, Watch, blame, hang_report, main_stack, user_frame
+from gpukit.launch.restarts import Progress, Restart, crash_loop, redone, stop_reason
+from gpukit.lifecycle.heartbeat import Beat
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8093"
 
@@ -191,7 +191,7 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "{user}", line 21 in main
   File "{user}", line 24 in <module>
   File "<frozen runpy>", line 88 in _run_code
-  File "/somewhere/gpukit/runtime/_launched_script.py", line 147 in <module>
+  File "/somewhere/gpukit/launch/_launched_script.py", line 147 in <module>
 """
 
 

@@ -32,7 +32,7 @@ from typing import TextIO
 
 from gpukit import _env
 from gpukit.errors import ConfigError
-from gpukit.runtime.agent.failures import (
+from gpukit.launch.failures import (
     BAD_INPUT_EXIT,
     PREEMPTED_EXIT,
     Fault,
@@ -40,23 +40,23 @@ from gpukit.runtime.agent.failures import (
     headline,
     rank_lines,
 )
-from gpukit.runtime.agent.hangs import REPORT_FILE
-from gpukit.runtime.agent.restarts import (
+from gpukit.launch.hangs import REPORT_FILE
+from gpukit.launch.restarts import (
     DEFAULT_CRASH_LOOP,
     Restart,
     redone,
     stop_reason,
     summary,
 )
-from gpukit.runtime.agent.supervisor import Attempt, Outcome, Settings, Signals, fresh_job_dir
-from gpukit.runtime.agent.workers import kill_leftovers
-from gpukit.runtime.launch import free_port
+from gpukit.launch.spawn import free_port
+from gpukit.launch.supervisor import Attempt, Outcome, Settings, Signals, fresh_job_dir
+from gpukit.launch.workers import kill_leftovers
 
 __all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
 # it records the error with its time and dumps the stacks when a hang is being reported.
-RUNNER = Path(__file__).resolve().parent.parent / "_launched_script.py"
+RUNNER = Path(__file__).resolve().parent / "_launched_script.py"
 DEFAULT_HANG_TIMEOUT = 300.0
 GRACE_S = 1.5  # after the first failure, for the others to fail on their own
 INTERRUPTED_EXIT = 130  # a second Ctrl-C stopped the job at once, as a shell reports SIGINT

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import gpukit.cli.launch as launch_cli
-from gpukit.runtime.agent.failures import read_error
+from gpukit.launch.failures import read_error
 
 pytestmark = pytest.mark.processes
 

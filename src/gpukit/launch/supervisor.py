@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpukit.lifecycle import heartbeat
-from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
-from gpukit.runtime.agent.failures import (
+from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
     RankEnd,
@@ -37,7 +35,7 @@ from gpukit.runtime.agent.failures import (
     first_line,
     read_error,
 )
-from gpukit.runtime.agent.hangs import (
+from gpukit.launch.hangs import (
     REPORT_FILE,
     Watch,
     blame,
@@ -46,8 +44,10 @@ from gpukit.runtime.agent.hangs import (
     user_frame,
     wait_for_dumps,
 )
-from gpukit.runtime.agent.restarts import Progress
-from gpukit.runtime.agent.workers import Worker, start_worker
+from gpukit.launch.restarts import Progress
+from gpukit.launch.workers import Worker, start_worker
+from gpukit.lifecycle import heartbeat
+from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
 

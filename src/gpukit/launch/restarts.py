@@ -17,7 +17,7 @@ The heartbeats also tell what a restart costs: the steps since the last checkpoi
 stopping the workers, starting processes until every rank's first beat (import, rendezvous),
 and from there to the first step done (setup, loading the checkpoint).
 
->>> from gpukit.runtime.agent.failures import Fault
+>>> from gpukit.launch.failures import Fault
 >>> boom = Fault("raised", 1, "ValueError: bad", 6, "rank 1 raised ValueError: bad at step 6")
 >>> crash_loop([boom, boom], repeats=3), crash_loop([boom, boom, boom], repeats=3)
 (False, True)
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpukit.launch.failures import Fault
 from gpukit.lifecycle.heartbeat import Beat
-from gpukit.runtime.agent.failures import Fault
 
 # Phases a rank beats in before its training loop; only "load" carries the step the attempt
 # resumes from ("start" and "setup" come before the checkpoint is read).
