@@ -120,6 +120,7 @@ def test_bad_devices_are_a_config_error(devices: Any) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.processes  # the compiled variants start inductor's pool of compile workers
 def test_every_variant_trains_on_a_gpu(tmp_path: Path) -> None:
     # Which variant is fastest is the benchmark's answer, not a test's: the quick gpt is small
     # enough to be bound by kernel launches, where bf16's casts cost more than they save

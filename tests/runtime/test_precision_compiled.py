@@ -18,6 +18,7 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.gpu,
+            pytest.mark.processes,  # inductor starts its pool of compile workers
             pytest.mark.skipif(
                 not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none"
             ),
