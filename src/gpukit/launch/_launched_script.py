@@ -15,7 +15,9 @@ the launcher prints it once for every rank that raised it, as one process would 
 
 Before the script starts, ``SIGUSR1`` is set to write every thread's Python stack to
 ``GPUKIT_JOB_DIR/stack-<rank>-<attempt>.txt`` (when the launcher set ``GPUKIT_JOB_DIR``): the
-launcher asks for it when a rank stops beating, to show where each rank was.
+launcher asks for it when a rank stops beating, to show where each rank was. When the script
+ends without tearing down a gpukit Runtime it set up, the runner does it (the models first, then the
+process group), before the interpreter's shutdown, where gloo's threads would abort the process.
 
 This file is run by path, not imported as ``gpukit...``: importing the package would import
 torch before the script has had a chance to set its environment. So it reads its few variables
@@ -85,8 +87,12 @@ def main() -> None:
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         target = functools.partial(runpy.run_path, script, run_name="__main__")
     try:
-        target()
+        namespace = target()  # holds the script's objects until its Runtimes are closed
+        _close_runtimes()
+        del namespace
     except SystemExit as stop:
+        if stop.code in (None, 0):
+            _close_runtimes()
         if stop.code not in (None, 0) and not _recorded():  # gpukit train's own record stays
             record(stop)
         raise
@@ -105,6 +111,14 @@ def main() -> None:
         err = err.with_traceback(tb)
         sys.excepthook(type(err), err, err.__traceback__)
         sys.exit(1)
+
+
+def _close_runtimes() -> None:
+    """Tear down the gpukit Runtimes the script left open, while the interpreter still runs
+    (only if the script imported gpukit: this file imports nothing of it)."""
+    runtime = sys.modules.get("gpukit.runtime.runtime")
+    if runtime is not None:
+        runtime.teardown_open_runtimes()
 
 
 def record(err: BaseException, extra: dict[str, str] | None = None) -> None:

@@ -27,6 +27,7 @@ import gc
 import inspect
 import random
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -355,6 +356,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
         """Drop the wrapped models, then leave the process group this Runtime joined."""
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
+        _OPEN.discard(self)
         self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
@@ -375,7 +377,23 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
             )
         self.strategy.setup_environment()
         self._ready = True
+        _OPEN.add(self)
         self._start_loggers()
+
+
+# Runtimes set up and not yet torn down, for the launcher's runner to close (see below).
+_OPEN: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def teardown_open_runtimes() -> int:
+    """Tear down every Runtime this process set up and left open; how many there were. A
+    script run by gpukit's launcher often ends without ``rt.teardown()``: the runner calls this
+    when the script returns, so the ranks leave their process group in order (the models'
+    reducers first) before the interpreter shuts down, where gloo's threads would abort it."""
+    left = list(_OPEN)
+    for rt in left:
+        rt.teardown()
+    return len(left)
 
 
 # help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
