@@ -163,9 +163,15 @@ def test_processes_per_node_default_to_slurms_gpus(
     assert "--nproc)" in capsys.readouterr().err
 
 
-def test_an_unreadable_gpu_count_is_refused() -> None:
-    with pytest.raises(ConfigError, match="SLURM_GPUS_PER_NODE='a100:x' is not a GPU count"):
-        detect(slurm(SLURM_GPUS_PER_NODE="a100:x"))
+def test_an_unreadable_gpu_count_is_refused_unless_nproc_is_given() -> None:
+    env = slurm(SLURM_GPUS_PER_NODE="a100:x")
+    with pytest.raises(ConfigError) as refused:
+        with_cluster_defaults(args(), env=env)
+    assert str(refused.value) == (
+        "SLURM_GPUS_PER_NODE='a100:x' is not a GPU count gpukit can read: give --nproc"
+    )
+    assert with_cluster_defaults(args(nproc=4), env=env).nproc == 4
+    assert with_cluster_defaults(args(), env=slurm(SLURM_GPUS_ON_NODE="0")).nproc == 1
 
 
 @pytest.mark.parametrize(
@@ -281,7 +287,7 @@ def test_an_elastic_pytorchjob_meets_at_its_rendezvous_endpoint() -> None:
     with pytest.raises(ConfigError) as refused:
         with_cluster_defaults(args(), env=env)
     assert str(refused.value).startswith(
-        "Kubernetes says this job has 2 nodes but not which one this is"
+        "PET_NNODES says this job has 2 nodes but Kubernetes does not say which node this is"
     )
     assert with_cluster_defaults(args(node_rank=1), env=env).node_rank == 1
     with pytest.raises(ConfigError, match="PET_NNODES='1:4' asks for between 1 and 4 nodes"):
@@ -290,8 +296,20 @@ def test_an_elastic_pytorchjob_meets_at_its_rendezvous_endpoint() -> None:
 
 def test_an_indexed_job_gives_the_rank_and_the_flags_the_rest() -> None:
     env = kubernetes(JOB_COMPLETION_INDEX="1")
-    with pytest.raises(ConfigError, match="Kubernetes says this job has 2 nodes but not where"):
+    with pytest.raises(ConfigError) as refused:
+        with_cluster_defaults(args(), env=env)
+    assert str(refused.value) == (
+        "JOB_COMPLETION_INDEX=1 says this is node 1 of a job whose node count Kubernetes does "
+        "not give: give --nnodes and --master-addr"
+    )
+    with pytest.raises(ConfigError) as refused:
         with_cluster_defaults(args(nnodes=2), env=env)
+    assert str(refused.value).startswith(
+        "--nnodes says this job has 2 nodes but Kubernetes does not say where node 0 is "
+        "(read JOB_COMPLETION_INDEX): give --master-addr"
+    )
+    one = with_cluster_defaults(args(), env=kubernetes(JOB_COMPLETION_INDEX="0"))
+    assert (one.nnodes, one.node_rank, one.master_addr) == (1, 0, "127.0.0.1")
     filled = with_cluster_defaults(args(nnodes=2, master_addr="job-0.svc"), env=env)
     assert (filled.nnodes, filled.node_rank, filled.master_addr) == (2, 1, "job-0.svc")
 
@@ -303,12 +321,13 @@ def test_an_indexed_job_gives_the_rank_and_the_flags_the_rest() -> None:
             {"nnodes": 4},
             slurm(),
             "--nnodes 4 contradicts SLURM_NNODES=2: Slurm gives this job 2 nodes. Leave --nnodes "
-            "out (gpukit reads SLURM_NNODES)",
+            "out (gpukit reads SLURM_NNODES), or ask Slurm for 4 nodes",
         ),
         (
             {"node_rank": 0},
             slurm(),
-            "--node-rank 0 contradicts SLURM_NODEID=1: Slurm gives this job 1 as this node's rank",
+            "--node-rank 0 contradicts SLURM_NODEID=1: Slurm says this is node 1. Leave "
+            "--node-rank out (gpukit reads SLURM_NODEID)",
         ),
         (
             {"nnodes": 1},
@@ -390,3 +409,14 @@ def test_srun_gpukit_launch_in_a_one_node_allocation_runs_the_job(tmp_path: Path
         "(SLURM_NNODES, SLURM_NODEID, SLURM_GPUS_ON_NODE)"
     ) in done.stderr.splitlines()
     assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2", "2"]
+
+
+def test_the_lines_docs_clusters_shows_are_the_ones_printed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "clusters.md").read_text()
+    with_cluster_defaults(args(), env=slurm(SLURM_GPUS_ON_NODE="8"))
+    assert capsys.readouterr().err in page
+    with pytest.raises(ConfigError) as refused:
+        with_cluster_defaults(args(nnodes=4), env=slurm())
+    assert f"gpukit launch: error: {refused.value}\n" in page

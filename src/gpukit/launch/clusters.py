@@ -60,6 +60,9 @@ FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "nproc")
 FLAGS = {name: "--" + name.replace("_", "-") for name in FIELDS}
 DEFAULTS: dict[str, Any] = {"nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1", "nproc": 1}
 PORT_BASE, PORT_SPAN = 20000, 10000
+# The step's own values first: `srun --nodes=1` in a 2-node allocation runs on one node.
+SLURM_NODE_COUNTS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+SLURM_NODE_LISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 ONE_PER_NODE = (
     "start one launcher per node, which starts the processes: `srun --ntasks-per-node=1 "
     "gpukit launch --nproc N ...` (N processes per node, e.g. its GPU count)"
@@ -98,18 +101,7 @@ def _slurm(env: dict[str, str]) -> ClusterNodes:
     job_var, job = _pick(env, "SLURM_JOB_ID", "SLURM_JOBID")
     assert job_var is not None and job is not None
     sources: dict[str, str] = {}
-    nnodes = (
-        _read(
-            env,
-            sources,
-            "nnodes",
-            "SLURM_STEP_NUM_NODES",
-            "SLURM_NNODES",
-            "SLURM_JOB_NUM_NODES",
-            low=1,
-        )
-        or 1
-    )
+    nnodes = _read(env, sources, "nnodes", *SLURM_NODE_COUNTS, low=1) or 1
     if "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
         _one_task_per_node(env, nnodes, sources.get("nnodes", "SLURM_NNODES"))
     elif nnodes > 1:
@@ -123,9 +115,9 @@ def _slurm(env: dict[str, str]) -> ClusterNodes:
     if node_rank is None and nnodes > 1:
         raise ConfigError(
             f"{sources['nnodes']}={nnodes} but SLURM_NODEID is unset: nothing says which node "
-            "this is. Start `gpukit launch` with srun, or give --node-rank"
+            "this is. Start `gpukit launch` with srun, one per node"
         )
-    list_var, hosts = _pick(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    list_var, hosts = _pick(env, *SLURM_NODE_LISTS)
     master_addr = None
     if list_var is not None and hosts is not None:
         master_addr = first_host(hosts, list_var)
@@ -177,19 +169,20 @@ def slurm_port(job: str) -> int:
 
 def _gpus(env: dict[str, str], sources: dict[str, str]) -> int | None:
     """GPUs per node that Slurm gave the job: ``SLURM_GPUS_ON_NODE`` (a count), else
-    ``SLURM_GPUS_PER_NODE`` (``8``, ``a100:8``, or ``a100:4,v100:2``)."""
-    if "SLURM_GPUS_ON_NODE" in env:
-        return _read(env, sources, "nproc", "SLURM_GPUS_ON_NODE", low=1)
-    spec = env.get("SLURM_GPUS_PER_NODE")
-    if spec is None:
+    ``SLURM_GPUS_PER_NODE`` (``8``, ``a100:8``, or ``a100:4,v100:2``); None for none. A
+    count that cannot be read is named in ``sources`` without a value (refused unless
+    ``--nproc`` is given)."""
+    name, spec = _pick(env, "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+    if name is None or spec is None:
         return None
     counts = [part.rpartition(":")[2] for part in spec.split(",")]
-    if not all(c.isascii() and c.isdigit() for c in counts) or sum(map(int, counts)) < 1:
-        raise ConfigError(
-            f"SLURM_GPUS_PER_NODE={spec!r} is not a GPU count ([TYPE:]COUNT, comma separated): "
-            "give --nproc"
-        )
-    sources["nproc"] = "SLURM_GPUS_PER_NODE"
+    sources["nproc"] = f"{name}={spec!r}"
+    if not all(c.isascii() and c.isdigit() and len(c) <= 6 for c in counts):
+        return None
+    if not sum(map(int, counts)):
+        del sources["nproc"]  # no GPUs: --nproc or 1
+        return None
+    sources["nproc"] = name
     return sum(map(int, counts))
 
 
@@ -289,34 +282,48 @@ def with_cluster_defaults(
 def resolve(given: Mapping[str, Any], found: ClusterNodes | None) -> dict[str, Any]:
     """The node flags: those given, else the cluster's, else the one-machine defaults (no
     master port: a free one). One machine keeps 127.0.0.1 and a free port whatever the
-    cluster names. Refuses ``--nnodes``/``--node-rank`` that contradict the cluster."""
+    cluster names. Refuses ``--nnodes``/``--node-rank`` that contradict the cluster, and a
+    cluster that leaves out what several nodes need."""
     values = dict(given)
     if found is not None:
         for name in ("nnodes", "node_rank"):
             ours, theirs = given[name], getattr(found, name)
             if ours is not None and theirs is not None and ours != theirs:
                 raise ConfigError(_contradiction(name, ours, theirs, found))
-        nnodes = given["nnodes"] or found.nnodes or 1
+        nnodes = given["nnodes"] or found.nnodes
+        if nnodes is None and (found.node_rank or 0) > 0:
+            source = found.sources["node_rank"]
+            raise ConfigError(
+                f"{source}={found.node_rank} says this is node {found.node_rank} of a job whose "
+                f"node count {found.system} does not give: give --nnodes and --master-addr"
+            )
+        nnodes = nnodes or 1
         for name in FIELDS:
             if values[name] is None and (nnodes > 1 or name not in ("master_addr", "master_port")):
                 values[name] = getattr(found, name)
         for name in ("node_rank", "master_addr"):
             if nnodes > 1 and values[name] is None:
+                count = FLAGS["nnodes"] if given["nnodes"] else found.sources["nnodes"]
+                what = "which node this is" if name == "node_rank" else "where node 0 is"
                 raise ConfigError(
-                    f"{found.system} says this job has {nnodes} nodes but not "
-                    f"{'which one this is' if name == 'node_rank' else 'where node 0 is'} "
-                    f"(read {', '.join(found.sources.values())}): give {FLAGS[name]}"
+                    f"{count} says this job has {nnodes} nodes but {found.system} does not say "
+                    f"{what} (read {', '.join(found.sources.values())}): give {FLAGS[name]}"
                 )
+        if values["nproc"] is None and "nproc" in found.sources:
+            # Named without a value: the cluster gave a GPU count gpukit cannot read.
+            raise ConfigError(
+                f"{found.sources['nproc']} is not a GPU count gpukit can read: give --nproc"
+            )
     return {name: DEFAULTS.get(name) if values[name] is None else values[name] for name in FIELDS}
 
 
 def _contradiction(name: str, ours: int, theirs: int, found: ClusterNodes) -> str:
-    source = found.sources[name]
-    what = "nodes" if name == "nnodes" else "as this node's rank"
+    source, flag = found.sources[name], FLAGS[name]
+    said = f"gives this job {theirs} nodes" if name == "nnodes" else f"says this is node {theirs}"
+    ask = f", or ask {found.system} for {ours} nodes" if name == "nnodes" else ""
     return (
-        f"{FLAGS[name]} {ours} contradicts {source}={theirs}: {found.system} gives this job "
-        f"{theirs} {what}. Leave {FLAGS[name]} out (gpukit reads {source}), or ask "
-        f"{found.system} for the {'node count' if name == 'nnodes' else 'layout'} you want"
+        f"{flag} {ours} contradicts {source}={theirs}: {found.system} {said}. "
+        f"Leave {flag} out (gpukit reads {source}){ask}"
     )
 
 
