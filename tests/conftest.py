@@ -114,14 +114,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; torch sees {count}"))
 
 
+CLUSTER_VARIABLES = ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX")
+
+
 @pytest.fixture(autouse=True)
 def clean_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Tests start with none of the variables that steer device choice (restored after), and
-    keep what gpukit remembers about the machine out of the user's own cache folder."""
+    """Tests start with none of the variables that steer device choice or describe a cluster
+    job (restored after), and keep what gpukit remembers about the machine out of the user's
+    own cache folder."""
     for name in ("GPUKIT_DEVICE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
         monkeypatch.delenv(name, raising=False)
+    # Tests run inside a Slurm job or a Kubernetes pod too: gpukit launch would read its nodes.
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "PET_")) or name in CLUSTER_VARIABLES:
+            monkeypatch.delenv(name)
     monkeypatch.setenv("GPUKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gpukit-cache"))
 
 

@@ -7,7 +7,7 @@ How a block is read, by its fence's info string:
 - ```console (or ```sh) runs every ``$ command`` line with bash in a fresh folder, ``gpukit``
   being this tree's; a command must exit 0, unless the lines it printed in the text say
   ``error`` or ``exit code N`` (then non-zero, or N).
-- ```json must parse; ```text is printed output, shown rather than run.
+- ```json and ```yaml must parse; ```text is printed output, shown rather than run.
 
 An HTML comment on the line before the fence changes that: ``<!-- needs: REASON -->`` skips the
 block with that reason (one of NEEDS), and ``<!-- setup: CODE -->`` runs CODE first (Python
@@ -40,10 +40,12 @@ NEEDS = {
     "gpu": "needs a CUDA GPU",
     "several gpus": "needs two or more CUDA GPUs",
     "several machines": "needs several machines",
+    "a Slurm cluster": "needs a Slurm cluster",
+    "a Kubernetes cluster": "needs a Kubernetes cluster",
     "long run": "a long run (minutes): `make demo`, `make test`, a full benchmark",
     "script": "runs a script of the reader's that the page does not show",
 }
-LANGUAGES = {"python", "console", "sh", "json", "text"}
+LANGUAGES = {"python", "console", "sh", "json", "yaml", "text"}
 # Generated pages that a link may name before the generator has written them.
 GENERATED = {ROOT / "docs" / "settings.md"}
 STARTS_PROCESSES = re.compile(r"rt\.launch\(|run_job\(|Runtime\(.*devices=2|gpukit launch")
@@ -235,6 +237,9 @@ def test_every_code_block_runs_or_says_why_not(
         return
     if block.language == "json":
         json.loads(block.text)
+        return
+    if block.language == "yaml":
+        list(pytest.importorskip("yaml").safe_load_all(block.text))
         return
     if block.language in ("console", "sh"):
         _run_console(block, tmp_path)

@@ -31,7 +31,10 @@ and ``MLFLOW_ALLOW_FILE_STORE`` for the MLflow logger's folder store; ``WANDB_AP
 ``WANDB_MODE`` are read for the W&B logger's default mode. The CUDA variables that gpukit reads
 only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the variables a
 launcher such as torchrun sets for each process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are read here too, and so are the
+variables by which Slurm (``SLURM_*``) and Kubernetes (``KUBERNETES_SERVICE_HOST``, the
+``PET_*`` variables of Kubeflow, ``JOB_COMPLETION_INDEX``) describe a job's nodes, which
+``gpukit.launch.clusters`` interprets.
 """
 
 from __future__ import annotations
@@ -190,6 +193,23 @@ def stop_grace() -> float:
     save and exit after a stop request, under the 30 s that Slurm (``KillWait``) and
     Kubernetes (``terminationGracePeriodSeconds``) allow by default before SIGKILL."""
     return _seconds("GPUKIT_STOP_GRACE", 25.0, "how long ranks get to save and exit when stopped")
+
+
+# Variables outside the SLURM_ and PET_ families that describe a cluster job's nodes.
+_CLUSTER = (
+    "KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX",
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+)  # fmt: skip
+
+
+def cluster_variables() -> dict[str, str]:
+    """The variables by which Slurm and Kubernetes describe the job this process runs in
+    (``SLURM_*``, ``PET_*`` and those of :data:`_CLUSTER`), stripped, the blank ones left out."""
+    found = {}
+    for name, value in os.environ.items():
+        if (name.startswith(("SLURM_", "PET_")) or name in _CLUSTER) and value.strip():
+            found[name] = value.strip()
+    return found
 
 
 def environment() -> dict[str, str]:

@@ -23,8 +23,10 @@ at every restart):
   - the processes never outlive the command, even when it is killed with SIGKILL (Linux).
 
 Several machines go through torchrun: give every node the same --nnodes, --master-addr (node
-0's address) and --master-port, and each its own --node-rank. Joining waits at most
-GPUKIT_RENDEZVOUS_TIMEOUT seconds (default 120). With --max-restarts, the nodes meet through
+0's address) and --master-port, and each its own --node-rank. Under Slurm (`srun gpukit launch`,
+one per node) and Kubernetes (a PyTorchJob, a JobSet) they are read from the cluster's
+variables, and --nproc defaults to Slurm's GPUs per node (docs/clusters.md). Joining waits
+at most GPUKIT_RENDEZVOUS_TIMEOUT seconds (default 120). With --max-restarts, the nodes meet through
 torchrun's c10d rendezvous with a fresh store for each attempt (node ranks then follow the order
 of arrival). There, the failure summary is torchrun's order refined by gpukit's clock, and hangs
 are not watched (--hang-timeout applies to one machine).
@@ -52,6 +54,7 @@ from gpukit import _env
 from gpukit.cli._common import add_command
 from gpukit.errors import ConfigError, LaunchError
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, run_job
+from gpukit.launch.clusters import with_cluster_defaults
 from gpukit.launch.failures import describe_exit, first_line, is_consequence
 from gpukit.launch.spawn import check_port
 
@@ -71,23 +74,23 @@ def register(sub: Any) -> None:
         "--nproc-per-node",
         "--nproc_per_node",
         type=int,
-        default=1,
+        default=None,
         dest="nproc",
-        help="processes on this machine (default 1)",
+        help="processes on this machine (default 1; under Slurm, the node's GPUs)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    parser.add_argument("--nnodes", type=int, default=None, help="machines in the job (default 1)")
     parser.add_argument(
         "--node-rank",
         "--node_rank",
         type=int,
-        default=0,
+        default=None,
         dest="node_rank",
         help="this machine's number, 0..nnodes-1",
     )
     parser.add_argument(
         "--master-addr",
         "--master_addr",
-        default=LOCAL,
+        default=None,
         dest="master_addr",
         help="address of node 0, with several machines (one machine always uses 127.0.0.1)",
     )
@@ -124,6 +127,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args = with_cluster_defaults(args, f"gpukit {NAME}")  # Slurm's or Kubernetes' node flags
     check(args)
     if args.nnodes > 1:
         port = args.master_port or DEFAULT_MULTI_NODE_PORT
