@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from gpukit import _env
+from gpukit.errors import ConfigError
+from gpukit.launch import run_job
 from gpukit.launch.hang_watch import Found, HangWatch, Local, judge
 from gpukit.launch.hangs import Frame
 from gpukit.launch.peers import LocalPeers, StorePeers, tcp_peers
@@ -247,3 +250,26 @@ def test_the_report_is_computed_from_the_posts_alone() -> None:
         "its process did not write one)"
     )
     assert found.where == "no stack"
+
+
+@pytest.mark.parametrize("given", [-1.0, float("nan"), float("inf")])
+def test_run_job_refuses_a_startup_timeout_that_is_not_seconds(given: float) -> None:
+    with pytest.raises(ConfigError, match=r"startup_timeout=.*: give seconds >= 0 \(0: never\)"):
+        run_job(["true"], 1, startup_timeout=given)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("", 900.0), ("0", 0.0), ("60", 60.0)])
+def test_the_startup_timeout_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str, seconds: float
+) -> None:
+    monkeypatch.setenv("GPUKIT_STARTUP_TIMEOUT", value)
+    assert _env.startup_timeout() == seconds
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "٣٠"])
+def test_a_startup_timeout_variable_that_is_not_seconds_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("GPUKIT_STARTUP_TIMEOUT", value)
+    with pytest.raises(ConfigError, match="GPUKIT_STARTUP_TIMEOUT="):
+        _env.startup_timeout()
