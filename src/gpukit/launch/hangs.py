@@ -3,7 +3,8 @@
 Every rank beats at the phase boundaries of a step (``gpukit.lifecycle.heartbeat``). When a
 rank's last beat is older than the hang timeout, the rank to blame is the one furthest behind
 (smallest step, then earliest phase, then oldest beat): the others are waiting for it in a
-collective. Each rank's runner has set ``SIGUSR1`` to write all its threads' stacks to
+collective. When to look, and the start-up bound of ranks that never beat, is
+``gpukit.launch.hang_watch``'s; this module blames and words the report. Each rank's runner has set ``SIGUSR1`` to write all its threads' stacks to
 ``stack-<rank>-<attempt>.txt`` in the job's folder; the report shows the stuck rank's innermost
 frame and its innermost frame in the user's own code (outside gpukit, torch, the standard library
 and installed packages), and what every other rank waits in.
