@@ -16,6 +16,9 @@ Other modules ask here, so the full list of variables lives in one file:
   which attempt of the job this is (0, then 1, 2, ... after restarts).
 - ``GPUKIT_STOP_GRACE``: seconds a launcher gives its ranks to save and exit after SIGTERM or
   Ctrl-C (default 25), before it kills them.
+- ``GPUKIT_STARTUP_TIMEOUT``: seconds a rank of a job under gpukit's launcher may take from its
+  start to its first heartbeat (imports, rendezvous, data) before the job is stopped as stuck
+  in start-up, once another rank has beaten (default 900; 0: never).
 - ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
   join the process group before it fails saying who waited where (default 120).
 - ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
@@ -104,8 +107,24 @@ def rendezvous_timeout() -> float:
     )
 
 
-def _seconds(name: str, default: float, meaning: str) -> float:
-    """Variable ``name`` as a positive number of seconds, ``default`` when unset or blank."""
+def startup_timeout() -> float:
+    """``GPUKIT_STARTUP_TIMEOUT`` in seconds (default 900; 0: never): how long a launched rank
+    may take to its first heartbeat. Importing torch from a busy shared file system takes
+    minutes on a cluster, and a rank then joins the process group and may load data before it
+    beats: 15 minutes is well above a slow start, yet ends a job stuck there (a dead mount, an
+    import that deadlocked) twice as fast as gloo's 30 min collective timeout would, which
+    names nobody."""
+    return _seconds(
+        "GPUKIT_STARTUP_TIMEOUT",
+        900.0,
+        "how long a launched rank may take to its first heartbeat; 0: never",
+        zero=True,
+    )
+
+
+def _seconds(name: str, default: float, meaning: str, zero: bool = False) -> float:
+    """Variable ``name`` as a positive number of seconds (or 0, with ``zero``), ``default``
+    when unset or blank."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
@@ -114,12 +133,12 @@ def _seconds(name: str, default: float, meaning: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not 0 < seconds < float("inf"):
+    low_ok = seconds >= 0 if zero else seconds > 0
+    if not low_ok or seconds == float("inf"):
         from gpukit.errors import ConfigError
 
-        raise ConfigError(
-            f"{name}={value!r}: give a positive number of seconds ({meaning}), or unset it"
-        )
+        allowed = "0 or more seconds" if zero else "a positive number of seconds"
+        raise ConfigError(f"{name}={value!r}: give {allowed} ({meaning}), or unset it")
     return seconds
 
 

@@ -200,6 +200,7 @@ def namespace(**given: Any) -> argparse.Namespace:
         "master_port": free_port(),
         "max_restarts": 0,
         "hang_timeout": None,
+        "startup_timeout": None,
         "script": __file__,
         "script_args": ["--x"],
     }
@@ -219,6 +220,8 @@ def namespace(**given: Any) -> argparse.Namespace:
         ({"hang_timeout": -5.0}, "--hang-timeout -5: give seconds, 0 or more"),
         ({"hang_timeout": float("nan")}, "--hang-timeout nan: give seconds, 0 or more"),
         ({"max_restarts": -1}, "--max-restarts -1: give 0 or more"),
+        ({"startup_timeout": -1.0}, "--startup-timeout -1: give seconds, 0 or more"),
+        ({"startup_timeout": float("inf")}, "--startup-timeout inf: give seconds, 0 or more"),
     ],
 )
 def test_bad_values_are_refused_before_anything_starts(given: dict[str, Any], message: str) -> None:

@@ -34,6 +34,16 @@ def test_a_hang_timeout_for_one_process_runs_it_under_the_launcher(
     started.clear()
     assert main([*RUN, "--devices", "cpu", "--hang-timeout", "0"]) == 0  # 0: never watched
     assert started == []
+    flags = ["--hang-timeout", "60", "--startup-timeout", "1200"]
+    assert main([*RUN, "--devices", "cpu", *flags]) == 0
+    assert started[0]["startup_timeout"] == 1200.0  # passed through to the launcher
+
+
+def test_a_startup_timeout_that_is_not_seconds_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*RUN, "--startup-timeout", "-1"]) == 2
+    assert "--startup-timeout -1.0: give seconds, 0 or more" in capsys.readouterr().err
 
 
 def test_restarts_or_a_hang_watch_with_dp_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

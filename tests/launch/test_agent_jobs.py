@@ -117,6 +117,55 @@ def main():
 main()
 """
 
+# Light ranks (as LIGHT) for start-up. argv[1]: the output folder; argv[2]: what rank 1 does
+# before its first beat: "forever" (it never beats), or seconds past rank 0's first beat.
+STARTS = """
+import os, sys, time, types
+for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(GPUKIT, sub)]
+    sys.modules[name] = package
+from gpukit.lifecycle.heartbeat import Heartbeat
+
+out, late = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+beats = Heartbeat.from_env()
+
+
+def here(name):
+    return os.path.exists(os.path.join(out, name))
+
+
+def wait_for(name):
+    while not here(name):
+        time.sleep(0.05)
+
+
+def slow_import():
+    open(os.path.join(out, "importing"), "w").close()
+    if late == "forever":
+        while True:
+            time.sleep(0.5)  # the stall
+    wait_for("beat-0")
+    first = float(open(os.path.join(out, "beat-0")).read())
+    while time.time() - first < float(late):
+        time.sleep(0.05)
+
+
+if rank == 1:
+    slow_import()
+else:
+    wait_for("importing")  # signalled only once both ranks run the script
+beats.beat("start", 0)
+with open(os.path.join(out, f"beat-{rank}.tmp"), "w") as f:
+    f.write(str(time.time()))
+os.replace(os.path.join(out, f"beat-{rank}.tmp"), os.path.join(out, f"beat-{rank}"))
+wait_for(f"beat-{1 - rank}")  # the rendezvous: rank 0 waits here for rank 1
+for step in range(3):
+    beats.beat("loop", step)
+    time.sleep(0.01)
+"""
+
 # No torch: a rank that saves and exits 143 on SIGTERM, after writing its pid.
 WAIT = """
 import os, signal, sys, time
@@ -246,9 +295,9 @@ def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
 ) -> None:
     script = tmp_path / "hang.py"
     script.write_text(HANG)
-    # The hang clock starts with the rank: 10 s leaves a loaded machine time to import torch
-    # and join the process group before the first beat.
-    done = launch(script, "--hang-timeout", "10", timeout=10 + 10 + 30)  # guard: timeout + 10 s
+    # The hang clock starts at the first beat, once both ranks have beaten: importing torch on
+    # a loaded machine takes no part in it. 10 s: far more than a healthy step of this loop.
+    done = launch(script, "--hang-timeout", "10", timeout=180)  # a guard only
     err = done.stderr
     assert done.returncode == 1, err
     assert re.search(
@@ -269,6 +318,52 @@ def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
         assert "rank 1 hung" in (kept / "hang-report.txt").read_text()
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+def starts(tmp_path: Path, late: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "starts.py"
+    script.write_text(f"GPUKIT = {str(GPUKIT)!r}\n{STARTS}")
+    return launch(script, *flags, args=(str(tmp_path), late), timeout=180)
+
+
+def test_a_rank_that_never_beats_is_named_after_the_startup_timeout_not_its_waiting_peer(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 beats and waits for rank 1, which never beats: past the start-up timeout rank 1
+    # is named with its line, while rank 0, waiting longer than the hang timeout, is not blamed.
+    done = starts(
+        tmp_path, "forever", "--hang-timeout", "1", "--startup-timeout", "3", "--max-restarts", "2"
+    )
+    err = done.stderr
+    assert done.returncode == 1, err
+    stall = 1 + STARTS.splitlines().index("            time.sleep(0.5)  # the stall") + 1
+    assert re.search(
+        r"gpukit launch: rank 1 did not start: no heartbeat in the \d+ s since it started "
+        rf"\(start-up timeout 3 s\), at starts\.py:{stall} in slow_import",
+        err,
+    ), err
+    assert re.search(
+        r"  rank 0: waits in (<module>|wait_for|here) \(starts\.py:\d+\)(, called from \S+)?; "
+        r"last beat \d+ s ago at step 0 \(phase start\)",
+        err,
+    ), err
+    assert "hung" not in err and "restart 1/2" not in err, err
+    assert "not restarted: it failed before its first step" in err, err
+    kept = Path(re.search(r"hang-report\.txt are kept in (\S+)", err)[1])  # type: ignore[index]
+    try:
+        assert "rank 1 did not start" in (kept / "hang-report.txt").read_text()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+def test_a_rank_that_waits_for_a_slow_starter_longer_than_the_hang_timeout_is_not_hung(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 first beats 4 s after rank 0 did, twice the hang timeout: rank 0 waited for it
+    # (the rendezvous), it did not hang; then both run to the end.
+    done = starts(tmp_path, "4", "--hang-timeout", "2")
+    assert done.returncode == 0, done.stderr
+    assert "hung" not in done.stderr and "did not start" not in done.stderr, done.stderr
 
 
 def start_waiting_job(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:

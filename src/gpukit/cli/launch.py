@@ -16,6 +16,10 @@ at every restart):
   - --hang-timeout S (default 300; 0: never): when a process running a gpukit Runtime makes
     no progress for S seconds, every process writes its stack, the report names the stuck
     one and its line and what the others wait in, and the job is stopped (or restarted);
+    the clock starts at each process's first heartbeat, once every process has beaten;
+  - --startup-timeout S (default 900, or GPUKIT_STARTUP_TIMEOUT; 0: never): once one process
+    has beaten, one that has not beaten S seconds after its start (stuck importing, in the
+    rendezvous, loading data) is reported the same way, and the job is stopped;
   - SIGTERM or Ctrl-C, to the command or to any process, reaches every process: a Runtime saves
     and stops; the command exits 143 and restarts nothing. Copies of the signal count once; a
     second Ctrl-C 2 s or more later stops them at once; GPUKIT_STOP_GRACE (default 25 s) is
@@ -121,6 +125,17 @@ def register(sub: Any) -> None:
         help="stop (or restart) the job when a gpukit Runtime's process makes no progress for "
         f"this long, naming it and its line (default {DEFAULT_HANG_TIMEOUT:g}; 0: never)",
     )
+    parser.add_argument(
+        "--startup-timeout",
+        "--startup_timeout",
+        type=float,
+        default=None,
+        dest="startup_timeout",
+        metavar="SECONDS",
+        help="stop the job when a process has not reached its first heartbeat this long after "
+        "its start while another has, naming it and its line (default GPUKIT_STARTUP_TIMEOUT, "
+        "else 900; 0: never)",
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     parser.set_defaults(run=run)
@@ -151,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         args.nproc,
         max_restarts=args.max_restarts,
         hang_timeout=DEFAULT_HANG_TIMEOUT if args.hang_timeout is None else args.hang_timeout,
+        startup_timeout=args.startup_timeout,
         master_port=port,
         name=f"gpukit {NAME}",
     )
@@ -173,6 +189,11 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--hang-timeout {args.hang_timeout:g}: give seconds, 0 or more (0: never stop a "
             "job for a hang)"
+        )
+    if args.startup_timeout is not None and not 0 <= args.startup_timeout < math.inf:
+        raise ConfigError(
+            f"--startup-timeout {args.startup_timeout:g}: give seconds, 0 or more (0: never "
+            "stop a job whose process does not start)"
         )
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise ConfigError(

@@ -41,7 +41,8 @@ WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 Reliability: --max-restarts K restarts every process after a failure (a fresh port each time)
 and the run goes on from its newest checkpoint, as if uninterrupted; --hang-timeout S ends a
 run whose processes stop making progress for S seconds, naming the stuck rank and its line
-(given for a one-process run, that process runs under the launcher, which watches it);
+(given for a one-process run, that process runs under the launcher, which watches it), and
+--startup-timeout S (default 900) one whose process has not begun S seconds after its start;
 SIGTERM or Ctrl-C, to this command or to any of its processes, finishes the current step on
 every rank, saves, and exits 143, never restarted (copies of the signal count once; a second
 Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds the wait);
@@ -172,6 +173,14 @@ def register(sub: Any) -> None:
         "(default 300 with several processes or restarts; given for one process, that process "
         "runs under gpukit's launcher, which watches it; 0: never)",
     )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="under gpukit's launcher, end the run when a rank has not begun this long after "
+        "its start while another has (default GPUKIT_STARTUP_TIMEOUT, else 900; 0: never)",
+    )
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
     add_setting_flags(parser)
@@ -201,6 +210,11 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         raise ConfigError(
             f"--hang-timeout {args.hang_timeout}: give seconds, 0 or more (0: never end a run "
             "for a hang)"
+        )
+    if args.startup_timeout is not None and not 0 <= args.startup_timeout < float("inf"):
+        raise ConfigError(
+            f"--startup-timeout {args.startup_timeout}: give seconds, 0 or more (0: never end "
+            "a run whose rank does not begin)"
         )
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
@@ -250,6 +264,7 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 nproc,
                 max_restarts=args.max_restarts,
                 hang_timeout=args.hang_timeout,
+                startup_timeout=args.startup_timeout,
                 name="gpukit train",
             )
         metrics = rt.launch(fit, config)

@@ -9,8 +9,11 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 - **failures**: when a rank fails, the others get a short grace and are SIGKILLed with their
   process groups; the headline names the rank that failed first, with its step and phase
   (``workers``, ``failures``);
-- **hangs**: when a rank has not beaten for ``hang_timeout`` seconds, every rank writes its
-  stacks, the report names the stuck rank and its line, and all are stopped (``hangs``);
+- **hangs**: when a rank has not beaten for ``hang_timeout`` seconds (counted from its first
+  beat, once every rank has beaten), every rank writes its stacks, the report names the stuck
+  rank and its line, and all are stopped; a rank that has not beaten ``startup_timeout``
+  seconds after its start, while another has, is reported the same way as stuck in start-up
+  (``hang_watch``, ``hangs``);
 - **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
   ``max_restarts`` times, unless it failed before its first step or keeps failing the same
   way (``restarts``);
@@ -76,6 +79,7 @@ def run_job(
     grace: float = GRACE_S,
     stop_timeout: float | None = None,
     job_dir: str | Path | None = None,
+    startup_timeout: float | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
     0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
@@ -85,7 +89,10 @@ def run_job(
     ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
     is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
     without a heartbeat before a rank counts as hung (0: never; None: the default, 300); only
-    ranks that beat, i.e. that run a gpukit Runtime, are watched. ``master_port``: the first
+    ranks that beat, i.e. that run a gpukit Runtime, are watched, each from its first beat and
+    once every rank has beaten. ``startup_timeout``: seconds a rank may take from its start to
+    its first beat, once another rank has beaten (0: never; None: ``GPUKIT_STARTUP_TIMEOUT``,
+    else 900); the job is then stopped and not restarted. ``master_port``: the first
     attempt's port (later attempts take a fresh one; default: a free one each time).
     ``crash_loop``: stop restarting after this many identical failures in a row. ``grace``:
     seconds the other ranks get to fail on their own after the first failure.
@@ -106,6 +113,9 @@ def run_job(
     ``run_job([sys.executable, str(RUNNER), "-m", "gpukit", "train", ...], 2)``.
     """
     _check(command, nproc, max_restarts, hang_timeout, crash_loop)
+    if startup_timeout is not None and not 0 <= startup_timeout < float("inf"):
+        raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
+    startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
     folder = Path(job_dir) if job_dir is not None else fresh_job_dir()
     folder.mkdir(parents=True, exist_ok=True)
     variables = {**_env.environment(), **(env or {})}
@@ -122,6 +132,7 @@ def run_job(
         _env.stop_grace() if stop_timeout is None else stop_timeout,
         name,
         out if out is not None else sys.stderr,
+        startup or None,
     )
     signals = Signals()
     try:

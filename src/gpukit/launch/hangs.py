@@ -3,8 +3,10 @@
 Every rank beats at the phase boundaries of a step (``gpukit.lifecycle.heartbeat``). When a
 rank's last beat is older than the hang timeout, the rank to blame is the one furthest behind
 (smallest step, then earliest phase, then oldest beat): the others are waiting for it in a
-collective. Each rank's runner has set ``SIGUSR1`` to write all its threads' stacks to
-``stack-<rank>-<attempt>.txt`` in the job's folder; the report shows the stuck rank's innermost
+collective. When to look, and the start-up bound of ranks that never beat, is
+``gpukit.launch.hang_watch``'s; this module blames and words the report. Each rank's runner
+has set ``SIGUSR1`` to write all its threads' stacks to ``stack-<rank>-<attempt>.txt`` in the
+job's folder; the report shows the stuck rank's innermost
 frame and its innermost frame in the user's own code (outside gpukit, torch, the standard library
 and installed packages), and what every other rank waits in.
 
@@ -40,12 +42,14 @@ def stack_file(folder: Path, rank: int, attempt: int) -> Path:
 @dataclass(frozen=True)
 class Watch:
     """A running rank as the hang check sees it: its last beat (time, step, phase), or its
-    start time, step -1 and phase "start" before its first beat."""
+    start time, step -1 and phase "start" before its first beat; ``node``: the machine it runs
+    on (named in reports of jobs on several)."""
 
     rank: int
     time: float
     step: int
     phase: str
+    node: int = 0
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -58,6 +62,11 @@ def blame(watches: list[Watch], now: float, timeout: float) -> Watch | None:
     """The stuck rank, once some rank has not beaten for ``timeout`` seconds; else None."""
     if not any(now - w.time > timeout for w in watches):
         return None
+    return furthest_behind(watches)
+
+
+def furthest_behind(watches: list[Watch]) -> Watch:
+    """The rank the others wait for: smallest step, then earliest phase, then oldest beat."""
     return min(watches, key=lambda w: (w.progress, w.time, w.rank))
 
 
@@ -168,29 +177,79 @@ def _read(path: Path) -> str:
 
 
 def hang_report(
-    stuck: Watch, watches: list[Watch], stacks: dict[int, list[Frame]], now: float, name: str
+    stuck: Watch,
+    watches: list[Watch],
+    stacks: dict[int, list[Frame]],
+    now: float,
+    name: str,
+    nodes: int = 1,
 ) -> str:
     """``NAME: rank 1 hung: no heartbeat for 20 s at step 5 (phase loop), at train.py:42 in
-    main``, then what every other rank waits in."""
-    age = now - stuck.time
+    main``, then what every other rank waits in; with several ``nodes``, each rank's node."""
+    age, who = now - stuck.time, _label(stuck, nodes)
     if stuck.step < 0:
-        head = f"{name}: rank {stuck.rank} hung: no heartbeat in the {age:.0f} s since it started"
+        head = f"{name}: {who} hung: no heartbeat in the {age:.0f} s since it started"
     else:
         head = (
-            f"{name}: rank {stuck.rank} hung: no heartbeat for {age:.0f} s at step {stuck.step} "
+            f"{name}: {who} hung: no heartbeat for {age:.0f} s at step {stuck.step} "
             f"(phase {stuck.phase})"
         )
     lines = [head + _where(stacks.get(stuck.rank, []), stuck=True)]
+    return "\n".join(lines + _others([stuck], watches, stacks, now, nodes))
+
+
+def startup_report(
+    late: list[Watch],
+    watches: list[Watch],
+    stacks: dict[int, list[Frame]],
+    now: float,
+    name: str,
+    timeout: float,
+    nodes: int = 1,
+) -> str:
+    """``NAME: rank 1 did not start: no heartbeat in the 905 s since it started (start-up
+    timeout 900 s), at train.py:3 in <module>``: the ranks that never beat (``late``, the
+    first one named in the headline), where each is, then what the others wait in."""
+    first, *more = sorted(late, key=lambda w: (w.time, w.rank))
+    head = (
+        f"{name}: {_label(first, nodes)} did not start: no heartbeat in the "
+        f"{now - first.time:.0f} s since it started (start-up timeout {timeout:g} s)"
+    )
+    lines = [head + _where(stacks.get(first.rank, []), stuck=True)]
+    for w in sorted(more, key=lambda w: w.rank):
+        where = _where(stacks.get(w.rank, []), stuck=True)
+        lines.append(
+            f"  {_label(w, nodes)}: did not start either: no heartbeat in the "
+            f"{now - w.time:.0f} s since it started{where}"
+        )
+    return "\n".join(lines + _others(late, watches, stacks, now, nodes))
+
+
+def _label(watch: Watch, nodes: int) -> str:
+    return f"rank {watch.rank}" + (f" (node {watch.node})" if nodes > 1 else "")
+
+
+def _others(
+    named: list[Watch],
+    watches: list[Watch],
+    stacks: dict[int, list[Frame]],
+    now: float,
+    nodes: int,
+) -> list[str]:
+    """One line per rank not ``named`` already: what it waits in, and its last beat."""
+    lines = []
+    skip = {w.rank for w in named}
     for w in sorted(watches, key=lambda w: w.rank):
-        if w.rank == stuck.rank:
+        if w.rank in skip:
             continue
         beat = (
             f"last beat {now - w.time:.0f} s ago at step {w.step} (phase {w.phase})"
             if w.step >= 0
             else "no beat yet"
         )
-        lines.append(f"  rank {w.rank}:{_where(stacks.get(w.rank, []), stuck=False)}; {beat}")
-    return "\n".join(lines)
+        where = _where(stacks.get(w.rank, []), stuck=False)
+        lines.append(f"  {_label(w, nodes)}:{where}; {beat}")
+    return lines
 
 
 def _where(frames: list[Frame], stuck: bool) -> str:

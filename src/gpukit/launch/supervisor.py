@@ -35,15 +35,9 @@ from gpukit.launch.failures import (
     first_line,
     read_error,
 )
-from gpukit.launch.hangs import (
-    REPORT_FILE,
-    Watch,
-    blame,
-    hang_report,
-    stack_file,
-    user_frame,
-    wait_for_dumps,
-)
+from gpukit.launch.hang_watch import HangWatch, Local
+from gpukit.launch.hangs import REPORT_FILE, Frame, stack_file, wait_for_dumps
+from gpukit.launch.peers import LocalPeers, Peers
 from gpukit.launch.restarts import Progress
 from gpukit.launch.workers import Worker, start_worker
 from gpukit.lifecycle import heartbeat
@@ -66,6 +60,7 @@ class Settings:
     stop_timeout: float  # seconds ranks get to save and exit after a forwarded SIGTERM
     name: str
     out: TextIO
+    startup_timeout: float | None = None  # seconds from a rank's start to its first beat
 
 
 class Signals:
@@ -134,6 +129,7 @@ class Attempt:
     signals: Signals
     resumes_from: int = 0  # the step of the last checkpoint known (0: none)
     workers: list[Worker] = field(default_factory=list)
+    peers: Peers = field(default_factory=LocalPeers)  # the other nodes' launchers
 
     def run(self) -> Outcome:
         s = self.settings
@@ -191,6 +187,8 @@ class _Watch:
         self.stopping = False  # asked to stop: by a signal, a rank's request, a 143 exit
         self.signalled: set[int] = set()  # ranks sent SIGTERM by the launcher
         self.hang: tuple[Fault, float] | None = None
+        s = attempt.settings
+        self.hangs = HangWatch(attempt.peers, s.hang_timeout, s.startup_timeout, s.name)
 
     @property
     def _settings(self) -> Settings:
@@ -230,9 +228,8 @@ class _Watch:
                 self.seen.add(w.rank)
                 self._ended(w, now)
         self._read_beats()
-        timeout = self._settings.hang_timeout
-        if timeout and self.first_failure is None and self.hang is None:
-            self._check_hang(now, timeout)
+        if self.hangs.active and self.first_failure is None and self.hang is None:
+            self._check_hang(now)
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_all()
 
@@ -270,41 +267,30 @@ class _Watch:
         beat = self.progress.last.get(rank)
         return beat is not None and beat.stop_requested
 
-    def _watches(self) -> list[Watch]:
-        found = []
-        for w in self.attempt.workers:
-            if not w.alive:
-                continue
-            beat = self.progress.last.get(w.rank)
-            if beat is None:
-                found.append(Watch(w.rank, w.started, -1, "start"))
-            else:
-                found.append(Watch(w.rank, beat.time, beat.step, beat.phase))
-        return found
-
-    def _check_hang(self, now: float, timeout: float) -> None:
-        if not self.progress.last:
-            return  # watching starts with the first beat of the attempt
-        watches = self._watches()
-        stuck = blame(watches, now, timeout)
-        if stuck is None:
+    def _check_hang(self, now: float) -> None:
+        ranks = [
+            Local(w.rank, w.started, self.progress.last.get(w.rank), w.alive)
+            for w in self.attempt.workers
+        ]
+        found = self.hangs.check(now, ranks, self._dump_stacks)
+        if found is None:
             return
+        s, number = self._settings, self.attempt.number
+        kept = f"  stack dumps and {REPORT_FILE} are kept in {s.folder}"
+        (s.folder / REPORT_FILE).write_text(f"attempt {number}\n{found.report}\n")
+        print(f"{found.report}\n{kept}", file=s.out, flush=True)
+        fault = Fault("hung", found.rank, found.where, found.step, found.text, number)
+        self.hang = (fault, now)
+        self.first_failure = now
+        self.kill_all()
+
+    def _dump_stacks(self) -> dict[int, list[Frame]]:
+        """Every live rank of this node writes its stacks (SIGUSR1); its main thread's."""
         s, number = self._settings, self.attempt.number
         alive = [w for w in self.attempt.workers if w.alive]
         for w in alive:
             w.send(signal.SIGUSR1)
-        stacks = wait_for_dumps({w.rank: stack_file(s.folder, w.rank, number) for w in alive})
-        report = hang_report(stuck, watches, stacks, now, s.name)
-        kept = f"  stack dumps and {REPORT_FILE} are kept in {s.folder}"
-        (s.folder / REPORT_FILE).write_text(f"attempt {number}\n{report}\n")
-        print(f"{report}\n{kept}", file=s.out, flush=True)
-        frames = stacks.get(stuck.rank, [])
-        where = user_frame(frames) or (frames[0] if frames else None)
-        text = f"rank {stuck.rank} hung at step {stuck.step} (phase {stuck.phase})"
-        message = where.show() if where is not None else "no stack"
-        self.hang = (Fault("hung", stuck.rank, message, stuck.step, text, number), now)
-        self.first_failure = now
-        self.kill_all()
+        return wait_for_dumps({w.rank: stack_file(s.folder, w.rank, number) for w in alive})
 
     def outcome(self) -> Outcome:
         ends = [self._end(w) for w in self.attempt.workers]
