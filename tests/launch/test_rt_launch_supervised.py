@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -121,3 +123,47 @@ def test_a_bad_hang_timeout_is_refused(value: Any) -> None:
 def test_good_options_run_fn_in_place() -> None:
     assert gk.Runtime(devices="cpu").launch(lambda rt, x: x + 1, 1, max_restarts=2) == 2
     assert gk.Runtime(devices="cpu").launch(_nothing, hang_timeout=None) is None
+
+
+ORPHAN = """
+import os, sys, time
+import gpukit as gk
+
+def wait(rt, folder):
+    with open(os.path.join(folder, f"pid-{rt.rank}"), "w") as file:
+        file.write(str(os.getpid()))
+    for _ in range(1200):
+        time.sleep(0.1)
+
+if __name__ == "__main__":
+    gk.Runtime(devices=2).launch(wait, sys.argv[1])
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_ranks_die_with_the_calling_process(tmp_path: Path) -> None:
+    (tmp_path / "orphan.py").write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(Path(gk.__file__).parents[1])}
+    parent = subprocess.Popen([sys.executable, "orphan.py", str(tmp_path)], cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 240  # a hang guard only
+        while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        parent.kill()  # SIGKILL: no handler of its own can stop the ranks
+        parent.wait()
+    pids = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
