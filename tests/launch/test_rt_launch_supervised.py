@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -136,29 +137,51 @@ def wait(rt, folder):
         time.sleep(0.1)
 
 if __name__ == "__main__":
-    gk.Runtime(devices=2).launch(wait, sys.argv[1])
+    try:
+        gk.Runtime(devices=2).launch(wait, sys.argv[1])
+    except KeyboardInterrupt:
+        sys.exit(7)
 """
+
+
+def _start_waiting(folder: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The program above, once both its ranks run; their process ids."""
+    (folder / "orphan.py").write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": str(Path(gk.__file__).parents[1])}
+    parent = subprocess.Popen([sys.executable, "orphan.py", str(folder)], cwd=folder, env=env)
+    deadline = time.monotonic() + 240  # a hang guard only
+    while not all((folder / f"pid-{r}").exists() for r in (0, 1)):
+        if parent.poll() is not None or time.monotonic() > deadline:
+            parent.kill()
+            pytest.fail(f"the ranks did not start (exit {parent.wait()})")
+        time.sleep(0.1)
+    time.sleep(0.5)  # both have written their whole id
+    return parent, [int((folder / f"pid-{r}").read_text()) for r in (0, 1)]
+
+
+def _gone(pids: list[int]) -> bool:
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
 
 
 @pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_ranks_die_with_the_calling_process(tmp_path: Path) -> None:
-    (tmp_path / "orphan.py").write_text(ORPHAN)
-    env = {**os.environ, "PYTHONPATH": str(Path(gk.__file__).parents[1])}
-    parent = subprocess.Popen([sys.executable, "orphan.py", str(tmp_path)], cwd=tmp_path, env=env)
-    try:
-        deadline = time.monotonic() + 240  # a hang guard only
-        while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
-            assert parent.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-    finally:
-        parent.kill()  # SIGKILL: no handler of its own can stop the ranks
-        parent.wait()
-    pids = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
-    deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    parent, pids = _start_waiting(tmp_path)
+    parent.kill()  # SIGKILL: no handler of its own can stop the ranks
+    parent.wait()
+    assert _gone(pids)
+
+
+@pytest.mark.processes
+@pytest.mark.xdist_group("timing")
+def test_a_ctrl_c_with_nothing_to_save_raises_keyboard_interrupt(tmp_path: Path) -> None:
+    parent, pids = _start_waiting(tmp_path)
+    parent.send_signal(signal.SIGINT)
+    assert parent.wait(timeout=120) == 7  # the program caught KeyboardInterrupt
+    assert _gone(pids)
 
 
 def _alive(pid: int) -> bool:
