@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -52,8 +52,15 @@ from gpukit.launch.restarts import (
     summary,
 )
 from gpukit.launch.spawn import free_port
-from gpukit.launch.supervisor import Attempt, Outcome, Settings, Signals, fresh_job_dir
-from gpukit.launch.workers import kill_leftovers
+from gpukit.launch.supervisor import (
+    Attempt,
+    Outcome,
+    Settings,
+    Signals,
+    StartWorker,
+    fresh_job_dir,
+)
+from gpukit.launch.workers import kill_leftovers, start_worker
 
 __all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
 
@@ -80,6 +87,8 @@ def run_job(
     stop_timeout: float | None = None,
     job_dir: str | Path | None = None,
     startup_timeout: float | None = None,
+    start: StartWorker = start_worker,
+    on_attempt: Callable[[Attempt, Outcome], None] | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
     0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
@@ -100,7 +109,9 @@ def run_job(
     ``GPUKIT_STOP_GRACE``, else 25, under the 30 s Slurm and Kubernetes give before SIGKILL).
     ``job_dir``: the job's folder (kept; default a temporary one, removed at the end unless a
     hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
-    starting with ``name``.
+    starting with ``name``. ``start``: how each rank's process is started (default: the
+    command, by ``start_worker``); ``on_attempt(attempt, outcome)`` is told how each attempt
+    ended (``rt.launch`` raises its rank's error from it).
 
     Call it from the thread that will live as long as the job (the main thread, normally): the
     ranks are tied to it, and only there can the launcher catch SIGTERM and SIGINT.
@@ -133,6 +144,8 @@ def run_job(
         name,
         out if out is not None else sys.stderr,
         startup or None,
+        start,
+        on_attempt,
     )
     signals = Signals()
     try:

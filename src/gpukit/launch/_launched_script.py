@@ -25,6 +25,7 @@ itself, and must import nothing beyond the standard library.
 
     python _launched_script.py train.py --epochs 3
     python _launched_script.py -m gpukit train --workload mlp
+    python _launched_script.py --call JOB_DIR/call.pkl   # rt.launch's function, by reference
 """
 
 from __future__ import annotations
@@ -73,19 +74,25 @@ def install_stack_dump() -> str | None:
 def main() -> None:
     install_stack_dump()
     args = sys.argv[1:]
-    if args[:1] == ["-m"]:
+    script = None
+    if args[:1] == ["--call"]:
+        target: Callable[[], Any] = functools.partial(_call, args[1])
+    elif args[:1] == ["-m"]:
         module, *rest = args[1:]
         sys.argv = [module, *rest]  # run_module puts the module's path in argv[0]
         sys.path[0] = os.getcwd()
-        target: Callable[[], Any] = functools.partial(
-            runpy.run_module, module, run_name="__main__", alter_sys=True
-        )
-        script = None
+        target = functools.partial(runpy.run_module, module, run_name="__main__", alter_sys=True)
     else:
         script, *rest = args
         sys.argv = [script, *rest]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         target = functools.partial(runpy.run_path, script, run_name="__main__")
+    run(target, script)
+
+
+def run(target: Callable[[], Any], script: str | None = None) -> None:
+    """Call ``target``; when it raises, record the error and end the process (``SystemExit``)
+    with 1, the error's own ``exit_code``, or 2 for bad input under gpukit's launcher."""
     try:
         namespace = target()  # holds the script's objects until its Runtimes are closed
         _close_runtimes()
@@ -119,6 +126,20 @@ def _close_runtimes() -> None:
     runtime = sys.modules.get("gpukit.runtime.runtime")
     if runtime is not None:
         runtime.teardown_open_runtimes()
+
+
+def _call(path: str) -> None:
+    """``--call FILE`` (``rt.launch``): FILE holds what multiprocessing's "spawn" gives its
+    processes (the parent's ``sys.path``, ``argv``, working folder, and its ``__main__`` to
+    import again as ``__mp_main__``: the script's ``if __name__ == "__main__":`` block does not
+    run again), then the function to call, pickled."""
+    import multiprocessing.spawn
+    import pickle
+
+    with open(path, "rb") as file:
+        multiprocessing.spawn.prepare(pickle.load(file))
+        call = pickle.load(file)  # imports the function's module, gpukit and torch
+    call()
 
 
 def record(err: BaseException, extra: dict[str, str] | None = None) -> None:

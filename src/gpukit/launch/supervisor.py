@@ -23,6 +23,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,6 +45,7 @@ from gpukit.lifecycle import heartbeat
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
+StartWorker = Callable[[int, list[str], Mapping[str, str], "queue.SimpleQueue[int]"], Worker]
 
 
 @dataclass
@@ -61,6 +63,10 @@ class Settings:
     name: str
     out: TextIO
     startup_timeout: float | None = None  # seconds from a rank's start to its first beat
+    # How a rank's process is started (rank, command, env, events): ``start_worker`` runs the
+    # command; ``rt.launch`` forks for a function a fresh interpreter cannot import.
+    start: StartWorker = start_worker
+    on_attempt: Callable[[Attempt, Outcome], None] | None = None  # told how each one ended
 
 
 class Signals:
@@ -137,7 +143,7 @@ class Attempt:
         self.signals.events = events
         progress = Progress(time.time(), s.nproc, self.resumes_from)
         self.workers = [
-            start_worker(rank, s.command, self._env(rank), events) for rank in range(s.nproc)
+            s.start(rank, s.command, self._env(rank), events) for rank in range(s.nproc)
         ]
         watch = _Watch(self, progress)
         handled = 0  # a signal that came between two attempts stops this one at once
@@ -151,7 +157,10 @@ class Attempt:
             watch.check(time.time())
         for worker in self.workers:
             worker.kill()  # what a rank left behind in its group (DataLoader workers)
-        return watch.outcome()
+        outcome = watch.outcome()
+        if s.on_attempt is not None:
+            s.on_attempt(self, outcome)
+        return outcome
 
     def _env(self, rank: int) -> dict[str, str]:
         s = self.settings

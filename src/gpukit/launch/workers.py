@@ -34,8 +34,19 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+class Process(Protocol):
+    """What a worker needs of its process: a ``subprocess.Popen``, or a forked process that
+    leads a process group of its own (``gpukit.launch.functions``)."""
+
+    pid: int
+    returncode: int | None
+
+    def wait(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -43,7 +54,7 @@ class Worker:
     """One rank's process; ``ended_ns`` is set (by its waiting thread) the moment it ends."""
 
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     started: float  # time.time() just before it was started
     ended_ns: int | None = None
     stopped: bool = False  # the launcher killed it (it did not end on its own)
@@ -100,6 +111,14 @@ def start_worker(
         start_new_session=True,
         preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None,
     )
+    return watch_worker(rank, proc, started, events)
+
+
+def watch_worker(
+    rank: int, proc: Process, started: float, events: queue.SimpleQueue[int]
+) -> Worker:
+    """The worker of ``proc``, started at ``started``: a thread waits for it and posts ``rank``
+    to ``events`` the moment it ends."""
     worker = Worker(rank, proc, started)
     _LIVE.add(worker)
     threading.Thread(
@@ -142,13 +161,20 @@ def _die_with(parent: int) -> Callable[[], None]:
     """What the child runs between fork and exec: die with ``parent``."""
 
     def child() -> None:
-        assert _PRCTL is not None
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # The parent may have died before the call above: then no signal would ever come.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_with(parent)
 
     return child
+
+
+def die_with(parent: int) -> None:
+    """In a child of ``parent``: ask the kernel to SIGKILL this process when ``parent`` (the
+    thread that started it) dies (Linux; nothing elsewhere)."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The parent may have died before the call above: then no signal would ever come.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_leftovers() -> None:

@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader
 from gpukit import _env
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.launch.spawn import spawn
+from gpukit.launch import DEFAULT_HANG_TIMEOUT
+from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
@@ -118,20 +119,33 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
             self._ensure_ready()
 
     # -- setup ----------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def launch(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        max_restarts: int = 0,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
+    ) -> Any:
         """Run ``fn(runtime, *args)`` on every rank and return rank 0's result.
 
-        Starts one process per device when the strategy needs them and none are running yet
-        (see ``gpukit.launch.spawn`` for how: spawned, or forked for a function defined in
-        ``python -c`` or a notebook); otherwise calls ``fn`` here. When ``fn`` returns, the
-        last logging window is read back (every rank is there).
+        Starts one process per device when the strategy needs them and none are running yet,
+        watched as ``gpukit launch`` watches its processes (see ``gpukit.launch.functions``):
+        a rank with no heartbeat for ``hang_timeout`` seconds is reported hung with its line
+        (0: never; None: 300), the first failure is raised, and the ranks are started again up
+        to ``max_restarts`` times after a failure past their first step (``resume="auto"``
+        resumes them from the newest checkpoint). Otherwise calls ``fn`` here. When ``fn``
+        returns, the last logging window is read back (every rank is there).
         """
+        check_options(max_restarts, hang_timeout)
         run = functools.partial(_then_close_window, fn)
         if not self.strategy.needs_launch:
             return run(self, *args)
         # Each process builds its own Runtime from the same settings (its rank: from its env).
         settings = self.config.keywords()
-        return spawn(functools.partial(Runtime, **settings), self.world_size, run, args)
+        make = functools.partial(Runtime, **settings)
+        return launch_function(
+            make, self.world_size, run, args, max_restarts=max_restarts, hang_timeout=hang_timeout
+        )
 
     def setup(self, model: nn.Module, *objects: Any) -> Any:
         """Place the model for the strategy and precision; register optimizers, schedulers,
@@ -403,7 +417,7 @@ Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     """``fn(rt, *args)``, then the last logging window read back: every rank that returns
-    normally reaches this point (module level, so ``spawn`` can pickle it). The loggers are
+    normally reaches this point (module level, so a new interpreter can import it). The loggers are
     finalized here, as failed when ``fn`` raised."""
     try:
         result = fn(rt, *args)
