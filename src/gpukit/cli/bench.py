@@ -21,6 +21,9 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     plan         the planner's predicted peak tensor memory per rank (simulation and closed
                  form) against gpukit train's measured one, every built-in workload x single,
                  ddp, fsdp x 1, 2 ranks; 8 and 64 ranks simulated
+    restarts     a 2-rank gpukit train that fails once under --max-restarts 1: the restart's
+                 phases (stop, python, import torch, import gpukit, process group, set-up,
+                 first step) beside the cold start's, and restart / cold start
 
 Every experiment warms up, synchronises before reading clocks (CUDA events on a GPU), repeats
 and reports the median with its spread, and rotates its inputs. --quick runs sizes a 2-core CI
@@ -64,6 +67,7 @@ _ONE_LINERS = {
     "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
     "trace": "cost of gk.trace() on a training loop (traced / untraced)",
     "plan": "the planner's predicted peak memory against gpukit train's measured one",
+    "restarts": "what a restart under gpukit's launcher costs, phase by phase, vs a cold start",
 }
 
 

@@ -47,6 +47,7 @@ from gpukit.launch.hangs import REPORT_FILE
 from gpukit.launch.restarts import (
     DEFAULT_CRASH_LOOP,
     Restart,
+    record_attempt,
     redone,
     stop_reason,
     summary,
@@ -169,6 +170,8 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
             return PREEMPTED_EXIT
         port = master_port if number == 0 and master_port else free_port()
         outcome = Attempt(s, number, port, signals, max(checkpoint, 0)).run()
+        ends, failed, gone = outcome.ends, outcome.detected_at, outcome.stopped_at
+        record_attempt(s.folder, number, outcome.progress, ends, failed, gone)
         if restarts:
             restarts[-1].startup_s = outcome.progress.startup_s()
             restarts[-1].resume_s = outcome.progress.resume_s()

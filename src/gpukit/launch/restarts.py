@@ -17,7 +17,7 @@ The heartbeats also tell what a restart costs: the steps since the last checkpoi
 stopping the workers, starting processes until every rank's first beat (import, rendezvous),
 and from there to the first step done (setup, loading the checkpoint).
 
->>> from gpukit.launch.failures import Fault
+>>> from gpukit.launch.failures import Fault, RankEnd
 >>> boom = Fault("raised", 1, "ValueError: bad", 6, "rank 1 raised ValueError: bad at step 6")
 >>> crash_loop([boom, boom], repeats=3), crash_loop([boom, boom, boom], repeats=3)
 (False, True)
@@ -27,15 +27,19 @@ and from there to the first step done (setup, loading the checkpoint).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from gpukit.launch.failures import Fault
+from gpukit.launch.failures import Fault, RankEnd
 from gpukit.lifecycle.heartbeat import Beat
 
 # Phases a rank beats in before its training loop; only "load" carries the step the attempt
 # resumes from ("start" and "setup" come before the checkpoint is read).
 _BEFORE_LOOP = ("start", "setup", "load")
 DEFAULT_CRASH_LOOP = 3
+# One line per attempt in the job's folder: the times the restart figures come from.
+ATTEMPTS_FILE = "attempts.jsonl"
 
 
 def crash_loop(faults: list[Fault], repeats: int = DEFAULT_CRASH_LOOP) -> bool:
@@ -155,6 +159,36 @@ class Progress:
         if beaten is None or self.first_step_at is None:
             return None
         return max(self.first_step_at - beaten, 0.0)
+
+
+def record_attempt(
+    folder: Path,
+    number: int,
+    progress: Progress,
+    ends: list[RankEnd],
+    failed: float | None,
+    gone: float | None,
+) -> None:
+    """Add attempt ``number``'s times (``time.time()`` seconds, null where unseen) to
+    ``ATTEMPTS_FILE`` in the job's folder: its processes started, every rank's first beat, the
+    first step done, the failure (or the hang's detection), each rank's end (and whether the
+    launcher stopped it) and the last worker gone. For tools (``gpukit bench restarts``); a
+    folder that refuses it costs nothing but the record."""
+    line = {
+        "attempt": number,
+        "started": progress.started,
+        "first_beats": {str(r): t for r, t in sorted(progress.first_beat.items())},
+        "all_beaten": progress.all_beaten_at,
+        "first_step": progress.first_step_at,
+        "failed": failed,
+        "ends": {str(e.rank): [e.ended_ns / 1e9, e.code, e.stopped] for e in ends},
+        "gone": gone,
+    }
+    try:
+        with open(folder / ATTEMPTS_FILE, "a") as file:
+            file.write(json.dumps(line) + "\n")
+    except OSError:
+        pass
 
 
 @dataclass

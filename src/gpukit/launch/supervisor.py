@@ -198,6 +198,8 @@ class _Watch:
         self.hang: tuple[Fault, float] | None = None
         s = attempt.settings
         self.hangs = HangWatch(attempt.peers, s.hang_timeout, s.startup_timeout, s.name)
+        self.failed: set[int] = set()  # ranks that ended failing (not stopped, not preempted)
+        self.cut_short = 0  # graces ended early: every rank left waited on a failed one
 
     @property
     def _settings(self) -> Settings:
@@ -239,6 +241,8 @@ class _Watch:
         self._read_beats()
         if self.hangs.active and self.first_failure is None and self.hang is None:
             self._check_hang(now)
+        if self.first_failure is not None and not self.stopping and self._peers_blocked(now):
+            self._deadline(now)  # the grace would only date their consequences
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_all()
 
@@ -252,6 +256,7 @@ class _Watch:
             self.stopping = True
             self._deadline(now + self._settings.stop_timeout)
             return
+        self.failed.add(worker.rank)
         if self.first_failure is None:
             self.first_failure = now
             # While the ranks save on their way out, a peer's failure must not cut that short.
@@ -271,6 +276,29 @@ class _Watch:
                 self.stopping = True
                 others = [x for x in self.attempt.workers if x is not w]
                 self._terminate([x for x in others if not self._asked_to_stop(x.rank)])
+
+    def _peers_blocked(self, now: float) -> bool:
+        """Every rank still running stands in a call where ranks meet (its heartbeat's phase)
+        that a failed rank never made (it counts more such calls than that rank's last beat),
+        with no error recorded: it can only end by its backend's error on the lost peer, a
+        consequence, so the grace would teach nothing. A rank without a beat in this attempt,
+        out of such a call, or that recorded an error (it failed: its exit is awaited) keeps
+        the grace."""
+        folder, number = self._settings.folder, self.attempt.number
+        if self.hang is not None or not self.failed:
+            return False
+        dead = [heartbeat.read(folder, rank) for rank in self.failed]
+        fewest = min(b.calls if b is not None and b.attempt == number else 0 for b in dead)
+        alive = [w for w in self.attempt.workers if w.alive]
+        for w in alive:
+            beat = self.progress.last.get(w.rank)
+            if beat is None or beat.phase not in heartbeat.MEETING_PHASES or beat.calls <= fewest:
+                return False
+            if self.attempt.error_file(w.rank).exists():
+                return False
+        if alive and self.kill_at is not None and self.kill_at > now:
+            self.cut_short += 1
+        return bool(alive)
 
     def _asked_to_stop(self, rank: int) -> bool:
         beat = self.progress.last.get(rank)

@@ -54,6 +54,7 @@ _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 # ranks in step make as many of these calls, so a rank standing in another call than its
 # peers at the same count has left their sequence (gpukit.launch.failures.diverged).
 _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
+MEETING_PHASES = _MEETS  # for readers of the beats (the launcher)
 
 # seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where
 _WHERE_BYTES = 120
