@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpukit as gk
 
 steps = int(sys.argv[1])
-rt = gk.Runtime(checkpoints="ck", save_every=PERIODIC, seed=0)
+rt = gk.Runtime(checkpoints="ck", save_every=PERIODIC, seed=0, resume="auto")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -70,7 +70,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _node(
-    rank: int, nnodes: int, port: int, cwd: Path, args: list[str], nproc: int = 1, **env: str
+    rank: int, nnodes: int | str, port: int, cwd: Path, args: list[str], nproc: int = 1, **env: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "gpukit", "launch", "--nproc", str(nproc), "--nnodes",
@@ -191,3 +191,26 @@ def test_nodes_with_different_process_counts_are_refused(tmp_path: Path) -> None
     assert [n.returncode for n in nodes] != [0, 0], outputs
     for output in outputs:
         assert "give every node the same --nproc" in output, output
+
+
+def test_a_node_joining_an_elastic_job_is_taken_after_a_save(tmp_path: Path) -> None:
+    # Slow while alone (waiting for the second node), quick once both run.
+    elastic = PROGRAM.replace(
+        "time.sleep(0.05)", "time.sleep(0.2 if os.environ['WORLD_SIZE'] == '1' else 0.01)"
+    )
+    (tmp_path / "train.py").write_text(elastic)
+    port = free_port()
+    first = _node(0, "1:2", port, tmp_path, ["train.py", "1000"])
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "ck" / f"step-{2 * PERIODIC:08d}").exists():
+        if first.poll() is not None or time.monotonic() > deadline:
+            first.kill()
+            pytest.fail(f"node 0 did not train alone:\n{first.communicate()[0]}")
+        time.sleep(0.1)
+    second = _node(1, "1:2", port, tmp_path, ["train.py", "1000"])
+    outputs = _ends([first, second], timeout=600)
+    assert [first.returncode, second.returncode] == [0, 0], outputs
+    assert "nodes are waiting to join: the ranks saved, the job goes on with them" in outputs[0]
+    assert "the world changed from 1 to 2 ranks: data sharding follows" in outputs[0]
+    resumed = re.findall(r"resumed from ck at step (\d+)", outputs[0])
+    assert len(resumed) == 1 and int(resumed[0]) > 2 * PERIODIC, outputs

@@ -15,11 +15,13 @@ When it ends, each node posts ``end/{node}`` (how each of its ranks ended, their
 whether its launcher was signalled, the injected faults that fired there) and gathers every
 node's, waiting a bounded time: the job's outcome is computed from all of them alike on every
 node (``settle``), so the first failure named and the restart decided are the same everywhere.
-A node that posted nothing in time counts as failed.
+A node that posted nothing in time counts as failed, and so does node 0 when its store (which
+its launcher hosts) can no longer be reached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -50,28 +52,39 @@ class NodeLink:
         return self.peers.nnodes == 1
 
     def tell_failure(self, end: RankEnd) -> None:
-        if self.alone or self.told_failure:
+        if self.told_failure:
             return
         self.told_failure = True
         error = end.error.first_line if end.error is not None else ""
         record = {"rank": end.rank, "node": self.peers.node, "time_ns": end.failed_at_ns,
                   "step": end.step, "phase": end.phase, "error": error}  # fmt: skip
-        self.peers.post(f"failure/{self.peers.node}", record)
-        if self.peers.claim("failure"):
-            self.peers.post("failure", record)
+        with contextlib.suppress(Exception):  # the store is gone: the end tells that
+            self.peers.post(f"failure/{self.peers.node}", record)
+            if self.peers.claim("failure"):
+                self.peers.post("failure", record)
 
     def tell_stop(self, reason: str) -> None:
-        if self.alone or self.told_stop:
+        if self.told_stop:
             return
         self.told_stop = True
-        if self.peers.claim("stop"):
-            self.peers.post("stop", {"node": self.peers.node, "reason": reason})
+        with contextlib.suppress(Exception):
+            if self.peers.claim("stop"):
+                self.peers.post("stop", {"node": self.peers.node, "reason": reason})
 
     def news(self, healthy: bool) -> str | None:
         """``failure`` or ``stop`` from another node (or ``rescale``: node 0 makes room for
         nodes waiting to join), None when there is nothing new."""
         if self.alone:
-            return None
+            return self._rescale(healthy)
+        try:
+            return self._news(healthy)
+        except Exception:  # node 0's launcher, which hosts the store, is gone
+            if self.told_failure:
+                return None
+            self.told_failure = True
+            return "failure"
+
+    def _news(self, healthy: bool) -> str | None:
         me = self.peers.node
         failure = None if self.told_failure else self.peers.read("failure")
         if failure is not None and failure.get("node") != me:
@@ -81,11 +94,17 @@ class NodeLink:
         if stop is not None and stop.get("node") != me:
             self.told_stop = True
             return "stop"
-        if healthy and self.waiting is not None and me == 0 and time.monotonic() > self.next_ask:
-            self.next_ask = time.monotonic() + RESCALE_EVERY_S
-            if self.waiting() > 0:
-                self.tell_stop("rescale")
-                return "rescale" if self.told_stop else None
+        return self._rescale(healthy)
+
+    def _rescale(self, healthy: bool) -> str | None:
+        if not healthy or self.waiting is None or self.peers.node != 0:
+            return None
+        if time.monotonic() < self.next_ask or self.told_stop:
+            return None
+        self.next_ask = time.monotonic() + RESCALE_EVERY_S
+        if self.waiting() > 0:
+            self.tell_stop("rescale")
+            return "rescale"
         return None
 
 
@@ -95,6 +114,9 @@ def settle(
     """The job's outcome of the attempt, from every node's report (``outcome`` unchanged for
     one node); injected faults that fired on any node are marked fired on this one too."""
     if peers.nnodes == 1:
+        stop = peers.read("stop")
+        if outcome.status == "preempted" and not signalled and _rescaled(stop):
+            return dataclasses.replace(outcome, status="rescale")
         return outcome
     progress: Progress = outcome.progress
     mine = {
@@ -112,10 +134,13 @@ def settle(
         "message": outcome.preempted_message,
         "fired": fired(folder),
     }
-    peers.post(f"end/{peers.node}", mine)
-    reports = peers.gather("end", wait + END_WAIT_S)
+    try:
+        peers.post(f"end/{peers.node}", mine)
+        reports = peers.gather("end", wait + END_WAIT_S)
+        stop = peers.read("stop")
+    except Exception:  # node 0's launcher, which hosts the store, is gone
+        reports, stop = {peers.node: mine}, None
     mark_fired(folder, sorted({name for r in reports.values() for name in r["fired"]}))
-    stop = peers.read("stop")
     return _merged(outcome, reports, peers.nnodes, stop, attempt)
 
 
@@ -154,11 +179,15 @@ def _merged(
         return dataclasses.replace(merged, status="failed", fault=fault,
                                    detected_at=failed[0].failed_at_ns / 1e9)  # fmt: skip
     if signalled or any(e.preempted for e in ends):
-        if not signalled and stop is not None and stop.get("reason") == "rescale":
+        if not signalled and _rescaled(stop):
             return dataclasses.replace(merged, status="rescale", fault=None)
         said = next((r["message"] for _, r in sorted(reports.items()) if r["message"]), None)
         return dataclasses.replace(merged, status="preempted", fault=None, preempted_message=said)
     return dataclasses.replace(merged, status="ok", fault=None)
+
+
+def _rescaled(stop: dict[str, Any] | None) -> bool:
+    return stop is not None and stop.get("reason") == "rescale"
 
 
 def _end_json(end: RankEnd) -> dict[str, Any]:

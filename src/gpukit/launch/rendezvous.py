@@ -192,6 +192,11 @@ class StoreMeeting:
 
     def _meeting(self, err: BaseException) -> str:
         n = self.nodes
+        if type(err).__name__ == "RendezvousClosedError":
+            return (
+                f"node {n.node_rank}: the job was ended by another node (it stopped, failed or "
+                "was asked to stop) while this one waited to start the next attempt"
+            )
         said = first_line(str(err)) or type(err).__name__
         count = str(n.min_nodes) if not n.elastic else f"at least {n.min_nodes}"
         return (
