@@ -34,6 +34,7 @@ from gpukit.launch.spawn import free_port
 
 LOCAL = "127.0.0.1"
 ANSWER_S = 60.0  # the most a node waits for the others' posts of a round it has joined
+CLOSE_WAIT_S = 15.0  # the most node 0 keeps its store up for the others at the job's end
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class StoreMeeting:
             with contextlib.suppress(Exception):
                 self.peers.post(f"closed/{self.peers.node}", {})
                 if self.nodes.node_rank == 0:
-                    self.peers.gather("closed", ANSWER_S)
+                    self.peers.gather("closed", CLOSE_WAIT_S)
 
     def _meeting(self, err: BaseException) -> str:
         n = self.nodes
