@@ -171,13 +171,14 @@ def test_sigterm_to_node_1_stops_every_node_saving_once(tmp_path: Path) -> None:
     assert all("restart" not in output for output in outputs), outputs
 
 
-def test_a_node_that_never_joins_ends_in_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rank", [0, 1])  # node 0 hosts the meeting point, node 1 does not
+def test_a_node_that_never_joins_ends_in_a_clear_error(tmp_path: Path, rank: int) -> None:
     (tmp_path / "plain.py").write_text(PLAIN)
     port = free_port()
-    alone = _node(0, 2, port, tmp_path, ["plain.py"], GPUKIT_RENDEZVOUS_TIMEOUT="3")
+    alone = _node(rank, 2, port, tmp_path, ["plain.py"], GPUKIT_RENDEZVOUS_TIMEOUT="3")
     output = _ends([alone], timeout=200)[0]
     assert alone.returncode != 0, output
-    assert f"node 0 waited 3 s at 127.0.0.1:{port} for 2 nodes to join, in vain" in output
+    assert f"node {rank} waited 3 s at 127.0.0.1:{port} for 2 nodes to join, in vain" in output
     assert "the same --nnodes, --master-addr and --master-port" in output
     assert "GPUKIT_RENDEZVOUS_TIMEOUT=SECONDS waits longer" in output
     assert "Traceback" not in output

@@ -21,6 +21,7 @@ Built on torch's rendezvous handler and its store, rather than on a subclass of 
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class StoreMeeting:
                 min_nodes=n.min_nodes,
                 max_nodes=n.max_nodes,
                 join_timeout=_env.rendezvous_timeout(),
+                # Also how long a node waits to reach node 0's store at all.
+                read_timeout=max(math.ceil(_env.rendezvous_timeout()), 1),
                 is_host=n.node_rank == 0,
             )
             try:
