@@ -146,7 +146,23 @@ class StoreMeeting:
             store, rank, world = info[0], int(info[1]), int(info[2])
         else:
             store, rank, world = info.store, int(info.rank), int(info.world_size)
-        meeting = StorePeers(store, rank, world)
+        self.peers = StorePeers(store, rank, world)  # until every node is known
+        try:
+            return self._meet(state, store, rank, world)
+        except LaunchError:
+            raise
+        except Exception as err:  # node 0's launcher, which hosts the store, went away
+            said = first_line(str(err)) or type(err).__name__
+            raise LaunchError(
+                f"node {n.node_rank} lost node 0's meeting point at {n.master_addr}:"
+                f"{n.master_port} while the nodes met ({said}): node 0's `gpukit launch` ended "
+                "(see its output)"
+            ) from None
+
+    def _meet(self, state: JobState, store: Any, rank: int, world: int) -> Place:
+        n = self.nodes
+        assert self.peers is not None
+        meeting = self.peers
         meeting.post(f"node/{rank}", {"node_rank": n.node_rank, "nproc": self.nproc,
                                       "host": socket.getfqdn()})  # fmt: skip
         seen = meeting.gather("node", ANSWER_S)
