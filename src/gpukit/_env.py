@@ -29,7 +29,7 @@ Numbers are written in ASCII digits: ``int()`` and ``float()`` would also read '
 full-width '３０' as 30, which is refused, naming the variable.
 
 ``CUDA_LAUNCH_BLOCKING`` is set here for ``gpukit trace --blocking``,
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines with restarts,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` for ``gpukit launch`` on several machines,
 and ``MLFLOW_ALLOW_FILE_STORE`` for the MLflow logger's folder store; ``WANDB_API_KEY`` and
 ``WANDB_MODE`` are read for the W&B logger's default mode. The CUDA variables that gpukit reads
 only to explain things (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) and the variables a
@@ -237,9 +237,9 @@ def environment() -> dict[str, str]:
 
 
 def share_rendezvous_store(shared: bool) -> None:
-    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: with ``shared=False`` torchrun's c10d rendezvous
-    gives the ranks of each attempt a store of their own, on a fresh port, instead of the one it
-    keeps across restarts (on which restarted gloo ranks can read the last attempt's keys)."""
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: with ``shared=False`` torch's c10d rendezvous
+    starts no store for the ranks on its rank 0 to keep across rounds (gpukit's launcher gives
+    the ranks of each attempt a fresh port of their own)."""
     if shared:
         os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     else:

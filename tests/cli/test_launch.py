@@ -9,12 +9,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from gpukit.cli.launch import RUNNER, check, describe_exit, failure_summary, torchrun_args
+from gpukit.cli.launch import check, describe_exit, nodes
 from gpukit.errors import ConfigError
 from gpukit.launch.spawn import free_port
 
@@ -34,7 +33,6 @@ dist.destroy_process_group()
 
 
 def gpukit(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    import os
 
     return subprocess.Popen(
         [sys.executable, "-m", "gpukit", "launch", *args],
@@ -99,55 +97,6 @@ def test_a_failing_rank_ends_the_job_nonzero_with_its_error(script: Path, tmp_pa
     assert "runpy" not in output
 
 
-def failure(exitcode: int, timestamp: int, time_ns: int | None = None, error: str = "") -> Any:
-    """A stand-in for torchrun's ProcessFailure, as its error file left it."""
-    extra = {} if time_ns is None else {"time_ns": str(time_ns), "timestamp": str(timestamp)}
-    data = {"message": {"message": error, "extraInfo": extra}} if error else {"message": ""}
-    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data)
-
-
-def test_the_summary_names_the_first_recorded_error_even_within_one_second() -> None:
-    failures = {
-        0: failure(1, 100, 100_900_000_000, "RuntimeError: Connection closed by peer"),
-        1: failure(-6, 100, 100_200_000_000, "RuntimeError: rank 1 gives up\nsecond line"),
-        2: failure(-15, 100),  # stopped by torchrun after the others failed: nothing recorded
-    }
-    assert failure_summary(failures).splitlines() == [
-        "gpukit launch: rank 1 failed with exit code -6 (SIGABRT) (3 rank(s) failed); "
-        "its output is above",
-        "  rank 1: exit code -6 (SIGABRT), RuntimeError: rank 1 gives up",
-        "  rank 0: exit code 1, RuntimeError: Connection closed by peer",
-        "  rank 2: exit code -15 (SIGTERM), no Python error recorded",
-    ]
-
-
-def test_an_error_that_only_says_a_peer_went_away_comes_after_the_peers_failure() -> None:
-    failures = {
-        0: failure(1, 100, 100_100_000_000, "RuntimeError: Connection reset by peer"),
-        1: failure(-9, 101),  # killed: nothing recorded, torchrun's whole seconds only
-    }
-    assert (
-        failure_summary(failures)
-        .splitlines()[0]
-        .startswith("gpukit launch: rank 1 failed with exit code -9 (SIGKILL)")
-    )
-
-
-def test_without_recorded_errors_torchruns_order_is_kept() -> None:
-    failures = {3: failure(-9, 101), 2: failure(-15, 102)}
-    lines = failure_summary(failures).splitlines()
-    assert lines[0].startswith("gpukit launch: rank 3 failed with exit code -9 (SIGKILL) (2 rank")
-    assert lines[1:] == [
-        "  rank 3: exit code -9 (SIGKILL), no Python error recorded",
-        "  rank 2: exit code -15 (SIGTERM), no Python error recorded",
-    ]
-
-
-def test_a_long_error_is_cut_to_one_short_line() -> None:
-    line = failure_summary({0: failure(1, 5, 5, "E" * 500)}).splitlines()[1]
-    assert len(line) < 200 and line.endswith("...")
-
-
 @pytest.mark.parametrize(
     ("code", "words"),
     [(1, "1"), (0, "0"), (-6, "-6 (SIGABRT)"), (-9, "-9 (SIGKILL)"), (-99, "-99 (signal 99)")],
@@ -194,7 +143,7 @@ def test_bad_requests_are_one_line_errors(script: Path, args: list[str], message
 def namespace(**given: Any) -> argparse.Namespace:
     args = {
         "nproc": 2,
-        "nnodes": 2,
+        "nnodes": "2",
         "node_rank": 0,
         "master_addr": "127.0.0.1",
         "master_port": free_port(),
@@ -237,23 +186,21 @@ def test_0_0_0_0_for_several_machines_is_warned_about(capsys: pytest.CaptureFixt
     assert capsys.readouterr().err == ""
 
 
-def test_several_machines_meet_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUKIT_RENDEZVOUS_TIMEOUT", "7.5")
-    args = namespace()
-    argv = torchrun_args(args)
-    assert argv[argv.index("--rdzv-conf") + 1] == "timeout=8"
-    assert argv[argv.index("--master-port") + 1] == str(args.master_port)
-    assert argv[-3:] == [str(RUNNER), __file__, "--x"]
+@pytest.mark.parametrize(
+    ("nnodes", "expected"), [("1", None), ("2", (2, 2)), ("1:3", (1, 3)), ("3:3", (3, 3))]
+)
+def test_nnodes_is_a_count_or_a_range(nnodes: str, expected: tuple[int, int] | None) -> None:
+    args = namespace(nnodes=nnodes, master_port=None)
+    check(args)
+    found = nodes(args)
+    if expected is None:
+        assert found is None  # one machine: no rendezvous at all
+    else:
+        assert found is not None and (found.min_nodes, found.max_nodes) == expected
+        assert (found.master_addr, found.master_port) == ("127.0.0.1", 29500)
 
 
-def test_restarts_on_several_machines_take_a_fresh_store_each_attempt(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # restored after the test
-    monkeypatch.delenv("GPUKIT_RENDEZVOUS_TIMEOUT", raising=False)
-    args = namespace(max_restarts=2, node_rank=1)
-    argv = torchrun_args(args)
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
-    assert argv[argv.index("--rdzv-endpoint") + 1] == f"127.0.0.1:{args.master_port}"
-    assert argv[argv.index("--rdzv-conf") + 1] == "join_timeout=120,is_host=false"
+@pytest.mark.parametrize("nnodes", ["0", "3:2", "a", "1:2:3", ""])
+def test_a_bad_nnodes_is_refused(nnodes: str) -> None:
+    with pytest.raises(ConfigError, match=r"give the number of machines \(1 or more\), or MIN:MAX"):
+        check(namespace(nnodes=nnodes))

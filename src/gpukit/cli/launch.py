@@ -5,8 +5,7 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the script runs unchanged; a gpu
 inside it picks them up by itself. torchrun's spellings of the flags (--nproc-per-node,
 --nproc_per_node, --master_addr, ...) work too.
 
-On one machine gpukit starts the processes itself, on 127.0.0.1 and a free port (a fresh one
-at every restart):
+gpukit starts the processes itself, on every machine, and watches them:
   - when a process fails, the others are stopped within about 2 s, and the first line names
     the one that failed first (raised, exited or was killed by a signal), with its step and
     phase when it runs a gpukit Runtime, then one line per process;
@@ -26,14 +25,16 @@ at every restart):
     how long the processes get before they are killed;
   - the processes never outlive the command, even when it is killed with SIGKILL (Linux).
 
-Several machines go through torchrun: give every node the same --nnodes, --master-addr (node
-0's address) and --master-port, and each its own --node-rank. Under Slurm (`srun gpukit launch`,
-one per node) and Kubernetes (a PyTorchJob, a JobSet) they are read from the cluster's
-variables, and --nproc defaults to Slurm's GPUs per node (docs/clusters.md). Joining waits
-at most GPUKIT_RENDEZVOUS_TIMEOUT seconds (default 120). With --max-restarts, the nodes meet through
-torchrun's c10d rendezvous with a fresh store for each attempt (node ranks then follow the order
-of arrival). There, the failure summary is torchrun's order refined by gpukit's clock, and hangs
-are not watched (--hang-timeout applies to one machine).
+One machine uses 127.0.0.1 and a free port (a fresh one at every restart). Several machines:
+give every node the same --nnodes, --nproc, --master-addr (node 0's address) and
+--master-port, and each its own --node-rank; node 0 hosts the meeting point there. Under Slurm
+(`srun gpukit launch`, one per node) and Kubernetes (a PyTorchJob, a JobSet) they are read from
+the cluster's variables, and --nproc defaults to Slurm's GPUs per node (docs/clusters.md). The
+nodes' launchers meet at every attempt (torch's c10d rendezvous), waiting at most
+GPUKIT_RENDEZVOUS_TIMEOUT seconds (default 120); the rules above hold across all of them: a
+failure, a hang or a stop on one node stops every node, every node names the same first failure
+and takes the same decision to restart. --nnodes MIN:MAX lets nodes join between attempts: the
+running attempt saves and the job goes on with them.
 
 Example:
     gpukit launch --nproc 2 train.py --epochs 3
@@ -46,23 +47,20 @@ Example:
 from __future__ import annotations
 
 import argparse
-import logging
 import math
-import signal
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from gpukit import _env
 from gpukit.cli._common import add_command
-from gpukit.errors import ConfigError, LaunchError
-from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, run_job
+from gpukit.errors import ConfigError
+from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, Nodes, run_job
 from gpukit.launch.clusters import with_cluster_defaults
-from gpukit.launch.failures import describe_exit, first_line, is_consequence
+from gpukit.launch.failures import describe_exit
 from gpukit.launch.spawn import check_port
 
-__all__ = ["RUNNER", "describe_exit", "failure_summary", "register", "run", "torchrun_args"]
+__all__ = ["RUNNER", "describe_exit", "nodes", "register", "run"]
 
 NAME = "launch"
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -82,7 +80,11 @@ def register(sub: Any) -> None:
         dest="nproc",
         help="processes on this machine (default 1; under Slurm, the node's GPUs)",
     )
-    parser.add_argument("--nnodes", type=int, default=None, help="machines in the job (default 1)")
+    parser.add_argument(
+        "--nnodes",
+        default=None,
+        help="machines in the job (default 1), or MIN:MAX to let machines join between attempts",
+    )
     parser.add_argument(
         "--node-rank",
         "--node_rank",
@@ -142,25 +144,14 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args = with_cluster_defaults(args, f"gpukit {NAME}")  # Slurm's or Kubernetes' node flags
+    args = _with_cluster_defaults(args)
     check(args)
-    if args.nnodes > 1:
-        port = args.master_port or DEFAULT_MULTI_NODE_PORT
-        meeting = (
-            f"node {args.node_rank} waited {_env.rendezvous_timeout():g} s at "
-            f"{args.master_addr}:{port} for all {args.nnodes} nodes to join, in vain"
-        )
-        if args.hang_timeout:
-            print(
-                f"gpukit {NAME}: warning: --hang-timeout applies to one machine; torchrun, which "
-                "runs several, does not watch for hangs (a collective times out after the "
-                "process group's timeout instead)",
-                file=sys.stderr,
-            )
-        return launch(torchrun_args(args), meeting)
+    several = nodes(args)
     port = args.master_port
-    if port is not None:
+    if several is None and port is not None:
         check_port(LOCAL, port)  # this machine hosts the rendezvous: the port must be free
+    if several is not None and args.node_rank == 0 and _is_local(args.master_addr):
+        check_port(args.master_addr, several.master_port)  # node 0 hosts the meeting point
     return run_job(
         [sys.executable, str(RUNNER), args.script, *args.script_args],
         args.nproc,
@@ -169,19 +160,54 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         master_port=port,
         name=f"gpukit {NAME}",
+        nodes=several,
     )
+
+
+def _with_cluster_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Slurm's or Kubernetes' node flags for those left out. The cluster counts its nodes as a
+    number: a range given here is checked against it by its MAX, and kept."""
+    given = args.nnodes
+    if given is None:
+        return with_cluster_defaults(args, f"gpukit {NAME}")
+    low, high = _nnodes(str(given))
+    args.nnodes = high
+    args = with_cluster_defaults(args, f"gpukit {NAME}")
+    args.nnodes = high if low == high else given
+    return args
+
+
+def nodes(args: argparse.Namespace) -> Nodes | None:
+    """The job's machines as ``--nnodes`` gives them (None: this one alone)."""
+    low, high = _nnodes(str(args.nnodes))
+    if high == 1:
+        return None
+    port = args.master_port or DEFAULT_MULTI_NODE_PORT
+    return Nodes(low, high, args.node_rank, args.master_addr, port)
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        low, high = 0, -1
+    if not 1 <= low <= high:
+        raise ConfigError(
+            f"--nnodes {text}: give the number of machines (1 or more), or MIN:MAX with "
+            "1 <= MIN <= MAX to let machines join between attempts"
+        )
+    return low, high
 
 
 def check(args: argparse.Namespace) -> None:
     """Refuse a request that cannot work, before starting anything."""
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give at least 1 process per machine")
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes {args.nnodes}: give at least 1 machine")
-    if not 0 <= args.node_rank < args.nnodes:
+    high = _nnodes(str(args.nnodes))[1]
+    if not 0 <= args.node_rank < high:
         raise ConfigError(
-            f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} "
-            f"for --nnodes {args.nnodes}"
+            f"--node-rank {args.node_rank} is outside 0..{high - 1} for --nnodes {args.nnodes}"
         )
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: give 0 or more")
@@ -200,7 +226,7 @@ def check(args: argparse.Namespace) -> None:
             f"--master-port {args.master_port}: give a TCP port in 1..65535 (or leave it out "
             "to get a free one on one machine)"
         )
-    _check_address(args.master_addr, args.nnodes)
+    _check_address(args.master_addr, high)
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found: give the path of a Python file")
 
@@ -220,122 +246,6 @@ def _check_address(address: str, nnodes: int) -> None:
             "tells the other nodes nothing they can reach: give node 0's own address",
             file=sys.stderr,
         )
-
-
-def torchrun_args(args: argparse.Namespace) -> list[str]:
-    """torchrun's command line for a job on several machines (``check`` passed)."""
-    port = args.master_port or DEFAULT_MULTI_NODE_PORT
-    if args.node_rank == 0 and _is_local(args.master_addr):
-        check_port(args.master_addr, port)  # node 0 hosts the rendezvous: the port must be free
-    bound = math.ceil(_env.rendezvous_timeout())
-    if args.max_restarts > 0:
-        # torchrun's static rendezvous keeps one store across restarts, on which restarted gloo
-        # ranks can read the last attempt's keys and fail to connect; the c10d rendezvous with
-        # sharing off gives each attempt a fresh store on a fresh port.
-        _env.share_rendezvous_store(False)
-        meeting = [
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{args.master_addr}:{port}",
-            "--rdzv-id",
-            f"gpukit-{port}",
-            "--rdzv-conf",
-            f"join_timeout={bound},is_host={'true' if args.node_rank == 0 else 'false'}",
-        ]
-    else:
-        meeting = [
-            "--node-rank",
-            str(args.node_rank),
-            "--master-addr",
-            args.master_addr,
-            "--master-port",
-            str(port),
-            "--rdzv-conf",
-            f"timeout={bound}",
-        ]
-    return [
-        "--nnodes",
-        str(args.nnodes),
-        "--nproc-per-node",
-        str(args.nproc),
-        *meeting,
-        "--max-restarts",
-        str(args.max_restarts),
-        # Each process runs the script through a small runner that records when and how it
-        # failed, so the summary can name the process that failed first.
-        str(RUNNER),
-        args.script,
-        *args.script_args,
-    ]
-
-
-def launch(argv: list[str], meeting: str = "the rendezvous did not complete in time") -> int:
-    """Run torchrun in this process; 1 when a worker failed (torchrun has shown its error).
-    A rendezvous that does not complete in time is a LaunchError naming ``meeting``."""
-    import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import main as torchrun
-
-    # torchrun logs an error when it has no file of its own to copy a process's error file
-    # to; the summary below says more than that line.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.errors.error_handler").setLevel(
-        logging.CRITICAL
-    )
-    store_errors: type[Exception] = getattr(dist, "DistError", RendezvousError)
-    try:
-        torchrun(argv)
-    except ChildFailedError as err:
-        print(failure_summary(err.failures), file=sys.stderr)
-        return 1
-    except (RendezvousError, store_errors) as err:
-        said = first_line(str(err)) or type(err).__name__
-        raise LaunchError(
-            f"{meeting} ({said}): every node must start `gpukit launch` with "
-            "the same --nnodes, --master-addr and --master-port, and reach node 0 there (a "
-            "firewall?); GPUKIT_RENDEZVOUS_TIMEOUT=SECONDS waits longer"
-        ) from None
-    return 0
-
-
-def failure_summary(failures: dict[int, Any]) -> str:
-    """Name the process that failed first, then one line per failed process, first to last
-    (torchrun's failures; a process that only lost a peer ranks after the others)."""
-    order = sorted(failures, key=lambda rank: _failed_at(failures[rank]))
-    first = failures[order[0]]
-    lines = [
-        f"gpukit launch: rank {order[0]} failed with exit code {describe_exit(first.exitcode)} "
-        f"({len(failures)} rank(s) failed); its output is above"
-    ]
-    for rank in order:
-        failure = failures[rank]
-        error = _recorded(failure).get("message", "no Python error recorded")
-        lines.append(
-            f"  rank {rank}: exit code {describe_exit(failure.exitcode)}, {first_line(error)}"
-        )
-    return "\n".join(lines)
-
-
-def _failed_at(failure: Any) -> tuple[int, int, int]:
-    """Sort key: failures of their own, then errors that only say a peer went away, then
-    processes torchrun stopped (SIGTERM, nothing recorded); within each, an error recorded
-    with its nanosecond time before anything known only to torchrun's whole seconds."""
-    recorded = _recorded(failure)
-    if not recorded and failure.exitcode == -signal.SIGTERM:
-        group = 2
-    else:
-        group = 1 if is_consequence(str(recorded.get("message", ""))) else 0
-    extra = recorded.get("extraInfo", {})
-    if "time_ns" in extra:
-        return (group, 0, int(extra["time_ns"]))
-    return (group, 1, int(failure.timestamp))
-
-
-def _recorded(failure: Any) -> dict[str, Any]:
-    data = getattr(failure, "error_file_data", None)
-    message = data.get("message") if isinstance(data, dict) else None
-    return message if isinstance(message, dict) else {}
 
 
 def _is_local(address: str) -> bool:

@@ -1,4 +1,5 @@
-"""gpukit's launcher for one machine: ``nproc`` ranks of a command, watched and restarted.
+"""gpukit's launcher: ``nproc`` ranks of a command on this machine, watched and restarted,
+alone or as one node of a job over several.
 
 ``run_job`` starts one process per rank with the variables torchrun would give it (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
@@ -22,7 +23,10 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 - **no orphans**: workers die with the launcher, even when it is SIGKILLed (Linux; elsewhere
   when it exits or is signalled).
 
-Several machines go through torchrun instead (``gpukit launch --nnodes``).
+Several machines (``nodes``): every node runs this same launcher, and the nodes' launchers meet
+at each attempt through torch's c10d rendezvous (``rendezvous``), then tell each other every
+failure, stop request and outcome (``nodes``): the guarantees above hold across the nodes, the
+first failure named and the restart decided are the same on every node.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from gpukit.launch.failures import (
     rank_lines,
 )
 from gpukit.launch.hangs import REPORT_FILE
+from gpukit.launch.nodes import settle
+from gpukit.launch.rendezvous import JobState, LocalMeeting, Nodes, StoreMeeting
 from gpukit.launch.restarts import (
     DEFAULT_CRASH_LOOP,
     Restart,
@@ -52,7 +58,6 @@ from gpukit.launch.restarts import (
     stop_reason,
     summary,
 )
-from gpukit.launch.spawn import free_port
 from gpukit.launch.supervisor import (
     Attempt,
     Outcome,
@@ -63,7 +68,7 @@ from gpukit.launch.supervisor import (
 )
 from gpukit.launch.workers import kill_leftovers, start_worker
 
-__all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "run_job"]
+__all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "Nodes", "run_job"]
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
 # it records the error with its time and dumps the stacks when a hang is being reported.
@@ -90,6 +95,7 @@ def run_job(
     startup_timeout: float | None = None,
     start: StartWorker = start_worker,
     on_attempt: Callable[[Attempt, Outcome], None] | None = None,
+    nodes: Nodes | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
     0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
@@ -112,7 +118,9 @@ def run_job(
     hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
     starting with ``name``. ``start``: how each rank's process is started (default: the
     command, by ``start_worker``); ``on_attempt(attempt, outcome)`` is told how each attempt
-    ended (``rt.launch`` raises its rank's error from it).
+    ended (``rt.launch`` raises its rank's error from it). ``nodes``: this machine is one node
+    of a job over several (every node calls ``run_job`` with the same command and ``nproc``);
+    its ranks are ``node * nproc + 0..nproc-1`` of ``nnodes * nproc``.
 
     Call it from the thread that will live as long as the job (the main thread, normally): the
     ranks are tied to it, and only there can the launcher catch SIGTERM and SIGINT.
@@ -149,36 +157,63 @@ def run_job(
         on_attempt,
     )
     signals = Signals()
+    meeting = LocalMeeting(master_port) if nodes is None else StoreMeeting(nodes, nproc)
     try:
-        return _attempts(settings, signals, master_port, crash_loop)
+        return _attempts(settings, signals, meeting, crash_loop)
     finally:
         signals.restore()
+        meeting.close()
         kill_leftovers()
         # After a hang the stack dumps and the report stay (the report said where).
         if job_dir is None and not (folder / REPORT_FILE).exists():
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: int) -> int:
-    faults: list[Fault] = []
+def _attempts(
+    s: Settings, signals: Signals, meeting: LocalMeeting | StoreMeeting, repeats: int
+) -> int:
+    job = JobState()  # on several nodes, node 0's copy, adopted at every meeting
     restarts: list[Restart] = []
-    checkpoint = -1
-    for number in range(s.max_restarts + 1):
+    world: int | None = None
+    while True:
         if signals.received:  # asked to stop while deciding to restart: do not
-            _say(s, [f"{s.name}: stopped on request before restart {number}"])
-            _say(s, _ended(s, faults, restarts, "stopped"))
+            _say(s, [f"{s.name}: stopped on request before restart {job.attempt}"])
+            _say(s, _ended(s, job.faults, restarts, "stopped"))
             return PREEMPTED_EXIT
-        port = master_port if number == 0 and master_port else free_port()
-        outcome = Attempt(s, number, port, signals, max(checkpoint, 0)).run()
-        ends, failed, gone = outcome.ends, outcome.detected_at, outcome.stopped_at
-        record_attempt(s.folder, number, outcome.progress, ends, failed, gone)
+        place = meeting.next(job)
+        if world is not None and place.nnodes * s.nproc != world:
+            _say(s, [_world_changed(s.name, world, place.nnodes * s.nproc)])
+        world = place.nnodes * s.nproc
+        number = job.attempt
+        attempt = Attempt(s, number, place.port, signals, max(job.checkpoint, 0))
+        attempt.peers, attempt.master_addr = place.peers, place.master_addr
+        if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
+            attempt.waiting = meeting.waiting
+        outcome = attempt.run()
+        outcome = settle(
+            outcome, place.peers, s.folder, bool(signals.received), s.stop_timeout, number
+        )
+        job.attempt += 1
+        record_attempt(
+            s.folder,
+            number,
+            outcome.progress,
+            outcome.ends,
+            outcome.detected_at,
+            outcome.stopped_at,
+        )
         if restarts:
             restarts[-1].startup_s = outcome.progress.startup_s()
             restarts[-1].resume_s = outcome.progress.resume_s()
-        checkpoint = max(checkpoint, outcome.progress.checkpoint)
+        job.checkpoint = max(job.checkpoint, outcome.progress.checkpoint)
+        faults = job.faults
         if outcome.status == "ok":
             _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
             return 0
+        if outcome.status == "rescale":
+            _say(s, [f"{s.name}: nodes are waiting to join: the ranks saved, the job goes on "
+                     "with them"])  # fmt: skip
+            continue
         if outcome.status == "preempted" and signals.forced:
             saved = outcome.progress.checkpoint
             newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
@@ -188,7 +223,9 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
         if outcome.status == "preempted":
             _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
             return PREEMPTED_EXIT
-        if outcome.status == "failed":
+        if outcome.status == "failed" and outcome.lost:
+            _say(s, [f"{s.name}: {outcome.lost}"])
+        elif outcome.status == "failed":
             mistake = bad_input(outcome.ends, s.name)
             if mistake:  # as the command says it in one process; a restart would repeat it
                 _say(s, mistake + _ended(s, faults, restarts, "failed"))
@@ -196,15 +233,23 @@ def _attempts(s: Settings, signals: Signals, master_port: int | None, repeats: i
             _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
         assert outcome.fault is not None
         faults.append(outcome.fault)
-        why = stop_reason(faults, outcome.progress.advanced, number, s.max_restarts, repeats)
+        why = stop_reason(faults, outcome.progress.advanced, job.used, s.max_restarts, repeats)
         if why is not None:
             lines = [f"{s.name}: not restarted: {why}"] if why else []
             _say(s, lines + _ended(s, faults, restarts, "failed"))
             return 1
-        lost = redone(outcome.progress.step, checkpoint)
-        restarts.append(Restart(number + 1, outcome.fault, lost, outcome.stop_s))
+        job.used += 1
+        lost = redone(outcome.progress.step, job.checkpoint)
+        restarts.append(Restart(job.used, outcome.fault, lost, outcome.stop_s))
         _say(s, [f"{s.name}: {restarts[-1].line(s.max_restarts)}"])
-    return 1  # not reached: the last attempt has no restarts left
+
+
+def _world_changed(name: str, before: int, now: int) -> str:
+    return (
+        f"{name}: the world changed from {before} to {now} ranks: data sharding follows the "
+        "new world size (a checkpoint resumes, but random streams and data shards do not "
+        "continue exactly as they would have)"
+    )
 
 
 def _ended(s: Settings, faults: list[Fault], restarts: list[Restart], how: str) -> list[str]:

@@ -12,6 +12,10 @@ user's second Ctrl-C kills them at once, copies of the first request count once.
 heartbeat says it was asked to stop, or that ended by SIGTERM or SIGINT (a scheduler signalled
 that one process), has the request relayed to the others, once; the ranks of a gpukit Runtime
 also tell each other through their process group's store.
+
+On several nodes the attempt's ranks are this node's share of the job (global ranks
+``node * nproc + local rank``), and the watch also hears the other nodes (``nodes.NodeLink``):
+a failure or a stop request on any node stops every node's ranks alike.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from gpukit.launch.failures import (
 )
 from gpukit.launch.hang_watch import HangWatch, Local
 from gpukit.launch.hangs import REPORT_FILE, Frame, stack_file, wait_for_dumps
+from gpukit.launch.nodes import NodeLink
 from gpukit.launch.peers import LocalPeers, Peers
 from gpukit.launch.restarts import Progress
 from gpukit.launch.workers import Worker, start_worker
@@ -110,13 +115,15 @@ class Signals:
 class Outcome:
     """How an attempt ended."""
 
-    status: str  # "ok", "failed", "hung" or "preempted"
+    status: str  # "ok", "failed", "hung", "preempted" or "rescale" (nodes joined)
     ends: list[RankEnd]
     progress: Progress
     fault: Fault | None = None
     detected_at: float | None = None  # when the failure happened or the hang was seen
     stopped_at: float | None = None  # when the last worker was gone
     preempted_message: str | None = None
+    stopping: bool = False  # a stop was requested (signal, a rank's request, another node)
+    lost: str | None = None  # a node that sent no report at the end (several nodes)
 
     @property
     def stop_s(self) -> float | None:
@@ -127,7 +134,8 @@ class Outcome:
 
 @dataclass
 class Attempt:
-    """Attempt number ``number`` of a job, its ranks on ``port``."""
+    """Attempt number ``number`` of a job, its ranks on ``port``: this node's ranks of the
+    job's, its place in the job and the other nodes given by ``peers``."""
 
     settings: Settings
     number: int
@@ -136,14 +144,18 @@ class Attempt:
     resumes_from: int = 0  # the step of the last checkpoint known (0: none)
     workers: list[Worker] = field(default_factory=list)
     peers: Peers = field(default_factory=LocalPeers)  # the other nodes' launchers
+    master_addr: str = "127.0.0.1"
+    waiting: Callable[[], int] | None = None  # nodes waiting to join (elastic), asked by node 0
 
     def run(self) -> Outcome:
         s = self.settings
         events: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.signals.events = events
         progress = Progress(time.time(), s.nproc, self.resumes_from)
+        base = self.peers.node * s.nproc  # Worker.rank is the rank in the whole job
         self.workers = [
-            s.start(rank, s.command, self._env(rank), events) for rank in range(s.nproc)
+            s.start(base + local, s.command, self._env(base + local, local), events)
+            for local in range(s.nproc)
         ]
         watch = _Watch(self, progress)
         handled = 0  # a signal that came between two attempts stops this one at once
@@ -158,20 +170,23 @@ class Attempt:
         for worker in self.workers:
             worker.kill()  # what a rank left behind in its group (DataLoader workers)
         outcome = watch.outcome()
+        outcome.stopping = watch.stopping
         if s.on_attempt is not None:
             s.on_attempt(self, outcome)
         return outcome
 
-    def _env(self, rank: int) -> dict[str, str]:
+    def _env(self, rank: int, local: int | None = None) -> dict[str, str]:
         s = self.settings
         return {
             **s.env,
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(s.nproc),
+            "LOCAL_RANK": str(rank if local is None else local),
+            "WORLD_SIZE": str(s.nproc * self.peers.nnodes),
             "LOCAL_WORLD_SIZE": str(s.nproc),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "GROUP_RANK": str(self.peers.node),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(s.nproc * self.peers.nnodes),
+            "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.port),
             "TORCHELASTIC_ERROR_FILE": str(self.error_file(rank)),
             "TORCHELASTIC_RESTART_COUNT": str(self.number),
@@ -200,6 +215,7 @@ class _Watch:
         self.hangs = HangWatch(attempt.peers, s.hang_timeout, s.startup_timeout, s.name)
         self.failed: set[int] = set()  # ranks that ended failing (not stopped, not preempted)
         self.cut_short = 0  # graces ended early: every rank left waited on a failed one
+        self.link = NodeLink(attempt.peers, attempt.waiting)
 
     @property
     def _settings(self) -> Settings:
@@ -219,6 +235,7 @@ class _Watch:
             self.kill_all()  # the user's second Ctrl-C: stop now
             return
         self.stopping = True
+        self.link.tell_stop("signal")
         self._terminate(
             [
                 w
@@ -239,6 +256,7 @@ class _Watch:
                 self.seen.add(w.rank)
                 self._ended(w, now)
         self._read_beats()
+        self._hear(now)
         if self.hangs.active and self.first_failure is None and self.hang is None:
             self._check_hang(now)
         if self.first_failure is not None and not self.stopping and self._peers_blocked(now):
@@ -253,11 +271,13 @@ class _Watch:
         if RankEnd(worker.rank, code, 0).preempted:
             if not self.stopping:  # it was asked to stop by someone else: so are the others
                 self._terminate([w for w in self.attempt.workers if w is not worker])
+                self.link.tell_stop("rank")
             self.stopping = True
             self._deadline(now + self._settings.stop_timeout)
             return
         self.failed.add(worker.rank)
         if self.first_failure is None:
+            self.link.tell_failure(self._end(worker))
             self.first_failure = now
             # While the ranks save on their way out, a peer's failure must not cut that short.
             self._deadline(
@@ -274,6 +294,7 @@ class _Watch:
             if beat.stop_requested and not self.stopping:
                 # One rank got the scheduler's SIGTERM: relay it to the others, once.
                 self.stopping = True
+                self.link.tell_stop("rank")
                 others = [x for x in self.attempt.workers if x is not w]
                 self._terminate([x for x in others if not self._asked_to_stop(x.rank)])
 
@@ -299,6 +320,20 @@ class _Watch:
         if alive and self.kill_at is not None and self.kill_at > now:
             self.cut_short += 1
         return bool(alive)
+
+    def _hear(self, now: float) -> None:
+        """The other nodes' news: a failure there stops the ranks here after the grace, as a
+        failure here would; a stop request there is relayed here."""
+        news = self.link.news(healthy=self.first_failure is None and not self.stopping)
+        if news == "failure" and self.first_failure is None:
+            self.first_failure = now
+            s = self._settings
+            self._deadline(now + (s.stop_timeout if self.stopping else s.grace))
+        elif news in ("stop", "rescale") and not self.stopping:
+            self.stopping = True
+            workers = self.attempt.workers
+            self._terminate([w for w in workers if not self._asked_to_stop(w.rank)])
+            self._deadline(now + self._settings.stop_timeout)
 
     def _asked_to_stop(self, rank: int) -> bool:
         beat = self.progress.last.get(rank)

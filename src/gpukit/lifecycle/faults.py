@@ -12,7 +12,9 @@ them.
   step's loss is NaN on that rank). Each fault fires once per job: under gpukit's launcher, a
   restarted attempt that resumes before STEP and reaches it again does not fire it again (what
   fired is written to the job's folder), so a spec with several faults exercises several
-  restarts.
+  restarts. On several nodes, the launchers share what fired at the end of every attempt
+  (each node's job folder gets the markers of all), so a fault fires once per job wherever the
+  rank it names runs next.
 
 >>> err = injected_oom(64, 32)
 >>> from gpukit.diagnostics.oom_message import is_oom, parse
@@ -121,6 +123,18 @@ class FaultPlan:
         except FileExistsError:
             return False
         return True
+
+
+def fired(job_dir: Path) -> list[str]:
+    """The markers of the faults that fired in this job, as ``FaultPlan`` leaves them."""
+    return sorted(p.name for p in job_dir.glob("fault-*.fired"))
+
+
+def mark_fired(job_dir: Path, names: list[str]) -> None:
+    """Mark fired the faults that fired elsewhere (another node's markers, from ``fired``)."""
+    for name in names:
+        if name.startswith("fault-") and name.endswith(".fired") and "/" not in name:
+            (job_dir / name).touch()
 
 
 class OomFault:
