@@ -34,6 +34,10 @@ class FakeWorker:
     def alive(self) -> bool:
         return self.returncode is None
 
+    @property
+    def ended_ns(self) -> int | None:
+        return None if self.alive else 1
+
     def kill(self) -> None:
         self.kills += 1
         if self.alive:
