@@ -215,3 +215,63 @@ def test_a_node_joining_an_elastic_job_is_taken_after_a_save(tmp_path: Path) -> 
     assert "the world changed from 1 to 2 ranks: data sharding follows" in outputs[0]
     resumed = re.findall(r"resumed from ck at step (\d+)", outputs[0])
     assert len(resumed) == 1 and int(resumed[0]) > 2 * PERIODIC, outputs
+
+
+# Heartbeats without a Runtime: global rank 3 (node 1's second) stalls at step 3 while the
+# others wait for it in an all-reduce.
+HANG = """
+import time
+import torch, torch.distributed as dist
+from gpukit.lifecycle.heartbeat import Heartbeat
+
+
+def stall():
+    while True:
+        time.sleep(0.5)  # line 9
+
+
+def main():
+    beats = Heartbeat.from_env()
+    dist.init_process_group("gloo")
+    beats.beat("start", 0)
+    for step in range(100000):
+        beats.beat("loop", step)
+        if dist.get_rank() == 3 and step == 3:
+            stall()
+        beats.beat("collective", step)
+        dist.all_reduce(torch.ones(1))  # line 21
+        time.sleep(0.01)
+
+
+main()
+"""
+
+
+def test_a_rank_hanging_on_node_1_is_named_on_every_node(tmp_path: Path) -> None:
+    (tmp_path / "hang.py").write_text(HANG)
+    port = free_port()
+    args = ["--hang-timeout", "10", "hang.py"]
+    nodes = [_node(r, 2, port, tmp_path, args, nproc=2) for r in range(2)]
+    outputs = _ends(nodes)
+    headline = re.compile(
+        r"gpukit launch: rank 3 \(node 1\) hung: no heartbeat for \d+ s at step 3 \(phase "
+        r"loop\), at hang\.py:9 in stall"
+    )
+    reports = []
+    for node, out in zip(nodes, outputs, strict=True):
+        assert node.returncode == 1, out
+        assert headline.search(out), out
+        for rank, where in ((0, 0), (1, 0), (2, 1)):
+            assert re.search(
+                rf"  rank {rank} \(node {where}\): waits in all_reduce \(torch/distributed/\S+\), "
+                r"called from hang\.py:21 in main",
+                out,
+            ), out
+        reports.append(re.search(r"hang-report\.txt are kept in (\S+)", out))
+    kept = [Path(found[1]) for found in reports if found is not None]
+    assert len(kept) == 2, outputs
+    assert {p.name for p in kept[1].glob("stack-*")} == {"stack-2-0.txt", "stack-3-0.txt"}
+    assert 'hang.py", line 9 in stall' in (kept[1] / "stack-3-0.txt").read_text()
+    assert {p.name for p in kept[0].glob("stack-*")} == {"stack-0-0.txt", "stack-1-0.txt"}
+    for folder in kept:
+        assert "rank 3 (node 1) hung" in (folder / "hang-report.txt").read_text()
