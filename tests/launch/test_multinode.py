@@ -17,6 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 from gpukit.launch.spawn import free_port
+from tests.cli.test_launch import SCRIPT as PLAIN  # rank FAIL_RANK raises after a collective
+from tests.launch.test_agent_jobs import HANG
 
 # Signals, grace periods and rendezvous: one at a time under `make test`.
 pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]
@@ -48,18 +50,6 @@ while rt.global_step < steps:
             break
 rt.teardown()
 """.replace("PERIODIC", str(PERIODIC))
-
-# Plain torch.distributed: rank FAIL_RANK raises after the first collective.
-PLAIN = """
-import os, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-total = torch.tensor([float(dist.get_rank())])
-dist.all_reduce(total)
-if os.environ.get("FAIL_RANK") == str(dist.get_rank()):
-    raise RuntimeError("rank " + os.environ["RANK"] + " gives up")
-dist.barrier()
-dist.destroy_process_group()
-"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -135,7 +125,7 @@ def test_a_rank_killed_on_node_1_restarts_every_node_and_ends_bitwise_equal(
 
 def test_a_raise_on_node_1_is_named_first_on_every_node(tmp_path: Path) -> None:
     (tmp_path / "plain.py").write_text(PLAIN)
-    nodes = _job(3, tmp_path, ["plain.py"], FAIL_RANK="1")
+    nodes = _job(3, tmp_path, ["plain.py", "."], FAIL_RANK="1")
     outputs = _ends(nodes)
     assert [n.returncode for n in nodes] == [1, 1, 1], outputs
     for output in outputs:
@@ -175,7 +165,7 @@ def test_sigterm_to_node_1_stops_every_node_saving_once(tmp_path: Path) -> None:
 def test_a_node_that_never_joins_ends_in_a_clear_error(tmp_path: Path, rank: int) -> None:
     (tmp_path / "plain.py").write_text(PLAIN)
     port = free_port()
-    alone = _node(rank, 2, port, tmp_path, ["plain.py"], GPUKIT_RENDEZVOUS_TIMEOUT="3")
+    alone = _node(rank, 2, port, tmp_path, ["plain.py", "."], GPUKIT_RENDEZVOUS_TIMEOUT="3")
     output = _ends([alone], timeout=200)[0]
     assert alone.returncode != 0, output
     assert f"node {rank} waited 3 s at 127.0.0.1:{port} for 2 nodes to join, in vain" in output
@@ -187,7 +177,7 @@ def test_a_node_that_never_joins_ends_in_a_clear_error(tmp_path: Path, rank: int
 def test_nodes_with_different_process_counts_are_refused(tmp_path: Path) -> None:
     (tmp_path / "plain.py").write_text(PLAIN)
     port = free_port()
-    nodes = [_node(r, 2, port, tmp_path, ["plain.py"], nproc=1 + r) for r in (0, 1)]
+    nodes = [_node(r, 2, port, tmp_path, ["plain.py", "."], nproc=1 + r) for r in (0, 1)]
     outputs = _ends(nodes, timeout=200)
     assert [n.returncode for n in nodes] != [0, 0], outputs
     for output in outputs:
@@ -217,38 +207,13 @@ def test_a_node_joining_an_elastic_job_is_taken_after_a_save(tmp_path: Path) -> 
     assert len(resumed) == 1 and int(resumed[0]) > 2 * PERIODIC, outputs
 
 
-# Heartbeats without a Runtime: global rank 3 (node 1's second) stalls at step 3 while the
-# others wait for it in an all-reduce.
-HANG = """
-import time
-import torch, torch.distributed as dist
-from gpukit.lifecycle.heartbeat import Heartbeat
-
-
-def stall():
-    while True:
-        time.sleep(0.5)  # line 9
-
-
-def main():
-    beats = Heartbeat.from_env()
-    dist.init_process_group("gloo")
-    beats.beat("start", 0)
-    for step in range(100000):
-        beats.beat("loop", step)
-        if dist.get_rank() == 3 and step == 3:
-            stall()
-        beats.beat("collective", step)
-        dist.all_reduce(torch.ones(1))  # line 21
-        time.sleep(0.01)
-
-
-main()
-"""
+# The one-node hang script with the stall on global rank 3 (node 1's second rank): the others
+# wait for it in an all-reduce.
+HANG_ON_NODE_1 = HANG.replace("dist.get_rank() == 1 and", "dist.get_rank() == 3 and")
 
 
 def test_a_rank_hanging_on_node_1_is_named_on_every_node(tmp_path: Path) -> None:
-    (tmp_path / "hang.py").write_text(HANG)
+    (tmp_path / "hang.py").write_text(HANG_ON_NODE_1)
     port = free_port()
     args = ["--hang-timeout", "10", "hang.py"]
     nodes = [_node(r, 2, port, tmp_path, args, nproc=2) for r in range(2)]
