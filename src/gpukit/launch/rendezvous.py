@@ -97,7 +97,7 @@ class LocalMeeting:
         return 0
 
     def close(self) -> None:
-        pass
+        """One machine hosts no meeting point: nothing to close."""
 
 
 class StoreMeeting:

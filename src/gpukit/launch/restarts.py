@@ -188,7 +188,7 @@ def record_attempt(
         with open(folder / ATTEMPTS_FILE, "a") as file:
             file.write(json.dumps(line) + "\n")
     except OSError:
-        pass
+        pass  # a record for measuring restarts: a full disk must not fail the job for it
 
 
 @dataclass
