@@ -4,9 +4,13 @@ A sharded model is all-gathered group by group, so the peak holds one group's fu
 at a time; each group is also one all-gather and one reduce-scatter. The natural groups are
 a model's repeated blocks: the largest list of modules of one class (a transformer's layers),
 each block a group, and the rest of the model (embeddings, final norm, head) the root's
-group. Parameters shared by two modules (a head tied to its embedding) must sit in one group:
-a block that shares a parameter with another block is merged with it, and one that shares a
-parameter with something outside the blocks stays in the root's group.
+group. A model that names its own blocks, as Hugging Face ``transformers`` models do with
+``_no_split_modules`` (class names, e.g. ``["LlamaDecoderLayer"]``, the modules Accelerate keeps
+whole), has those named blocks used instead: every outermost module of a named class, wherever
+it is (an encoder's and a decoder's layers alike). Parameters shared by two modules (a head
+tied to its embedding) must sit in one group: a block that shares a parameter with another
+block is merged with it, and one that shares a parameter with something outside the blocks
+stays in the root's group.
 
 >>> from torch import nn
 >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]))
@@ -65,16 +69,42 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
     return best[2], best[3]
 
 
+def declared_blocks(model: nn.Module) -> tuple[list[str], list[nn.Module]] | None:
+    """The blocks the model names itself: the outermost modules (other than the model) whose
+    class name is listed in a ``_no_split_modules`` of the model or of a module inside it,
+    holding parameters, in ``named_modules`` order; None when it names none."""
+    classes: set[str] = set()
+    for module in model.modules():
+        listed = getattr(module, "_no_split_modules", None)
+        if isinstance(listed, (list, tuple, set, frozenset)):
+            classes.update(c for c in listed if isinstance(c, str))
+    if not classes:
+        return None
+    names: list[str] = []
+    blocks: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if not name or type(module).__name__ not in classes or _within(name, names):
+            continue
+        if any(True for _ in module.parameters()):
+            names.append(name)
+            blocks.append(module)
+    return (names, blocks) if blocks else None
+
+
 def find_groups(model: nn.Module) -> list[Group]:
     """The groups sharded before the root (the root's group holds everything else), in
     forward order; tied parameters never span two groups."""
-    found = find_blocks(model)
-    if found is None:
-        return []
-    prefix, blocks = found
-    container = model.get_submodule(prefix) if prefix else model
-    keys = [k for k, c in container._modules.items() if c is not None]
-    names = [f"{prefix}.{k}" if prefix else k for k in keys]
+    declared = declared_blocks(model)
+    if declared is not None:
+        names, blocks = declared
+    else:
+        found = find_blocks(model)
+        if found is None:
+            return []
+        prefix, blocks = found
+        container = model.get_submodule(prefix) if prefix else model
+        keys = [k for k, c in container._modules.items() if c is not None]
+        names = [f"{prefix}.{k}" if prefix else k for k in keys]
     # A block listed twice (one layer applied several times) is one module: one group.
     unique: dict[int, int] = {}
     for i, block in enumerate(blocks):

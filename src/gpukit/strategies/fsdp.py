@@ -1,12 +1,15 @@
 """Fully sharded data parallel (torch's FSDP2): each rank keeps 1/N of every weight, gradient
 and optimizer state, and gathers a group's full weights only while it computes with them.
 
-Without a wrapping policy: the model's repeated blocks (the list of same-class modules holding
-the most parameters) are sharded one group each, then the root holds the rest; parameters tied
-across modules never span two groups (see ``_groups``). Each block may first be checkpointed
-(its activations recomputed in the backward, ``_recompute``), compiled (``torch.compile`` per
-block) and split across tensor-parallel ranks (``tp``, with a plan). ``replicas`` > 1 shards
-within groups of ranks and replicates across them (HSDP: all-gathers stay inside a group).
+Without a wrapping policy: the model's repeated blocks (the blocks a model names in
+``_no_split_modules``, as ``transformers`` models do, else the list of same-class modules
+holding the most parameters) are sharded one group each, then the root holds the rest;
+parameters tied across modules never span two groups (see ``_groups``). Each block may first
+be checkpointed (its activations recomputed in the backward, ``_recompute``), compiled
+(``torch.compile`` per block) and split across tensor-parallel ranks (``tp``, with a plan).
+``replicas`` > 1 shards within groups of ranks and replicates across them (HSDP: all-gathers
+stay inside a group). A ``transformers`` model's ``save_pretrained`` writes its full weights
+(``_hf_export``).
 
 Gradient accumulation is a trade-off, chosen with ``accumulation``:
 
@@ -39,6 +42,7 @@ from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import fsdp2, is_dtensor
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._groups import find_groups
+from gpukit.strategies._hf_export import gather_on_save
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
@@ -273,6 +277,7 @@ class FSDP(DDP):
             options = dict(settings)
             options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
             self._shard(api, root, options, ["(root)"])
+        gather_on_save(root, self)  # a transformers model's save_pretrained writes full weights
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
         if self.rank == 0:
