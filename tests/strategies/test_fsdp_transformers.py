@@ -190,3 +190,27 @@ def test_hf_llama_and_gpt2_groups_are_their_decoder_layers() -> None:
     for kind, layers in LAYERS.items():
         names = [g.names for g in find_groups(_model(kind))]
         assert names == [[f"{layers}.{i}"] for i in range(3)]
+
+
+def test_a_model_output_is_walked_as_its_own_type_with_its_attributes() -> None:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from gpukit._util.tree import map_tensors
+
+    out = CausalLMOutputWithPast(loss=torch.ones(1), logits=torch.zeros(2))
+    mapped = map_tensors(out, lambda t: t + 1)  # ModelOutput refuses update(): refilled by key
+    assert type(mapped) is CausalLMOutputWithPast and list(mapped.keys()) == ["loss", "logits"]
+    assert torch.equal(mapped.loss, mapped["loss"]) and torch.equal(
+        mapped.loss, torch.full((1,), 2.0)
+    )
+    assert torch.equal(mapped.logits, torch.ones(2)) and torch.equal(out.loss, torch.ones(1))
+
+
+def test_a_transformers_model_trains_under_bf16_mixed_precision() -> None:
+    rt = gk.Runtime(devices="cpu", precision="bf16-mixed", seed=0)
+    model = rt.setup(_model("gpt2"))
+    x = torch.randint(0, VOCAB, (2, CONTEXT))
+    out = model(input_ids=x, labels=x)
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.float32
+    rt.backward(out.loss)
+    rt.teardown()

@@ -8,7 +8,8 @@ here, so they all agree on what a container is and what a leaf is:
 - ``torch.Tensor`` is a leaf (and so is any other type passed as ``leaf=``);
 - a namedtuple, list or tuple (or a subclass) is walked in order and rebuilt as its own type;
 - a Mapping is walked by its values; a ``dict`` subclass is rebuilt as a copy of itself (a
-  ``defaultdict`` keeps its factory), another Mapping through its constructor, else as a dict;
+  ``defaultdict`` keeps its factory; one that refuses ``update``, as a ``transformers`` model's
+  output does, is refilled key by key), another Mapping through its constructor, else a dict;
 - a dataclass instance is walked by its fields and rebuilt as a copy (frozen ones and fields
   with ``init=False`` too);
 - anything else (strings, numbers, None) is passed through.
@@ -286,7 +287,11 @@ def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
         return items
     if isinstance(original, dict):
         out = copy.copy(original)
-        out.update(items)
+        try:
+            out.update(items)
+        except Exception:  # a dict subclass that refuses update(): transformers' ModelOutput
+            for key, value in items.items():
+                out[key] = value
         return out
     with contextlib.suppress(TypeError):
         return type(original)(items)  # type: ignore[call-arg]
