@@ -83,6 +83,7 @@ def _train_and_save(rt: gk.Runtime, kind: str, folder: str) -> dict[str, Any]:
         refused = str(err)
     return {
         "groups": [g.name for g in rt.strategy.plans[0].groups],
+        "note": rt.strategy.plans[0].note,
         "tied": tied,
         "losses": losses,
         "before": before,
@@ -103,6 +104,8 @@ def test_the_decoder_layers_are_the_groups_and_the_model_trains(run: Any) -> Non
     kind, _, got = run
     layers = LAYERS[kind]
     assert got["groups"] == [f"{layers}.0", f"{layers}.1", f"{layers}.2", "(root: the rest)"]
+    block = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}[kind]
+    assert got["note"] == f"groups: the blocks the model names in _no_split_modules ({block})"
     assert all(torch.isfinite(torch.tensor(got["losses"])))
     changed = [k for k, v in got["before"].items() if not torch.equal(v, got["after"][k])]
     assert len(changed) == len(got["after"])  # AdamW moved every weight

@@ -31,6 +31,8 @@ class Group:
 
     names: list[str]
     modules: list[nn.Module] = field(repr=False)
+    # The classes the model named in ``_no_split_modules`` that made it a group ("" if none).
+    declared: str = field(default="", repr=False)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -95,8 +97,10 @@ def find_groups(model: nn.Module) -> list[Group]:
     """The groups sharded before the root (the root's group holds everything else), in
     forward order; tied parameters never span two groups."""
     declared = declared_blocks(model)
+    kinds = ""
     if declared is not None:
         names, blocks = declared
+        kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))
     else:
         found = find_blocks(model)
         if found is None:
@@ -135,7 +139,7 @@ def find_groups(model: nn.Module) -> list[Group]:
     for i in index:
         merged.setdefault(root_of(i), []).append(i)
     return [
-        Group([names[i] for i in members], [blocks[i] for i in members])
+        Group([names[i] for i in members], [blocks[i] for i in members], kinds)
         for leader, members in merged.items()
         if leader not in tied_to_root
     ]

@@ -112,6 +112,8 @@ def describe_plan(
     note = ""
     if already:
         note = "the model was already sharded with fully_shard: its own groups are kept"
+    elif groups and groups[0].declared:
+        note = f"groups: the blocks the model names in _no_split_modules ({groups[0].declared})"
     elif not groups:
         note = (
             "no repeated blocks (a list of two or more modules of one class) were found: the "
