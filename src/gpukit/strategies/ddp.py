@@ -21,7 +21,9 @@ from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError, DistributedError, LaunchError
+from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies._simulated_ddp import SimulatedDDP
+from gpukit.strategies._user_sharded import refuse_for_replicas
 from gpukit.strategies.base import Recovery, ReduceOp, Strategy
 from gpukit.strategies.traits import Collective, Traits
 
@@ -275,6 +277,7 @@ class DDP(Strategy):
         self._guard = dist.new_group(backend="fake" if fake else "gloo")
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        refuse_for_replicas(module, self.name)
         module = super().setup_module(module)
         options: dict[str, Any] = {
             "find_unused_parameters": self.find_unused_parameters,
@@ -294,9 +297,14 @@ class DDP(Strategy):
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = enabled
 
-    def broadcast_state(self, module: nn.Module, parameters: bool = True) -> None:
-        """Make rank 0's buffers (and parameters) ``module``'s on every rank, in buckets."""
+    def broadcast_state(
+        self, module: nn.Module, parameters: bool = True, sharded: bool = True
+    ) -> None:
+        """Make rank 0's buffers (and parameters) ``module``'s on every rank, in buckets;
+        ``sharded=False`` leaves out DTensors (shards differ by rank, by design)."""
         tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
+        if not sharded:
+            tensors = [t for t in tensors if not is_dtensor(t)]
         with torch.no_grad():
             for bucket in _buckets([t for t in tensors if t.numel()], _BUCKET_BYTES):
                 flat = torch.cat([t.reshape(-1) for t in bucket])

@@ -46,6 +46,12 @@ from gpukit.strategies._hf_export import gather_on_save
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
+from gpukit.strategies._user_sharded import (
+    check_user_sharded,
+    is_user_sharded,
+    root_settings,
+    user_groups,
+)
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
 from gpukit.strategies.traits import STATES, Collective, Traits
@@ -155,6 +161,7 @@ class FSDP(DDP):
         self.mesh: Any = None
         self.plans: list[ShardPlan] = []
         self._roots: dict[int, list[Any]] = {}  # id(set-up module) -> its sharded roots
+        self.precision_name = "32"  # the run's precision, once the Runtime has checked it
 
     def enable_compile(self, backend: str | None) -> bool:
         # Compiled as torchtitan does: each repeated block before it is sharded, so that
@@ -188,6 +195,7 @@ class FSDP(DDP):
             )
 
     def check_precision(self, precision: str) -> None:
+        self.precision_name = precision  # checked again against a user-sharded model's policy
         policy = self.options.mixed_policy()
         if policy is not None and policy.param_dtype == torch.float16 and precision != "16-mixed":
             raise ConfigError(
@@ -234,12 +242,18 @@ class FSDP(DDP):
         api = fsdp2()
         module = _shardable(require_module(module, "rt.setup"))
         module = place(module, self.device.torch)
+        o = self.options
+        # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
+        # before any broadcast (a DTensor has none) or grouping (see _user_sharded).
+        already = user_groups(module)
+        if already or is_user_sharded(module):
+            check_user_sharded(module, already, o, self.precision_name, self.device.torch)
         if self.world_size > 1:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
-            # model would be made of shards of different models.
-            self.broadcast_state(module)
-        o = self.options
+            # model would be made of shards of different models. Shards the user made are
+            # theirs to make consistent: only the plain tensors are broadcast.
+            self.broadcast_state(module, sharded=False)
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
         if o.reshard_after_forward is not None:
@@ -249,15 +263,8 @@ class FSDP(DDP):
             settings["mp_policy"] = policy
         if o.offload:
             settings["offload_policy"] = api.CPUOffloadPolicy()
-        already = [m for m in module.modules() if isinstance(m, api.FSDPModule)]
         if already:
             _refuse_split_ties(module)
-            if o.activation_checkpointing != "off" or o.compile:
-                raise ConfigError(
-                    "fsdp: the model was already sharded with fully_shard, so gpukit keeps "
-                    "its groups and cannot recompute or compile blocks it did not choose: drop "
-                    "activation_checkpointing/compile, or let gpukit shard the model"
-                )
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
@@ -274,7 +281,7 @@ class FSDP(DDP):
         if not isinstance(root, api.FSDPModule):
             # The root keeps its gathered weights after the forward: its backward comes
             # first, so freeing them would only gather them again at once.
-            options = dict(settings)
+            options = root_settings(already, module, settings) if already else dict(settings)
             options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
             self._shard(api, root, options, ["(root)"])
         gather_on_save(root, self)  # a transformers model's save_pretrained writes full weights
