@@ -44,6 +44,7 @@ from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
+from gpukit.strategies.meta_init import is_meta
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -228,9 +229,13 @@ class FSDP(DDP):
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         api = fsdp2()
-        module = _shardable(require_module(module, "rt.setup"))
-        module = place(module, self.device.torch)
-        if self.world_size > 1:
+        module = _shardable(require_module(module, "rt.setup", meta=True))
+        meta = is_meta(module)  # sharded first, then each rank's shards materialised
+        if meta:
+            self.meta_init.check(_inside_wrappers(module))
+        else:
+            module = place(module, self.device.torch)
+        if self.world_size > 1 and not meta:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
             # model would be made of shards of different models.
@@ -273,6 +278,8 @@ class FSDP(DDP):
             options = dict(settings)
             options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
             self._shard(api, root, options, ["(root)"])
+        if meta:
+            self.meta_init.materialise(root, self.device.torch)
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
         if self.rank == 0:
