@@ -190,3 +190,46 @@ def test_meta_init_keeps_a_ranks_peak_host_memory_below_the_models_size() -> Non
     # The model is 256 MiB, a rank's shards 128 MiB, one block 16 MiB.
     assert grew[False] - grew[True] >= 160 * 1024  # the normal build held the whole model
     assert grew[True] < 256 * 1024  # the meta build: less than the model, on every run
+
+
+class Titan(nn.Module):
+    """torchtitan's pattern: the root initialises everything in ``init_weights``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+        self.freqs.copy_(torch.arange(4.0))
+
+
+def test_a_roots_init_weights_initialises_the_whole_model() -> None:
+    model = gk.Runtime(devices="cpu").setup(_meta(Titan))
+    assert torch.equal(model.proj.weight, torch.ones(4, 4))
+    assert torch.equal(model.freqs, torch.arange(4.0))
+
+
+def _save_then_resume(rt: gk.Runtime, folder: str, meta: bool) -> dict[str, torch.Tensor]:
+    model = rt.setup(_meta(TiedLM) if meta else TiedLM())
+    if meta:
+        rt.load(folder)  # the checkpoint's weights into this rank's shards
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        rt.save(folder)
+    return rt.full_state_dict()
+
+
+def test_a_meta_model_resumes_from_a_checkpoint_into_its_shards(tmp_path: Any) -> None:
+    got = {}
+    for meta in (False, True):
+        rt = gk.Runtime(strategy="fsdp", devices=["cpu"], seed=SEED)
+        try:
+            got[meta] = rt.launch(_save_then_resume, str(tmp_path / "ckpt"), meta)
+        finally:
+            rt.teardown()
+    assert_bit_identical(got[True], got[False])
