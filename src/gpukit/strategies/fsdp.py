@@ -44,7 +44,7 @@ from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
-from gpukit.strategies.meta_init import is_meta
+from gpukit.strategies.meta_init import is_meta, move_buffers
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -278,8 +278,11 @@ class FSDP(DDP):
             options = dict(settings)
             options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
             self._shard(api, root, options, ["(root)"])
-        if meta:
-            self.meta_init.materialise(root, self.device.torch)
+        if meta:  # offloaded shards live in CPU memory, buffers on the device (not offloaded)
+            cpu = torch.device("cpu")
+            self.meta_init.materialise(root, cpu if o.offload else self.device.torch)
+            if o.offload:
+                move_buffers(root, self.device.torch)
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
         if self.rank == 0:

@@ -98,6 +98,15 @@ class MetaInit:
         initialise(model, self.seed, self.init)
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer of ``model`` to ``device`` (fsdp's offload keeps only parameters in
+    CPU memory)."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+
+
 def initialise(model: nn.Module, seed: int | None = None, init: InitFn | None = None) -> None:
     """Initialise every module of ``model`` holding tensors of its own, as a meta-device model
     is (see the module docstring): ``init(module)``, or ``module.reset_parameters()``, on
