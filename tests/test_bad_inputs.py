@@ -280,6 +280,13 @@ def meta_module() -> nn.Module:
     return nn.Linear(2, 2, device="meta")
 
 
+def meta_uninitialisable() -> nn.Module:
+    """On the meta device, with a parameter no reset_parameters() could initialise."""
+    model = nn.Sequential(nn.Linear(2, 2, device="meta"))
+    model.register_parameter("gain", nn.Parameter(torch.ones(2, device="meta")))
+    return model
+
+
 def words() -> Iterator[str]:
     yield "cpu"
 
@@ -736,7 +743,9 @@ API_CASES = [
         runtime_call("setup", nn.Linear), ConfigError, "the class Linear", id="setup-class"
     ),
     pytest.param(runtime_call("setup", lambda x: x), ConfigError, "function", id="setup-function"),
-    pytest.param(runtime_call("setup", meta_module()), ConfigError, "meta device", id="setup-meta"),
+    pytest.param(
+        runtime_call("setup", meta_uninitialisable()), ConfigError, "meta device", id="setup-meta"
+    ),
     pytest.param(
         runtime_call("setup", torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1)),
         ConfigError,

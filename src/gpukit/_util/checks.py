@@ -21,9 +21,10 @@ from gpukit._util.text import described, type_name
 from gpukit.errors import ConfigError
 
 
-def require_module(module: Any, where: str) -> nn.Module:
+def require_module(module: Any, where: str, meta: bool = False) -> nn.Module:
     """``module`` itself when it is an ``nn.Module`` whose tensors hold data; else the error
-    that says so (reads only metadata: this runs once per model, at setup)."""
+    that says so (reads only metadata: this runs once per model, at setup). ``meta``: a model
+    on the meta device is accepted (the strategy materialises it)."""
     if isinstance(module, type) and issubclass(module, nn.Module):
         raise ConfigError(
             f"{where} got the class {module.__name__}, not a model: build it first, e.g. "
@@ -39,10 +40,10 @@ def require_module(module: Any, where: str) -> nn.Module:
             f"{where} got {described(module)} where the model goes: pass a torch.nn.Module, "
             f"e.g. {where}(model, optimizer, loader)"
         )
-    meta = next((n for n, t in _named_tensors(module) if t.is_meta), None)
-    if meta is not None:
+    found = None if meta else next((n for n, t in _named_tensors(module) if t.is_meta), None)
+    if found is not None:
         raise ConfigError(
-            f"{where}: the model's {meta} is on the meta device: it has a shape but no data, "
+            f"{where}: the model's {found} is on the meta device: it has a shape but no data, "
             "so it cannot be moved. Materialise it first (model.to_empty(device=...), then "
             "load or initialise the weights)"
         )

@@ -44,7 +44,7 @@ class Precision:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """What runs ``module``'s forward in this precision; float32: the module itself."""
-        return require_module(module, "rt.setup")
+        return require_module(module, "rt.setup", meta=True)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The module ``setup_module`` was given."""
@@ -79,7 +79,7 @@ class BF16Mixed(Precision):
     dtype: ClassVar[torch.dtype] = torch.bfloat16
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        require_module(module, "rt.setup")
+        require_module(module, "rt.setup", meta=True)
         return MixedPrecision(self.unwrap(module), self.device.type, self.dtype)
 
 

@@ -63,6 +63,7 @@ from gpukit.runtime.step import Stepper
 from gpukit.runtime.targets import with_target_check
 from gpukit.runtime.views import RuntimeViews
 from gpukit.strategies import ReduceOp, choose
+from gpukit.strategies.meta_init import MetaInit
 
 
 class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing, Profiling):
@@ -79,6 +80,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
         launched = _env.launched() is not None
         devices = resolve_devices(settings.devices, launched)
         self.strategy = choose(settings.strategy, devices, launched)
+        self.strategy.meta_init = MetaInit(settings.init, settings.seed)  # a meta model's init
         check_device_count(settings.devices, devices, self.strategy)
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)

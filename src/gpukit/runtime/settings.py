@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.text import described
+from gpukit.errors import ConfigError
 from gpukit.lifecycle.checks import (
     ResumePolicy,
     check_checkpoints,
@@ -86,6 +88,14 @@ def _count_or_text(text: str) -> int | str:
 
 def _save_every(value: object) -> None:
     parse_save_every(value)  # type: ignore[arg-type]  # checks whatever it is given
+
+
+def _init(value: object) -> None:
+    if value is not None and not callable(value):
+        raise ConfigError(
+            f"init={described(value)}: give a function taking a module (it initialises that "
+            "module's own parameters and buffers), or None"
+        )
 
 
 def _nonfinite(value: object) -> None:
@@ -265,6 +275,20 @@ class Settings:
         check=check_compile,
         flag=False,
         no_flag="--compile (True: torch's default backend)",
+    )
+
+    init: Callable[[Any], Any] | None = setting(
+        None,
+        help="how a model built on the meta device is initialised: fn(module) per module",
+        allowed="a function taking a module, or None",
+        doc="a model built under ``torch.device('meta')`` is materialised at ``rt.setup`` "
+        "(under fsdp: only each rank's shards) and initialised by ``init(module)`` for each "
+        "module holding tensors of its own, or, with None, by each module's "
+        "``reset_parameters()`` (a root's ``init_weights()`` when it has one); the same "
+        "weights for any rank count (see ``gpukit.strategies.meta_init``).",
+        check=_init,
+        flag=False,
+        no_flag="none (the built-in workloads are built with their weights)",
     )
 
     def __post_init__(self) -> None:

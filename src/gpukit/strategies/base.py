@@ -24,6 +24,7 @@ from gpukit._util.checks import require_module
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies.meta_init import MetaInit, is_meta, user_model
 from gpukit.strategies.traits import Traits
 
 ReduceOp = Literal["mean", "sum", "max", "min"]
@@ -96,6 +97,8 @@ class Strategy(abc.ABC):
     traits: ClassVar[Traits]
     # What runs when a device runs out of memory (see ``recovery``).
     recovery_class: ClassVar[type[Recovery]] = Recovery
+    # How a model built on the meta device is initialised (the Runtime sets the run's).
+    meta_init: MetaInit = MetaInit()
     # Hooks with an empty body are optional (B027): doing nothing is right for one process.
 
     def __init__(self) -> None:
@@ -162,8 +165,13 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Place the model; return what the training loop should call. The base places it on
-        this process's device."""
-        return place(require_module(module, "rt.setup"), self.device.torch)
+        this process's device (a meta-device model: materialised whole there and initialised,
+        see ``gpukit.strategies.meta_init``)."""
+        module = require_module(module, "rt.setup", meta=True)
+        if is_meta(module):
+            self.meta_init.check(user_model(module))
+            self.meta_init.materialise(user_model(module), self.device.torch)
+        return place(module, self.device.torch)
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None

@@ -54,6 +54,7 @@ from gpukit.strategies._user_sharded import (
 )
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
+from gpukit.strategies.meta_init import is_meta, move_buffers
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -240,15 +241,19 @@ class FSDP(DDP):
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         api = fsdp2()
-        module = _shardable(require_module(module, "rt.setup"))
-        module = place(module, self.device.torch)
+        module = _shardable(require_module(module, "rt.setup", meta=True))
+        meta = is_meta(module)  # sharded first, then each rank's shards materialised
+        if meta:
+            self.meta_init.check(_inside_wrappers(module))
+        else:
+            module = place(module, self.device.torch)
         o = self.options
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
         # before any broadcast (a DTensor has none) or grouping (see _user_sharded).
         already = user_groups(module)
         if already or is_user_sharded(module):
             check_user_sharded(module, already, o, self.precision_name, self.device.torch)
-        if self.world_size > 1:
+        if self.world_size > 1 and not meta:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
             # model would be made of shards of different models. Shards the user made are
@@ -284,6 +289,11 @@ class FSDP(DDP):
             options = root_settings(already, module, settings) if already else dict(settings)
             options.setdefault("reshard_after_forward", o.reshard_after_forward or False)
             self._shard(api, root, options, ["(root)"])
+        if meta:  # offloaded shards live in CPU memory, buffers on the device (not offloaded)
+            cpu = torch.device("cpu")
+            self.meta_init.materialise(root, cpu if o.offload else self.device.torch)
+            if o.offload:
+                move_buffers(root, self.device.torch)
         gather_on_save(root, self)  # a transformers model's save_pretrained writes full weights
         plan = describe_plan(module, groups, self, already=bool(already))
         self.plans.append(plan)
