@@ -145,3 +145,30 @@ def test_a_sharded_export_holds_one_tensor_at_a_time(
     assert run["old"] >= total  # the measure sees a full gather
     # A few of the largest tensor (the gather's buffers and its result), not the model.
     assert run["new"] <= 4 * LARGEST
+
+
+@pytest.fixture
+def no_process_group_left() -> Any:
+    """A one-rank fsdp run joins a process group in the test process: none may outlive it."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_export_never_leaves_the_shards_alone_and_they_resume(
+    tmp_path: Path, no_process_group_left: Any
+) -> None:
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu"], seed=0, export="never")
+    model = rt.setup(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    path = rt.save(tmp_path / "ck")
+    assert not list(path.glob("model*")) and (path / "sharded").is_dir()
+    assert "model.safetensors" not in json.loads((path / "manifest.json").read_text())["files"]
+    assert rt.load(tmp_path / "ck") == {"epoch": 0, "step": 0}
+    last = rt.save(tmp_path / "last", export=True)  # the last one exported anyway
+    assert load_file(str(last / "model.safetensors")).keys() == model.state_dict().keys()
+    rt.teardown()
+
+
+def test_an_unknown_export_policy_is_refused() -> None:
+    with pytest.raises(gk.ConfigError, match=r"export='final': use 'every' .* or 'never'"):
+        gk.Runtime(export="final")

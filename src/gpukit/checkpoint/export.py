@@ -27,17 +27,19 @@ import struct
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal, get_args
 
 import torch
 from torch import nn
 
 from gpukit.checkpoint import finite
+from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
 
 MAX_SHARD_BYTES = 5 * 10**9  # what Hugging Face's save_pretrained puts in one file
 INDEX = ".index.json"  # beside the shards: model.safetensors.index.json
+ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
 
 _DTYPES = {
     torch.float64: "F64",
@@ -57,6 +59,16 @@ _DTYPES = {
         if hasattr(torch, name)
     },
 }
+
+
+def check_export(value: object) -> None:
+    """ConfigError unless ``value`` names an export policy."""
+    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
+        raise ConfigError(
+            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
+            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
+            "rt.save(export=True) exports one anyway)"
+        )
 
 
 def tied_names(model: nn.Module) -> set[str]:

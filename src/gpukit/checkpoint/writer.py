@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_model
 
-from gpukit.checkpoint import export, files, finite, objects, sharded
+from gpukit.checkpoint import files, finite, objects, sharded
 from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint.export import export as export_weights
 from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
 from gpukit.checkpoint.fit import (
     optimizer_entries,
@@ -46,11 +47,13 @@ def save(
     *,
     accumulate: int = 1,
     keep: int = 3,
+    export: bool = True,
 ) -> Path:
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
-    too). See :mod:`gpukit.checkpoint`.
+    too). Under fsdp ``export`` says whether it also holds the full weights (the shards
+    alone resume the run). See :mod:`gpukit.checkpoint`.
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -95,11 +98,11 @@ def save(
         finally:
             for i in fresh:
                 state.optimizers[i].state.clear()
-        if not failures.agree(strategy):  # then its part of each full weight, one at a time
+        if export and not failures.agree(strategy):  # then each full weight, one at a time
             guard = failures.noted if strategy.rank == 0 else None
             for i, model in enumerate(models):
                 name = weights_name(i, len(models))
-                wrote, problems = export.export(model, strategy, tmp, name, guard=guard)
+                wrote, problems = export_weights(model, strategy, tmp, name, guard=guard)
                 exported += wrote
                 bad += problems
     if strategy.rank == 0 and failures.ok and failures.agreed:

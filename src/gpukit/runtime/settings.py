@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpukit.checkpoint.export import ExportPolicy, check_export
 from gpukit.lifecycle.checks import (
     ResumePolicy,
     check_checkpoints,
@@ -209,6 +210,17 @@ class Settings:
         doc="how many of the newest checkpoints to keep.",
         check=check_keep,
         parse=int,
+    )
+    export: ExportPolicy = setting(
+        "every",
+        help="fsdp checkpoints: every one also holds the full weights, or never (shards only)",
+        allowed="every, never",
+        doc='under fsdp, whether each checkpoint also holds the full weights '
+        '(``model.safetensors``, gathered one weight at a time): "every", or "never" (the '
+        "shards alone, which resume the run; ``rt.save(export=True)`` exports one anyway, "
+        "e.g. the last). Without fsdp the weights file is what resumes, and always written.",
+        check=check_export,
+        choices=("every", "never"),
     )
     resume: ResumePolicy = setting(
         None,
