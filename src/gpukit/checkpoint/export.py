@@ -27,19 +27,17 @@ import struct
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, get_args
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
 from gpukit.checkpoint import finite
-from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
 
 MAX_SHARD_BYTES = 5 * 10**9  # what Hugging Face's save_pretrained puts in one file
 INDEX = ".index.json"  # beside the shards: model.safetensors.index.json
-ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
 
 _DTYPES = {
     torch.float64: "F64",
@@ -59,16 +57,6 @@ _DTYPES = {
         if hasattr(torch, name)
     },
 }
-
-
-def check_export(value: object) -> None:
-    """ConfigError unless ``value`` names an export policy."""
-    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
-        raise ConfigError(
-            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
-            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
-            "rt.save(export=True) exports one anyway)"
-        )
 
 
 def tied_names(model: nn.Module) -> set[str]:
@@ -143,7 +131,7 @@ def export(
             out = _attempt(guard, partial(_open, folder / file, keys, values))
         for key in keys:
             value = values[key]
-            full = value.full_tensor() if is_dtensor(value) else value  # every rank joins
+            full = _gathered(value) if is_dtensor(value) else value  # every rank joins
             if out is None:
                 continue
             host = full.detach().to("cpu").contiguous()
@@ -166,6 +154,16 @@ def export(
         if _attempt(guard, partial(_dump, folder / (name + INDEX), index)) is not None:
             written.append(name + INDEX)
     return written, bad
+
+
+def _gathered(value: Any) -> torch.Tensor:
+    """The full tensor of the DTensor ``value`` (collective). A shard kept off its mesh's
+    device (fsdp's CPU offload under nccl) goes there first, as torch's own full state dict
+    does: the collective runs on the mesh's device."""
+    kind = value.device_mesh.device_type
+    if value.device.type != kind:
+        value = value.to(kind)
+    return value.full_tensor()
 
 
 def _attempt(guard: Callable[[], Any] | None, fn: Callable[[], Any]) -> Any:

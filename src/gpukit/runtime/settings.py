@@ -25,9 +25,9 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from gpukit.checkpoint.export import ExportPolicy, check_export
+from gpukit.errors import ConfigError
 from gpukit.lifecycle.checks import (
     ResumePolicy,
     check_checkpoints,
@@ -87,6 +87,18 @@ def _count_or_text(text: str) -> int | str:
 
 def _save_every(value: object) -> None:
     parse_save_every(value)  # type: ignore[arg-type]  # checks whatever it is given
+
+
+ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
+
+
+def _export(value: object) -> None:
+    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
+        raise ConfigError(
+            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
+            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
+            "rt.save(export=True) exports one anyway)"
+        )
 
 
 def _nonfinite(value: object) -> None:
@@ -215,11 +227,11 @@ class Settings:
         "every",
         help="fsdp checkpoints: every one also holds the full weights, or never (shards only)",
         allowed="every, never",
-        doc='under fsdp, whether each checkpoint also holds the full weights '
+        doc="under fsdp, whether each checkpoint also holds the full weights "
         '(``model.safetensors``, gathered one weight at a time): "every", or "never" (the '
         "shards alone, which resume the run; ``rt.save(export=True)`` exports one anyway, "
         "e.g. the last). Without fsdp the weights file is what resumes, and always written.",
-        check=check_export,
+        check=_export,
         choices=("every", "never"),
     )
     resume: ResumePolicy = setting(
