@@ -3,6 +3,8 @@
 A checkpoint is a folder ``step-00000123/`` under the directory given, holding:
 
 - ``model.safetensors`` (or ``model-N.safetensors`` for several models): the weights;
+  under fsdp, beyond 5 GB, Hugging Face's shards of it and its ``.index.json`` (see
+  :mod:`~gpukit.checkpoint.export`);
 - ``state.pt``: optimizer and gradient-scaler state, epoch, step, each loader's position
   inside its epoch (in batches, with their size, so another batch size resumes at the same
   sample), and the RNG states of every rank, with the state each loader's pass started from

@@ -6,7 +6,8 @@ rank 0 would need the memory fsdp saves. So the weights and optimizer states go 
 writes the shards it holds, names every value by its parameter's name (not by its position in
 an optimizer), and DCP reads them back resharded for any number of ranks. Beside it rank 0
 still writes ``model.safetensors`` from the full weights, for export and inspection (it loads
-into an unsharded copy of the model), and ``state.pt`` with the progress, random states,
+into an unsharded copy of the model), gathered one weight at a time (see ``export``), and
+``state.pt`` with the progress, random states,
 loaders and precision.
 
 Every rank reads the checkpoint folder: it must be on a file system that every rank sees
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from gpukit._util.text import described
@@ -106,21 +106,6 @@ def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor
     if strategy.rank != 0:
         return {}
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def save_weights(weights: dict[str, torch.Tensor], model: nn.Module, path: Path) -> None:
-    """Write full weights as ``model.safetensors`` does for an unsharded model: a tied weight
-    once, under the name safetensors itself keeps (the first in sorted order), so that
-    ``safetensors.torch.load_model`` fills an unsharded copy of the model from it."""
-    names: dict[int, list[str]] = {}
-    for name, value in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        names.setdefault(id(value), []).append(name)
-    tied = {name for group in names.values() for name in sorted(group)[1:]}
-    kept = {k: v.contiguous() for k, v in weights.items() if k not in tied}
-    save_file(kept, str(path))
 
 
 def save(

@@ -24,6 +24,7 @@ from safetensors.torch import save_model
 
 from gpukit.checkpoint import files, finite, objects, sharded
 from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint.export import export as export_weights
 from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
 from gpukit.checkpoint.fit import (
     optimizer_entries,
@@ -46,11 +47,13 @@ def save(
     *,
     accumulate: int = 1,
     keep: int = 3,
+    export: bool = True,
 ) -> Path:
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
-    too). See :mod:`gpukit.checkpoint`.
+    too). Under fsdp ``export`` says whether it also holds the full weights (the shards
+    alone resume the run). See :mod:`gpukit.checkpoint`.
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -84,7 +87,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
     bad: list[str] = []
-    weights: list[dict[str, torch.Tensor]] = []
+    exported: list[str] = []  # rank 0: the weights files the export wrote
     # Optimizers that have not stepped yet: laying out their state for the shards gives them
     # one (a step at learning rate 0, AdamW's step count 1), which must not outlive the save.
     fresh = [i for i, o in enumerate(state.optimizers) if not o.state] if shards else []
@@ -95,23 +98,29 @@ def save(
         finally:
             for i in fresh:
                 state.optimizers[i].state.clear()
-        if not failures.agree(strategy):  # then gives its part of the full weights
-            weights = [sharded.full_weights(m, strategy) for m in models]
+        if export and not failures.agree(strategy):  # then each full weight, one at a time
+            guard = failures.noted if strategy.rank == 0 else None
+            for i, model in enumerate(models):
+                name = weights_name(i, len(models))
+                wrote, problems = export_weights(model, strategy, tmp, name, guard=guard)
+                exported += wrote
+                bad += problems
     if strategy.rank == 0 and failures.ok and failures.agreed:
         with failures.noted():
             progress = _progress(state, strategy, precision, rng, shards, accumulate)
             progress["fresh_optimizers"] = fresh  # a resume leaves them stateless too
             progress |= extras
-            if shards:
-                bad += finite.problems(_sharded_entries(models, weights, progress))
-                for i, (model, full) in enumerate(zip(models, weights, strict=True)):
-                    sharded.save_weights(full, model, tmp / weights_name(i, len(models)))
+            if shards:  # the weights were checked as they were exported
+                bad += finite.problems(
+                    finite.state_entries(files.STATE, "precision", progress["precision"])
+                )
             else:
                 bad = finite.problems(_entries(models, state, progress))
                 for i, model in enumerate(models):
                     save_model(model, str(tmp / weights_name(i, len(models))))
-            for i in range(len(models)):
-                files.ordinary_mode(tmp / weights_name(i, len(models)))
+                    exported.append(weights_name(i, len(models)))
+            for name in exported:
+                files.ordinary_mode(tmp / name)
             torch.save(progress, tmp / files.STATE)
     known: dict[str, Any] = {}
     if shards and failures.agreed:
@@ -209,17 +218,6 @@ def _entries(models: list[Any], state: TrainState, progress: dict[str, Any]) -> 
         zip(state.optimizers, progress["optimizers"], strict=True)
     ):
         entries += optimizer_entries(files.STATE, f"optimizer {i}", kept, optimizer, names)
-    entries += finite.state_entries(files.STATE, "precision", progress["precision"])
-    return entries
-
-
-def _sharded_entries(
-    models: list[Any], weights: list[dict[str, torch.Tensor]], progress: dict[str, Any]
-) -> list[finite.Entry]:
-    """The full weights and the precision state (each rank checked its optimizer shards)."""
-    entries: list[finite.Entry] = []
-    for i, (model, full) in enumerate(zip(models, weights, strict=True)):
-        entries += finite.model_entries(weights_name(i, len(models)), full, model)
     entries += finite.state_entries(files.STATE, "precision", progress["precision"])
     return entries
 

@@ -36,14 +36,21 @@ class Checkpointing:
     _close_window: Callable[[], None]
     print: Callable[..., None]
 
-    def save(self, directory: str | Path | None = None, keep: int | None = None) -> Path:
+    def save(
+        self,
+        directory: str | Path | None = None,
+        keep: int | None = None,
+        *,
+        export: bool | None = None,
+    ) -> Path:
         """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)
         into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
         (default: the Runtime's ``keep``).
 
         Collective: every rank calls it (rank 0 writes the files, every rank gives its random
         state and, under fsdp, writes its shards). Called on some ranks only, it fails within
-        30 s naming the ranks that did not call it."""
+        30 s naming the ranks that did not call it. Under fsdp ``export`` (default: the
+        Runtime's ``export`` setting) says whether it also holds the full weights."""
         self._ensure_ready()
         folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
@@ -58,6 +65,7 @@ class Checkpointing:
             self.precision,
             accumulate=self.config.accumulate,
             keep=keep if keep is not None else self.config.keep,
+            export=export if export is not None else self.config.export == "every",
         )
         self.lifecycle.saved(self.state.global_step)
         return path

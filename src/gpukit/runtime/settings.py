@@ -25,7 +25,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
@@ -95,6 +95,18 @@ def _init(value: object) -> None:
         raise ConfigError(
             f"init={described(value)}: give a function taking a module (it initialises that "
             "module's own parameters and buffers), or None"
+        )
+
+
+ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
+
+
+def _export(value: object) -> None:
+    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
+        raise ConfigError(
+            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
+            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
+            "rt.save(export=True) exports one anyway)"
         )
 
 
@@ -219,6 +231,17 @@ class Settings:
         doc="how many of the newest checkpoints to keep.",
         check=check_keep,
         parse=int,
+    )
+    export: ExportPolicy = setting(
+        "every",
+        help="fsdp checkpoints: every one also holds the full weights, or never (shards only)",
+        allowed="every, never",
+        doc="under fsdp, whether each checkpoint also holds the full weights "
+        '(``model.safetensors``, gathered one weight at a time): "every", or "never" (the '
+        "shards alone, which resume the run; ``rt.save(export=True)`` exports one anyway, "
+        "e.g. the last). Without fsdp the weights file is what resumes, and always written.",
+        check=_export,
+        choices=("every", "never"),
     )
     resume: ResumePolicy = setting(
         None,
