@@ -13,6 +13,9 @@ import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.planning.closed_form import closed_form
 from gpukit.planning.facts import model_facts
+from gpukit.planning.report import PlanReport
+from gpukit.planning.result import DevicePeak, Plan
+from gpukit.planning.targets import target
 from gpukit.workloads.base import load_workload
 from gpukit.workloads.llama import LlamaShape, llama, llama3_8b
 
@@ -113,3 +116,20 @@ def test_closed_form_refuses_mixed_for_a_strategy_that_gathers_nothing() -> None
         closed_form(facts, strategy="ddp", devices=2, micro_batch=1, mixed="bf16")
     with pytest.raises(ConfigError, match="mixed='fp16'"):
         closed_form(facts, strategy="fsdp", devices=2, micro_batch=1, mixed="fp16")
+
+
+def _fits(strategy: str, per_s: float) -> Plan:
+    gib = 2**30
+    peak = (DevicePeak("cuda:0", {"parameters": gib}),) * 8
+    return Plan(strategy, 8, 2, 1, "bf16-mixed", "off", peak, capacity_bytes=2 * gib,
+                samples_per_s=per_s)  # fmt: skip
+
+
+def test_the_simplest_strategy_that_fits_is_recommended_unless_clearly_slower() -> None:
+    goal = target("h100")
+    close = PlanReport("w", goal, (_fits("ddp", 100.0), _fits("fsdp", 105.0)))
+    assert close.best is not None and close.best.strategy == "ddp"
+    assert "fsdp would be 5% faster" in close.recommendation
+    far = PlanReport("w", goal, (_fits("ddp", 100.0), _fits("fsdp", 130.0)))
+    assert far.best is not None and far.best.strategy == "fsdp"
+    assert "30% faster than ddp, which fits too" in far.recommendation
