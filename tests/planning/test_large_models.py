@@ -4,12 +4,14 @@ planned for 8 and 128 H100s by the closed form without materialising it."""
 from __future__ import annotations
 
 import functools
+import json
 import tracemalloc
 
 import pytest
 import torch
 
 import gpukit as gk
+from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
 from gpukit.planning.closed_form import closed_form
 from gpukit.planning.facts import model_facts
@@ -133,3 +135,14 @@ def test_the_simplest_strategy_that_fits_is_recommended_unless_clearly_slower() 
     far = PlanReport("w", goal, (_fits("ddp", 100.0), _fits("fsdp", 130.0)))
     assert far.best is not None and far.best.strategy == "fsdp"
     assert "30% faster than ddp, which fits too" in far.recommendation
+
+
+def test_cli_fsdp_mixed(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--workload", "mlp", "--devices", "2", "--target", "h100", "--method",
+            "closed-form", "--strategies", "ddp,fsdp", "--json"]  # fmt: skip
+    assert main([*argv, "--fsdp-mixed", "bf16"]) == 0
+    mixed = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert any("mixed precision bf16" in n for n in mixed["fsdp"]["notes"])
+    assert not any("mixed" in n for n in mixed["ddp"]["notes"])
+    with pytest.raises(SystemExit):
+        main([*argv, "--fsdp-mixed", "fp8"])  # argparse's choices
