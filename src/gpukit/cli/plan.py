@@ -15,6 +15,8 @@ Example:
     gpukit plan --workload gpt --devices 64 --target h100 --batch-size 512 --json
     gpukit plan --workload mypkg.train:make --devices 4 --target a100-40gb \
         --activation-checkpointing selective
+    gpukit plan --workload gpukit.workloads.llama:llama3_8b --devices 8,128 --target h100 \
+        --strategies ddp,fsdp --fsdp-mixed bf16    # a meta-device 8B model, not materialised
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
 from gpukit.planning.arguments import CHECKPOINTING, PRECISIONS
+from gpukit.planning.closed_form import MIXED
 from gpukit.planning.planner import plan
 from gpukit.planning.targets import parse_bytes
 from gpukit.strategies import STRATEGIES
@@ -48,6 +51,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--activation-checkpointing", default="off", choices=CHECKPOINTING)
+    parser.add_argument(
+        "--fsdp-mixed", default=None, choices=MIXED,
+        help="plan fsdp with FSDP2 mixed precision: bf16 params and compute, fp32 reduction",
+    )  # fmt: skip
     parser.add_argument("--target", default=None, help="a GPU name (h100, a100-40gb), or cpu")
     parser.add_argument("--memory", default=None, help="memory per device, e.g. 24GiB")
     parser.add_argument(
@@ -78,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         memory=parse_bytes(args.memory) if args.memory is not None else None,
         method=args.method,
         calibration=calibration,
+        fsdp_mixed=args.fsdp_mixed,
     )
     if args.json:
         print_json(report.to_dict())

@@ -15,6 +15,7 @@ from typing import Any
 
 from gpukit.errors import ConfigError
 from gpukit.planning import registered
+from gpukit.planning.closed_form import MIXED
 from gpukit.planning.targets import Target, with_memory
 from gpukit.planning.targets import target as resolve_target
 from gpukit.workloads.base import Workload, load_workload
@@ -28,7 +29,7 @@ def workload(workload: Any) -> Workload:
     if isinstance(workload, Workload):
         return workload
     if isinstance(workload, str):
-        return load_workload(workload, seed=0)
+        return load_workload(workload, seed=0, meta=True)  # planned without materialising
     if callable(workload):
         built = workload()
         if isinstance(built, Workload):
@@ -97,6 +98,25 @@ def precision(precision: str, goal: Target) -> str:
     if goal.kind != "cuda":
         return "32"
     return "bf16-mixed" if "bf16" in goal.peak_flops else "16-mixed"
+
+
+def mixed(value: Any, chosen: Sequence[str]) -> str | None:
+    """``fsdp_mixed``: None, or a policy the closed form models, with a strategy that gathers
+    weights among ``chosen``."""
+    if value is None:
+        return None
+    if value not in MIXED:
+        raise ConfigError(
+            f"fsdp_mixed={value!r}: choose among {', '.join(MIXED)} (FSDP2's mixed precision: "
+            "bf16 parameters and compute, float32 gradient reduction), or None"
+        )
+    gathering = [s for s in registered.names() if registered.traits(s).gathers_weights]
+    if not any(s in gathering for s in chosen):
+        raise ConfigError(
+            f"fsdp_mixed={value!r} applies to {', '.join(gathering)}, which strategies="
+            f"{list(chosen)!r} leaves out: add it, or leave fsdp_mixed out"
+        )
+    return str(value)
 
 
 def positive(name: str, value: Any) -> int:

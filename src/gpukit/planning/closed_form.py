@@ -15,7 +15,11 @@ process driving every device (dp) keeps the model, gradients and optimizer state
 device, parameter replicas (and their gradients in the backward) on the others, and the whole
 batch on the first, with its gathered outputs and the loss where the outputs are gathered
 (dp-balanced computes the loss on each device). Mixed precision keeps float32 weights and
-gradients (gpukit autocasts the forward only), so only activations change dtype.
+gradients (gpukit autocasts the forward only), so only activations change dtype. FSDP2's
+mixed precision (``mixed="bf16"``: bf16 parameters gathered and computed with, gradients
+reduced in float32) halves the gathered blocks and a block's unsharded gradients, while the
+reduce-scatter input stays float32; the activations come from facts measured with bf16
+parameters (:func:`model_facts`'s ``param_dtype``).
 ``granularity`` rounds each tensor up (512 on CUDA); activations by half a granule on average.
 
 >>> facts = ModelFacts(400, 0, 0, 100, 400, 1000, 0, 40, 128, 0.0)
@@ -31,7 +35,10 @@ from gpukit.planning.facts import PRECISIONS, ModelFacts, model_facts
 from gpukit.planning.result import BREAKDOWN, DevicePeak
 from gpukit.strategies.traits import State, Traits
 
-__all__ = ["OPTIMIZERS", "ModelFacts", "closed_form", "model_facts"]
+__all__ = ["MIXED", "OPTIMIZERS", "ModelFacts", "closed_form", "model_facts"]
+
+# FSDP2 mixed precision policies the closed form models (parameter dtype; float32 reduction).
+MIXED = ("bf16",)
 
 # Optimizer state per trainable float32 element and the step's temporaries, in copies of it.
 OPTIMIZERS = {"adamw": (2, 1), "adam": (2, 1), "sgd": (0, 0), "sgd-momentum": (1, 0)}
@@ -47,11 +54,20 @@ def closed_form(
     optimizer: str = "adamw",
     precision: str = "32",
     granularity: int = 1,
+    mixed: str | None = None,
 ) -> tuple[DevicePeak, ...]:
     """Each device's predicted peak for ``strategy`` on ``devices`` devices at ``micro_batch``
     samples per device (see the module doc); ``cuda_context`` and ``allocator_reserve`` are
-    left at 0 for the calibration to fill."""
+    left at 0 for the calibration to fill. ``mixed``: "bf16" for FSDP2's mixed precision
+    (strategies that gather weights only)."""
     traits = _check(strategy, devices, micro_batch, accumulate, optimizer, precision, granularity)
+    if mixed not in (None, *MIXED):
+        raise ConfigError(f"mixed={mixed!r}: use None or one of {', '.join(MIXED)}")
+    if mixed is not None and not traits.gathers_weights:
+        raise ConfigError(
+            f"mixed={mixed!r} is FSDP2's mixed precision: {strategy} gathers no weights; "
+            "plan it with precision='bf16-mixed' instead"
+        )
     g = granularity
     states, temps = OPTIMIZERS[optimizer]
     buckets, one_process = traits.gradient_buckets, traits.drives_all_devices
@@ -86,11 +102,17 @@ def closed_form(
         communication = _round(facts.trainable_bytes, g)
     elif traits.gathers_weights:
         largest, root = facts.largest_group_bytes, facts.root_group_bytes
-        gathered = root + (min(2, facts.block_groups) * largest if facts.block_groups else 0)
+        block = facts.largest_block_bytes or largest
+        gathered = root + (min(2, facts.block_groups) * block if facts.block_groups else 0)
         # A block's unsharded gradients and its reduce-scatter input: with blocks, while
-        # activations are still held; without, only once the backward freed them.
-        reducing = gathered + 2 * largest
-        communication = reducing if facts.block_groups else gathered
+        # activations are still held; without, only once the backward freed them; the
+        # largest group's (the root's, it may be) once the backward freed them. Mixed:
+        # gathered weights and unsharded gradients in 2 bytes, the reduction in float32.
+        half = 2 if mixed is not None else 1
+        gathered //= half
+        reducing = gathered + largest // half + largest
+        in_backward = gathered + block // half + block
+        communication = in_backward if facts.block_groups else gathered
     step_comm = _round(facts.trainable_bytes, g) if buckets else 0
     peaks = []
     for index in range(devices):

@@ -65,6 +65,7 @@ class ModelFacts:
     activation_tensors: int = 0
     buffer_tensors: int = 0
     parameter_rows: tuple[tuple[int, int, bool], ...] = ()
+    largest_block_bytes: int = 0  # the largest group but the root (0: unknown)
 
     def activations(self, micro_batch: int) -> int:
         """Bytes saved for the backward at ``micro_batch`` samples."""
@@ -83,10 +84,14 @@ def model_facts(
     activation_checkpointing: str = "off",
     flops_per_sample: float = 0.0,
     loss: Callable[..., Any] | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> ModelFacts:
     """Measure ``model``'s facts from one ``(input, target)`` item ``example`` (see the
     module doc); ``loss(output, target)``, when given, is counted too, else the loss is
-    assumed to keep one output-sized tensor (a cross entropy's log-probabilities)."""
+    assumed to keep one output-sized tensor (a cross entropy's log-probabilities).
+    ``param_dtype``: the floating parameters computed in that dtype (FSDP2's mixed precision
+    gathers them so), which the activations then are too. A model on the meta device is
+    measured the same way: its parameters only give shapes."""
     if precision not in PRECISIONS:
         raise ConfigError(
             f"precision {precision!r} is not one the planner models: use one of {PRECISIONS}"
@@ -106,7 +111,7 @@ def model_facts(
     group_sizes = [sum(_nbytes(p) for p in g.parameters) for g in groups]
     root = sum(_nbytes(p) for p in params if id(p) not in in_blocks)
     try:
-        one, two = (_forward(model, example, b, precision, loss) for b in (1, 2))
+        one, two = (_forward(model, example, b, precision, loss, param_dtype) for b in (1, 2))
     except ConfigError:
         raise
     except Exception as err:
@@ -140,6 +145,7 @@ def model_facts(
         activation_tensors=len(one.saved),
         buffer_tensors=sum(1 for _ in model.buffers()),
         parameter_rows=tuple(_rows(p) for p in params),
+        largest_block_bytes=max(group_sizes, default=0),
     )
 
 
@@ -216,7 +222,12 @@ class _KeptOutputs(TorchDispatchMode):
 
 
 def _forward(
-    model: nn.Module, example: Any, batch: int, precision: str, loss: Callable[..., Any] | None
+    model: nn.Module,
+    example: Any,
+    batch: int,
+    precision: str,
+    loss: Callable[..., Any] | None,
+    param_dtype: torch.dtype | None = None,
 ) -> _Run:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -226,7 +237,7 @@ def _forward(
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     real = map_tensors(example, lambda t: torch.stack([t] * batch))
     with mode:
-        fake_state: dict[str, torch.Tensor] = {k: mode.from_tensor(v) for k, v in state.items()}
+        fake_state = {k: _fake(mode, v, _input_device(real), param_dtype) for k, v in state.items()}
         own = {t.untyped_storage()._cdata for t in fake_state.values()}
         x, y = map_tensors(real, mode.from_tensor)
         keep: list[Any] = []  # holds counted storages alive, so their ids stay theirs
@@ -288,6 +299,23 @@ def _forward(
             targets=sum(_nbytes(t) for t in tensors(y)),
             loss=loss_bytes,
         )
+
+
+def _fake(
+    mode: Any, t: torch.Tensor, device: torch.device, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """A fake of ``t`` (a leaf, as a parameter is): a meta tensor's on the input's device,
+    a floating one in ``dtype`` when given."""
+    if not t.is_meta and (dtype is None or not t.is_floating_point()):
+        return mode.from_tensor(t)
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    out = torch.empty_strided(t.shape, t.stride(), dtype=cast, device=device)
+    return out.requires_grad_(t.requires_grad)
+
+
+def _input_device(x: Any) -> torch.device:
+    first = next(iter(tensors(x)), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _device_type(x: Any) -> str:

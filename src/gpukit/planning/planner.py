@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from gpukit.errors import ConfigError, GpukitError
 from gpukit.planning import arguments, registered
 from gpukit.planning.arguments import CHECKPOINTING
@@ -50,6 +52,7 @@ class _Setting:
     target: Target
     method: str
     calibration: Calibration | None
+    fsdp_mixed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class _Subject:
     facts: ModelFacts | None
     facts_note: str | None
     setting: _Setting
+    mixed_facts: ModelFacts | None = None  # measured with bf16 parameters (fsdp_mixed)
 
 
 def plan(
@@ -79,6 +83,7 @@ def plan(
     memory: int | None = None,
     method: str = "auto",
     calibration: Calibration | None = None,
+    fsdp_mixed: str | None = None,
 ) -> PlanReport:
     """Plans for ``workload`` (a built-in's name, ``module:function``, a Workload or a function
     returning one) at global ``batch`` (default: the workload's) on each count in ``devices``
@@ -86,7 +91,10 @@ def plan(
     dp-balanced on more than 1); see the module doc. ``target``: a GPU name ("h100"), "cpu",
     or None for this machine; ``memory`` overrides its bytes. ``method``: "auto" (simulate
     where possible) or "closed-form" (instant). ``calibration``: measured on the target by
-    :func:`gpukit.planning.calibrate.calibrate`."""
+    :func:`gpukit.planning.calibrate.calibrate`. ``fsdp_mixed``: "bf16" plans the strategies
+    that gather weights (fsdp) with FSDP2's mixed precision, as ``FSDP(mixed="bf16")`` runs:
+    bf16 parameters and compute, float32 gradient reduction (closed form). A model on the meta
+    device is planned by the closed form without materialising it."""
     built = arguments.workload(workload)
     counts = arguments.counts(devices)
     arguments.choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
@@ -108,9 +116,11 @@ def plan(
         target=goal,
         method=arguments.choice("method", method, ("auto", "closed-form")),
         calibration=calibration,
+        fsdp_mixed=arguments.mixed(fsdp_mixed, chosen),
     )
     facts, facts_note = _facts(built, setting)
-    subject = _Subject(workload, built, facts, facts_note, setting)
+    mixed_facts = _facts(built, setting, torch.bfloat16)[0] if setting.fsdp_mixed else None
+    subject = _Subject(workload, built, facts, facts_note, setting, mixed_facts)
     plans: list[Plan] = []
     skipped: list[str] = []
     for strategy in chosen:
@@ -195,7 +205,11 @@ def _peaks(
     subject: _Subject, strategy: str, n: int, micro: int, notes: list[str]
 ) -> tuple[tuple[DevicePeak, ...], str]:
     s, facts = subject.setting, subject.facts
-    if s.method == "auto":
+    mixed = s.fsdp_mixed if registered.traits(strategy).gathers_weights else None
+    if mixed is not None:
+        facts = subject.mixed_facts
+        notes.append(f"{strategy}: mixed precision {mixed} (float32 reduction), closed form")
+    elif s.method == "auto":
         try:
             return _simulated(subject, strategy, n, micro), "simulation"
         except SimulationUnsupported as why:
@@ -215,6 +229,7 @@ def _peaks(
             optimizer=s.optimizer,
             precision=s.precision,
             granularity=_granularity(s.target),
+            mixed=mixed,
         ),
         "closed-form",
     )
@@ -222,6 +237,11 @@ def _peaks(
 
 def _simulated(subject: _Subject, strategy: str, n: int, micro: int) -> tuple[DevicePeak, ...]:
     s, source = subject.setting, subject.source
+    if any(p.is_meta for p in subject.built.model.parameters()):
+        raise SimulationUnsupported(
+            "the model is on the meta device (shapes only): the closed form plans it "
+            "without materialising it"
+        )
     if s.optimizer != "adamw":
         raise SimulationUnsupported(
             f"the simulation trains with AdamW, as gpukit train does; {s.optimizer} is modelled "
@@ -283,7 +303,9 @@ def _with_overheads(peak: DevicePeak, s: _Setting, index: int) -> DevicePeak:
     return DevicePeak(f"cuda:{index}", {**peak.breakdown, **extra})
 
 
-def _facts(built: Workload, s: _Setting) -> tuple[ModelFacts | None, str | None]:
+def _facts(
+    built: Workload, s: _Setting, param_dtype: torch.dtype | None = None
+) -> tuple[ModelFacts | None, str | None]:
     try:
         example = built.dataset[0]
         with contextlib.redirect_stdout(io.StringIO()):
@@ -295,6 +317,7 @@ def _facts(built: Workload, s: _Setting) -> tuple[ModelFacts | None, str | None]
                     activation_checkpointing=s.activation_checkpointing,
                     flops_per_sample=built.flops_per_sample,
                     loss=built.loss,
+                    param_dtype=param_dtype,
                 ),
                 None,
             )

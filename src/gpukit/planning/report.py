@@ -19,6 +19,7 @@ from typing import Any
 from rich.table import Table
 
 from gpukit._util.text import format_bytes, make_table, render_plain
+from gpukit.planning import registered
 from gpukit.planning.result import Plan
 from gpukit.planning.targets import Target
 
@@ -37,12 +38,32 @@ class PlanReport:
     @property
     def best(self) -> Plan | None:
         """The fastest plan that fits as asked, else the fastest of :attr:`fitted` (the same
-        global batch in smaller micro-batches); None when nothing fits."""
+        global batch in smaller micro-batches); None when nothing fits. On the same device
+        count a simpler strategy (earlier in the registry) that fits is preferred unless the
+        faster one is clearly faster (by more than ``CLEARLY_FASTER``)."""
         fitting = [p for p in self.plans if p.fits is not False]
-        if fitting:
-            return max(fitting, key=_speed)
-        refitted = [p for p in self.fitted if p.fits is not False]
-        return max(refitted, key=_speed) if refitted else None
+        if not fitting:
+            fitting = [p for p in self.fitted if p.fits is not False]
+        if not fitting:
+            return None
+        fastest = max(fitting, key=_speed)
+        simpler = [p for p in fitting if _simpler(p, fastest) and not _clearly(fastest, p)]
+        return min(simpler, key=lambda p: _order(p.strategy)) if simpler else fastest
+
+    def _alternative(self, best: Plan) -> str:
+        """The trade-off behind :attr:`best`: the faster plan it was preferred to, or the
+        simpler one that also fits and is slower, with how much; "" if none."""
+        fitting = [p for p in (*self.plans, *self.fitted) if p.fits is not False]
+        same = [p for p in fitting if p.devices == best.devices and p.strategy != best.strategy]
+        faster = [p for p in same if _speed(p) > _speed(best)]
+        if faster:
+            other = max(faster, key=_speed)
+            return f" ({other.strategy} would be {_gain(other, best)} faster: within "
+        slower = [p for p in same if _simpler(p, best)]
+        if slower:
+            other = min(slower, key=lambda p: _order(p.strategy))
+            return f" ({_gain(best, other)} faster than {other.strategy}, which fits too)"
+        return ""
 
     @property
     def recommendation(self) -> str:
@@ -78,7 +99,10 @@ class PlanReport:
         text += f": {_bytes(best.peak_bytes)} peak"
         if best.step_time is not None:
             text += f", {best.step_time.total_s:.3g} s/step"
-        return text
+        alternative = self._alternative(best)
+        if alternative.endswith("within "):
+            alternative += f"{CLEARLY_FASTER:.0%}, the simpler one is kept)"
+        return text + alternative
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{"workload", "target", "plans": [...], "recommendation", "skipped"}``."""
@@ -143,6 +167,30 @@ class PlanReport:
         parts += [f"note: {n}" for n in [*notes, *self.skipped]]
         parts.append(f"recommendation: {self.recommendation}")
         return "\n".join(parts)
+
+
+# How much faster (in samples/s) a more involved strategy must be to be recommended over a
+# simpler one that fits on the same devices.
+CLEARLY_FASTER = 0.10
+
+
+def _order(strategy: str) -> int:
+    names = registered.names()
+    return names.index(strategy) if strategy in names else len(names)
+
+
+def _simpler(p: Plan, than: Plan) -> bool:
+    return p.devices == than.devices and _order(p.strategy) < _order(than.strategy)
+
+
+def _clearly(fast: Plan, slow: Plan) -> bool:
+    a, b = fast.samples_per_s, slow.samples_per_s
+    return bool(a and b and a > b * (1 + CLEARLY_FASTER))
+
+
+def _gain(fast: Plan, slow: Plan) -> str:
+    a, b = fast.samples_per_s, slow.samples_per_s
+    return f"{a / b - 1:.0%}" if a and b else "possibly"
 
 
 def _speed(p: Plan) -> tuple[float, int]:

@@ -93,7 +93,7 @@ class Workload:
             raise ConfigError(f"workload {self.name!r}: " + "; ".join(problems))
 
 
-def load_workload(spec: str, *, seed: int = 0) -> Workload:
+def load_workload(spec: str, *, seed: int = 0, meta: bool = False) -> Workload:
     """The workload ``spec`` names, its model initialised from ``seed``.
 
     ``spec`` is a built-in name (see :data:`WORKLOADS`) or ``"module:function"``: the
@@ -106,6 +106,8 @@ def load_workload(spec: str, *, seed: int = 0) -> Workload:
     process starts: a function that raises (naming its line) or returns something else, a
     module with a syntax error (its file, line and text), a model with nothing to train, an
     empty dataset, or items that are not (input, target) pairs the loader can stack.
+    ``meta=True`` accepts a model on the meta device (shapes only), which the planner plans
+    and training refuses.
 
     >>> a, b = load_workload("mlp", seed=3), load_workload("mlp", seed=3)
     >>> all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
@@ -139,7 +141,7 @@ def load_workload(spec: str, *, seed: int = 0) -> Workload:
                 "shows the whole traceback)"
             ) from err
     workload = _as_workload(spec, result)
-    _check_parts(workload)
+    _check_parts(workload, meta=meta)
     return workload
 
 
@@ -295,10 +297,10 @@ def _as_workload(spec: str, result: object) -> Workload:
     )
 
 
-def _check_parts(w: Workload) -> None:
+def _check_parts(w: Workload, meta: bool = False) -> None:
     """Refuse, before any process starts, a workload that cannot train: a model with nothing
     to train, a dataset that is empty or whose items are not (input, target) pairs."""
-    problem = _model_problem(w.model) or _dataset_problem(w.dataset)
+    problem = _model_problem(w.model, meta) or _dataset_problem(w.dataset)
     if problem is None and w.validation is not None:
         found = _dataset_problem(w.validation)
         problem = f"its validation set: {found}" if found else None
@@ -308,7 +310,7 @@ def _check_parts(w: Workload) -> None:
         raise ConfigError(f"workload {w.name!r}: {problem}")
 
 
-def _model_problem(model: object) -> str | None:
+def _model_problem(model: object, meta: bool = False) -> str | None:
     if not isinstance(model, nn.Module):
         return f"the model is {described(model)}, not a torch.nn.Module"
     params = list(model.parameters())
@@ -318,7 +320,7 @@ def _model_problem(model: object) -> str | None:
             f"the model ({type_name(model)}) has {state}: there is nothing to train; return "
             "a model with trainable weights (or unfreeze them with requires_grad_(True))"
         )
-    if any(p.is_meta for p in params):
+    if not meta and any(p.is_meta for p in params):
         return (
             f"the model ({type_name(model)}) has parameters on the meta device (a shape, no "
             "data): create it on a real device, or materialise it with to_empty()"

@@ -1,0 +1,154 @@
+"""A Llama-style decoder built on the meta device from plain torch modules: shapes without
+memory, for planning models that do not fit this machine (``gpukit plan --workload
+gpukit.workloads.llama:llama3_8b``). Nothing is downloaded and nothing is allocated: the
+parameters are meta tensors, the dataset yields token ids of ``seq_len`` zeros.
+
+The 8B shape is Llama 3 8B's: 32 blocks of width 4096, 32 query heads and 8 key/value heads
+(grouped-query attention), a SwiGLU feed-forward of 14336, RMSNorm, rotary positions, a
+128256-token vocabulary with untied input and output embeddings (8.03e9 parameters). The loss
+upcasts the logits to float32 before the cross entropy, as large-vocabulary trainers do.
+
+>>> w = llama3_8b()
+>>> round(sum(p.numel() for p in w.model.parameters()) / 1e9, 2), w.model.output.weight.is_meta
+(8.03, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from gpukit.workloads.base import Workload
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A decoder's sizes (Llama 3 8B's by default)."""
+
+    dim: int = 4096
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 8
+    hidden: int = 14336
+    vocab: int = 128256
+    rope_theta: float = 500000.0
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.dim // s.heads
+        self.wq = nn.Linear(s.dim, s.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(s.dim, s.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(s.dim, s.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(s.heads * self.head_dim, s.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        repeat = self.heads // self.kv_heads
+        k, v = (z.repeat_interleave(repeat, dim=2) for z in (k, v))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    c, s = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    return torch.cat((a * c - b * s, a * s + b * c), dim=-1).type_as(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.attention = _Attention(s)
+        self.ffn_norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.w1 = nn.Linear(s.dim, s.hidden, bias=False)
+        self.w2 = nn.Linear(s.hidden, s.dim, bias=False)
+        self.w3 = nn.Linear(s.dim, s.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """The decoder: token ids ``(batch, seq)`` in, logits ``(batch, seq, vocab)`` out."""
+
+    def __init__(self, s: LlamaShape, max_seq_len: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(s.vocab, s.dim)
+        self.layers = nn.ModuleList(_Block(s) for _ in range(s.layers))
+        self.norm = nn.RMSNorm(s.dim, eps=1e-5)
+        self.output = nn.Linear(s.dim, s.vocab, bias=False)
+        half = s.dim // s.heads // 2
+        freqs = 1.0 / (s.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.output(self.norm(x))
+
+
+class _Tokens(Dataset[Any]):
+    """``size`` items of ``seq_len`` token ids (zeros) and their next-token targets."""
+
+    def __init__(self, seq_len: int, size: int) -> None:
+        self.seq_len, self.size = seq_len, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        zeros = torch.zeros(self.seq_len, dtype=torch.long)
+        return zeros, zeros.clone()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def llama(
+    shape: LlamaShape, *, seq_len: int = 8192, batch_size: int = 16, name: str = "llama"
+) -> Workload:
+    """A Llama-style workload of ``shape`` on the meta device (see the module doc)."""
+    with torch.device("meta"):
+        model = Llama(shape, seq_len)
+    dense = sum(p.numel() for p in model.parameters()) - shape.vocab * shape.dim
+    head_dim = shape.dim // shape.heads
+    # Training FLOPs per token: 6 per weight of the matrix products, 12 per attention score.
+    per_token = 6 * dense + 12 * shape.layers * shape.heads * head_dim * seq_len
+    return Workload(
+        name=name,
+        model=model,
+        dataset=_Tokens(seq_len, 1024),
+        loss=_loss,
+        batch_size=batch_size,
+        lr=3e-4,
+        epochs=1,
+        flops_per_sample=float(per_token * seq_len),
+    )
+
+
+def llama3_8b(seq_len: int = 8192, batch_size: int = 16) -> Workload:
+    """Llama 3 8B's shape at ``seq_len`` tokens per sample, global ``batch_size``."""
+    return llama(LlamaShape(), seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
