@@ -271,3 +271,29 @@ def test_a_save_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
     assert saving["stateless"] and resumed["stateless"]
     assert_bit_identical(straight["weights"], saving["weights"])
     assert_bit_identical(straight["weights"], resumed["weights"])
+
+
+def _snapshot_then_step(rt: gk.Runtime) -> dict[str, bool]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = rt.setup(model, optimizer)
+    snapshot = rt.full_state_dict()
+    kept = {k: v.clone() for k, v in snapshot.items()}
+    rt.backward(model(torch.ones(2, 4)).sum())
+    rt.step(optimizer)
+    after = rt.full_state_dict()
+    return {
+        k: torch.equal(snapshot[k], kept[k]) and not torch.equal(after[k], kept[k]) for k in kept
+    }
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_full_state_dict_is_a_snapshot_that_training_leaves_alone(strategy: str) -> None:
+    # On the CPU, moving to the CPU (and one rank's gather) returns the live tensors: the
+    # weights handed back are copied, as they are on a GPU.
+    rt = gk.Runtime(strategy=strategy, devices=["cpu"], seed=0)
+    try:
+        kept = rt.launch(_snapshot_then_step) if strategy == "fsdp" else _snapshot_then_step(rt)
+    finally:
+        rt.teardown()
+    assert kept == dict.fromkeys(["0.weight", "0.bias", "1.weight", "1.bias"], True)

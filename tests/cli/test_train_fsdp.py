@@ -29,6 +29,8 @@ def parse(*argv: str):  # type: ignore[no-untyped-def]
             ["--strategy", "single", "--activation-checkpointing", "off"],
             "--activation-checkpointing",
         ),
+        (["--fsdp-mixed", "bf16"], "--fsdp-mixed"),
+        (["--strategy", "ddp", "--fsdp-mixed", "bf16"], "--fsdp-mixed"),
     ],
 )
 def test_fsdp_flags_with_another_strategy_are_a_usage_error(
@@ -53,6 +55,20 @@ def test_the_fsdp_flags_reach_the_strategy_and_every_rank() -> None:
     plain = _worker_command(parse("--strategy", "fsdp"), "fsdp")
     assert "--activation-checkpointing" not in plain and "--compile" not in plain
     assert _strategy(parse("--strategy", "fsdp")).options.activation_checkpointing == "off"
+
+
+def test_fsdp_mixed_reaches_the_strategy_every_rank_and_the_rerun_config() -> None:
+    from gpukit.train.rerun import rerun_flags
+
+    args = parse("--strategy", "fsdp", "--fsdp-mixed", "bf16")
+    strategy = _strategy(args)
+    assert strategy.options.mixed == "bf16"
+    command = _worker_command(args, "fsdp")
+    assert command[command.index("--fsdp-mixed") + 1] == "bf16"
+    assert "--fsdp-mixed" not in _worker_command(parse("--strategy", "fsdp"), "fsdp")
+    flags = rerun_flags({"workload": "gpt"}, "32", strategy.options)
+    assert flags["fsdp_mixed"] == "bf16"
+    assert "fsdp_mixed" not in rerun_flags({"workload": "gpt"}, "32", _strategy(parse()))
 
 
 def test_an_unknown_checkpointing_mode_is_refused_by_the_parser(

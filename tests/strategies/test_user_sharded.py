@@ -60,6 +60,7 @@ def _sharded_setup(rt: gk.Runtime, mixed: bool, root: bool) -> Any:
     return {
         "groups": len(user_groups(out)),
         "root dtype": out._get_fsdp_state()._mp_policy.param_dtype,  # type: ignore[operator]
+        "printed": [(g.name, g.parameters) for g in rt.strategy.plans[-1].groups],  # type: ignore[attr-defined]
     }
 
 
@@ -69,7 +70,9 @@ def test_a_model_the_user_sharded_is_seen_before_anything_else(
     assert not is_user_sharded(Net())
     # Blocks sharded by the user, the root by gpukit on their mesh with their mp_policy.
     got = one_rank(_sharded_setup, True, False)
-    assert got == {"groups": 3, "root dtype": torch.bfloat16}
+    # The printed plan shows the user's groups, not gpukit's.
+    printed = [("blocks.0", 20), ("blocks.1", 20), ("(root: the rest)", 10)]
+    assert got == {"groups": 3, "root dtype": torch.bfloat16, "printed": printed}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", gk.strategies.DDP()])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -84,7 +84,21 @@ def full_state_dict(
             "it, e.g. rt.full_state_dict(model)"
         )
     user = user_model(model, strategy, precision)
-    return full_weights(user, strategy)
+    return _snapshot(full_weights(user, strategy), user)
+
+
+def _snapshot(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``weights`` with every tensor that shares memory with ``model``'s own copied, so that
+    what the user keeps does not change as training goes on: on a GPU the move to the CPU
+    copies, but on the CPU ``.cpu()`` (and one rank's gather) returns the live tensor."""
+    live = set()
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = cast(Any, tensor).to_local() if is_dtensor(tensor) else tensor
+        if local.device.type == "cpu":
+            live.add(local.untyped_storage().data_ptr())
+    return {
+        k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in weights.items()
+    }
 
 
 def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor]:

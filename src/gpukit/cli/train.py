@@ -51,7 +51,10 @@ Ctrl-C 2 s or more later exits at once; GPUKIT_STOP_GRACE, default 25 s, bounds 
 --strategy fsdp shards every weight, gradient and optimizer state over the processes (each
 repeated block is one group, gathered only while it computes; the plan is printed at the
 start); --activation-checkpointing full|selective recomputes each block's activations in the
-backward instead of keeping them (it needs --strategy fsdp).
+backward instead of keeping them (it needs --strategy fsdp); --fsdp-mixed bf16 is FSDP2's mixed
+precision (bf16 parameters and compute, gradients reduced in float32, as large-model recipes
+train), beside --precision. A --workload whose model is on the meta device is materialised by
+the strategy (fsdp: each rank's shards only) and initialised by its modules' reset_parameters().
 
 --compile runs the model under torch.compile: the whole model under single and ddp (DDP's
 wrapper included, so gradients are still averaged during the backward), each repeated block
@@ -125,6 +128,12 @@ def register(sub: Any) -> None:
         choices=("off", "full", "selective"),
         default=None,
         help="fsdp only: recompute each block's activations in the backward (default off)",
+    )
+    parser.add_argument(
+        "--fsdp-mixed",
+        choices=("bf16",),
+        default=None,
+        help="fsdp only: FSDP2's mixed precision, bf16 parameters and compute, fp32 reduction",
     )
     parser.add_argument(
         "--compile",
@@ -292,7 +301,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
 
 def _run_settings(args: argparse.Namespace, rt: Runtime) -> dict[str, Any] | None:
     """The run as the planner is asked about it (read before the Runtime is torn down); None
-    if it cannot be read, which must not hide the error being explained."""
+    if it cannot be read, which must not hide the error being explained, or if the planner's
+    what-ifs do not model it (FSDP2's mixed precision: figures for another run would mislead)."""
+    if args.fsdp_mixed is not None:
+        return None
     try:
         return {
             "workload": args.workload,
@@ -327,8 +339,16 @@ def _strategy(args: argparse.Namespace) -> Any:
                 f"--strategy is {args.strategy!r}: add --strategy fsdp, or drop "
                 "--activation-checkpointing"
             )
+        if args.fsdp_mixed is not None:
+            raise ConfigError(
+                f"--fsdp-mixed {args.fsdp_mixed}: FSDP2's mixed precision needs --strategy fsdp, "
+                f"but --strategy is {args.strategy!r}: add --strategy fsdp, or use --precision "
+                "bf16-mixed instead"
+            )
         return args.strategy
-    return FSDP(activation_checkpointing=args.activation_checkpointing or "off")
+    return FSDP(
+        activation_checkpointing=args.activation_checkpointing or "off", mixed=args.fsdp_mixed
+    )
 
 
 def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
@@ -346,6 +366,8 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
             command += [f"--{name.replace('_', '-')}", str(value)]
     if args.activation_checkpointing is not None:
         command += ["--activation-checkpointing", args.activation_checkpointing]
+    if args.fsdp_mixed is not None:
+        command += ["--fsdp-mixed", args.fsdp_mixed]
     if args.compile:
         command.append("--compile")
     return command + (["--resume"] if args.resume else [])

@@ -96,15 +96,25 @@ def show_once(plan: ShardPlan) -> None:
 
 
 def describe_plan(
-    module: nn.Module, groups: list[Group], strategy: Any, *, already: bool
+    module: nn.Module, groups: list[Group], strategy: Any, *, already: list[nn.Module]
 ) -> ShardPlan:
-    """The plan of ``module`` once sharded into ``groups`` and the root."""
+    """The plan of ``module`` once sharded into ``groups`` and the root; ``already``: the
+    modules the user sharded with ``fully_shard`` (then ``groups`` is empty), each listed with
+    the parameters no group inside it holds."""
     shares: list[GroupShare] = []
     counted: set[int] = set()
     for group in groups:
         params = [p for p in group.parameters if id(p) not in counted]
         counted.update(id(p) for p in params)
         shares.append(_share(", ".join(_short(group.names)), params))
+    names = {id(m): name for name, m in module.named_modules()}
+    for sharded in reversed(already):  # modules() lists outer groups first: inner ones first
+        if sharded is module or id(sharded) not in names:
+            continue  # the root's are "the rest"
+        params = [p for p in sharded.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in params)
+        shares.append(_share(names[id(sharded)], params))
+    shares[len(groups) :] = shares[len(groups) :][::-1]  # back in the model's order
     rest = [p for p in module.parameters() if id(p) not in counted]
     if rest:
         shares.append(_share("(root: the rest)", rest))

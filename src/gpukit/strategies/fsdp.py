@@ -295,7 +295,7 @@ class FSDP(DDP):
             if o.offload:
                 move_buffers(root, self.device.torch)
         gather_on_save(root, self)  # a transformers model's save_pretrained writes full weights
-        plan = describe_plan(module, groups, self, already=bool(already))
+        plan = describe_plan(module, groups, self, already=already)
         self.plans.append(plan)
         if self.rank == 0:
             show_once(plan)

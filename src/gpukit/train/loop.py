@@ -95,7 +95,7 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
 
 def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]:
     started = time.perf_counter()
-    workload = load_workload(config.workload, seed=config.seed)
+    workload = load_workload(config.workload, seed=config.seed, meta=True)
     epochs = config.epochs or workload.epochs
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
     model = workload.model
@@ -247,7 +247,7 @@ def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
 def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
     """Refuse a bad request before any process starts: the workload must load, the batch must
     split, and a resumed run needs its checkpoint."""
-    workload = load_workload(config.workload, seed=config.seed)
+    workload = load_workload(config.workload, seed=config.seed, meta=True)
     step_batch = config.batch_size or workload.batch_size
     micro_batch(step_batch, world_size, accumulate)
     samples = len(workload.dataset) if hasattr(workload.dataset, "__len__") else step_batch

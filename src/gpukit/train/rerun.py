@@ -28,6 +28,12 @@ from gpukit.runtime.settings import fields, option
 # TrainConfig's fields that are flags of gpukit train (progress and sample are not).
 TRAIN_FLAGS = ("workload", "epochs", "max_steps", "batch_size", "lr", "seed", "out")
 TRAIN_FLAGS_AFTER = ("progress_every",)
+# The strategy's options a rerun repeats: (the option's name, its flag's name).
+STRATEGY_FLAGS = (
+    ("activation_checkpointing", "activation_checkpointing"),
+    ("compile", "compile"),
+    ("mixed", "fsdp_mixed"),
+)
 HEADER = "# gpukit train --config FILE: the flags of a run, by their long names with underscores"
 
 
@@ -36,7 +42,7 @@ def rerun_flags(
 ) -> dict[str, Any]:
     """The flags that train the run again, from its record (``metrics.json``'s ``config``):
     the run's own, then every Runtime setting that has a flag (``precision``: the one the
-    Runtime chose), then fsdp's ``activation_checkpointing`` and ``compile`` when
+    Runtime chose), then fsdp's ``activation_checkpointing``, ``compile`` and ``mixed`` when
     ``strategy_options`` (the strategy's ``options``) has them. None: left out.
 
     >>> recorded = {"workload": "mlp", "lr": 0.003, "seed": 0, "progress_every": 30.0,
@@ -51,10 +57,11 @@ def rerun_flags(
     for f in fields():
         if option(f).flag and f.name in runtime:
             out[f.name] = precision if f.name == "precision" else runtime[f.name]
-    for name in ("activation_checkpointing", "compile"):
-        value = getattr(strategy_options, name, None)
-        if value is not None:
-            out[name] = bool(value) if name == "compile" else value
+    for option_name, name in STRATEGY_FLAGS:
+        value = getattr(strategy_options, option_name, None)
+        if value is None or (name == "fsdp_mixed" and not isinstance(value, str)):
+            continue  # a MixedPrecisionPolicy object has no flag: only gpukit train's "bf16"
+        out[name] = bool(value) if name == "compile" else value
     out.update({k: recorded.get(k) for k in TRAIN_FLAGS_AFTER})
     return {k: _flag_value(v) for k, v in out.items() if v is not None}
 

@@ -1,7 +1,7 @@
 """A Llama-style decoder built on the meta device from plain torch modules: shapes without
 memory, for planning models that do not fit this machine (``gpukit plan --workload
 gpukit.workloads.llama:llama3_8b``). Nothing is downloaded and nothing is allocated: the
-parameters are meta tensors, the dataset yields token ids of ``seq_len`` zeros.
+parameters are meta tensors, the dataset yields ``seq_len`` random token ids per sample.
 
 The 8B shape is Llama 3 8B's: 32 blocks of width 4096, 32 query heads and 8 key/value heads
 (grouped-query attention), a SwiGLU feed-forward of 14336, RMSNorm, rotary positions, a
@@ -16,7 +16,7 @@ upcasts the logits to float32 before the cross entropy, as large-vocabulary trai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class LlamaShape:
     hidden: int = 14336
     vocab: int = 128256
     rope_theta: float = 500000.0
+    tied: bool = False  # the output head shares the input embedding's weight
 
 
 class _Attention(nn.Module):
@@ -85,6 +86,29 @@ class _Block(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+class _Rotary(nn.Module):
+    """Rotary positions' cosines and sines (buffers, not saved), computed by
+    ``reset_parameters`` so that a meta-device model gets them once it has memory."""
+
+    def __init__(self, s: LlamaShape, max_seq_len: int) -> None:
+        super().__init__()
+        self.pairs, self.theta, self.max_seq_len = s.dim // s.heads // 2, s.rope_theta, max_seq_len
+        self.register_buffer("cos", torch.empty(max_seq_len, self.pairs), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, self.pairs), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        cos, sin = cast(torch.Tensor, self.cos), cast(torch.Tensor, self.sin)
+        steps = torch.arange(self.pairs, dtype=torch.float32, device=cos.device)
+        freqs = 1.0 / (self.theta ** (steps / self.pairs))
+        positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=cos.device)
+        angles = torch.outer(positions, freqs)
+        with torch.no_grad():
+            cos.copy_(angles.cos())
+            sin.copy_(angles.sin())
+
+
 class Llama(nn.Module):
     """The decoder: token ids ``(batch, seq)`` in, logits ``(batch, seq, vocab)`` out."""
 
@@ -94,24 +118,23 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(_Block(s) for _ in range(s.layers))
         self.norm = nn.RMSNorm(s.dim, eps=1e-5)
         self.output = nn.Linear(s.dim, s.vocab, bias=False)
-        half = s.dim // s.heads // 2
-        freqs = 1.0 / (s.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        if s.tied:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope = _Rotary(s, max_seq_len)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
+            x = layer(x, self.rope.cos, self.rope.sin)
         return self.output(self.norm(x))
 
 
 class _Tokens(Dataset[Any]):
-    """``size`` items of ``seq_len`` token ids (zeros) and their next-token targets."""
+    """``size`` sequences of ``seq_len`` random token ids below ``vocab`` (sequence ``i`` drawn
+    from seed ``i``, so every rank and run sees the same) and their next-token targets."""
 
-    def __init__(self, seq_len: int, size: int) -> None:
-        self.seq_len, self.size = seq_len, size
+    def __init__(self, seq_len: int, size: int, vocab: int) -> None:
+        self.seq_len, self.size, self.vocab = seq_len, size, vocab
 
     def __len__(self) -> int:
         return self.size
@@ -119,8 +142,9 @@ class _Tokens(Dataset[Any]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.size:
             raise IndexError(index)
-        zeros = torch.zeros(self.seq_len, dtype=torch.long)
-        return zeros, zeros.clone()
+        generator = torch.Generator().manual_seed(index)
+        tokens = torch.randint(self.vocab, (self.seq_len + 1,), generator=generator)
+        return tokens[:-1], tokens[1:]
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -133,14 +157,15 @@ def llama(
     """A Llama-style workload of ``shape`` on the meta device (see the module doc)."""
     with torch.device("meta"):
         model = Llama(shape, seq_len)
-    dense = sum(p.numel() for p in model.parameters()) - shape.vocab * shape.dim
+    # parameters() counts a tied weight once; the head's matrix product counts either way.
+    dense = sum(p.numel() for p in model.parameters()) - shape.vocab * shape.dim * (not shape.tied)
     head_dim = shape.dim // shape.heads
     # Training FLOPs per token: 6 per weight of the matrix products, 12 per attention score.
     per_token = 6 * dense + 12 * shape.layers * shape.heads * head_dim * seq_len
     return Workload(
         name=name,
         model=model,
-        dataset=_Tokens(seq_len, 1024),
+        dataset=_Tokens(seq_len, 1024, shape.vocab),
         loss=_loss,
         batch_size=batch_size,
         lr=3e-4,
@@ -152,3 +177,15 @@ def llama(
 def llama3_8b(seq_len: int = 8192, batch_size: int = 16) -> Workload:
     """Llama 3 8B's shape at ``seq_len`` tokens per sample, global ``batch_size``."""
     return llama(LlamaShape(), seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
+
+
+def llama3_2_1b(seq_len: int = 2048, batch_size: int = 4) -> Workload:
+    """Llama 3.2 1B's shape (16 blocks of width 2048, 32 query and 8 key/value heads, a
+    feed-forward of 8192, the 128256-token vocabulary, the head tied to the embedding: 1.24e9
+    parameters) at ``seq_len`` tokens per sample, global ``batch_size``: a model one GPU trains.
+
+    >>> round(sum(p.numel() for p in llama3_2_1b().model.parameters()) / 1e9, 2)
+    1.24
+    """
+    shape = LlamaShape(dim=2048, layers=16, heads=32, kv_heads=8, hidden=8192, tied=True)
+    return llama(shape, seq_len=seq_len, batch_size=batch_size, name="llama3.2-1b")
