@@ -142,6 +142,39 @@ def test_save_pretrained_after_fsdp_loads_back_equal_to_the_full_state_dict(run:
     assert len(set(index["weight_map"].values())) > 1  # max_shard_size split it into files
 
 
+def _fine_tune_start(rt: gk.Runtime, kind: str, folder: str) -> dict[str, Any]:
+    """A fine-tuning script's start: the model built on the meta device from its config,
+    sharded, then the pretrained files loaded straight into each rank's shards."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_model(kind).config)
+    model = rt.setup(model)
+    loaded = rt.load_weights(folder)
+    model.eval()
+    x = torch.randint(0, VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=x).logits.detach()
+    return {"loaded": loaded, "full": rt.full_state_dict(), "logits": logits, "x": x}
+
+
+@pytest.mark.processes
+def test_pretrained_files_load_into_a_meta_model_s_shards(run: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    kind, folder, got = run
+    rt = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], seed=1)
+    try:
+        start = rt.launch(_fine_tune_start, kind, str(folder / "split"))
+    finally:
+        rt.teardown()
+    assert start["loaded"]["missing"] == [] and start["loaded"]["unexpected"] == []
+    assert start["loaded"]["files"] > 1  # the index's files
+    unequal = [k for k, v in got["after"].items() if not torch.equal(v, start["full"][k])]
+    assert not unequal, unequal
+    back = AutoModelForCausalLM.from_pretrained(folder / "split").eval()
+    assert torch.equal(start["logits"], back(input_ids=start["x"]).logits.detach())
+
+
 @pytest.mark.processes
 def test_save_pretrained_refuses_a_sharded_state_dict(run: Any) -> None:
     assert "got sharded tensors (DTensors" in run[2]["refused"]

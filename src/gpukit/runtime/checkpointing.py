@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from gpukit import checkpoint
+from gpukit.checkpoint import pretrained
 from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime.precision import Precision
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState
+from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step import Stepper
 from gpukit.strategies import Strategy
 
@@ -84,6 +86,37 @@ class Checkpointing:
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.saved(self.state.global_step)
         return progress
+
+    def load_weights(
+        self, path: str | Path, model: nn.Module | None = None, *, strict: bool = True
+    ) -> dict[str, Any]:
+        """Fill the weights of ``model`` (default: the one model ``setup`` saw) from
+        safetensors files: a ``.safetensors`` file, or a folder of them (Hugging Face's
+        ``save_pretrained`` layout with its index, or gpukit's exports). Under fsdp each rank
+        reads only its shards' rows, so a model built on the meta device is never whole on a
+        rank. Names and shapes are checked before anything changes; ``strict=False`` loads
+        the names both have. Returns ``{"loaded", "files", "missing", "unexpected"}``.
+
+        >>> import torch, gpukit as gk, tempfile, safetensors.torch as st
+        >>> rt = gk.Runtime(devices="cpu")
+        >>> model = rt.setup(torch.nn.Linear(2, 1))
+        >>> folder = tempfile.mkdtemp()
+        >>> weights = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
+        >>> st.save_file(weights, folder + "/m.safetensors")
+        >>> rt.load_weights(folder)["loaded"], model.weight.tolist()
+        (2, [[1.0, 1.0]])
+        """
+        self._ensure_ready()
+        if model is None:
+            if len(self.state.modules) != 1:
+                raise ConfigError(
+                    f"rt.load_weights without a model needs exactly one model set up, and "
+                    f"setup saw {len(self.state.modules)}: pass it, rt.load_weights(path, model)"
+                )
+            model = self.state.modules[0]
+        return pretrained.load_weights(
+            user_model(model, self.strategy, self.precision), path, strict=strict
+        )
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The full weights of ``model`` (default: the one model ``setup`` saw) as plain CPU

@@ -141,7 +141,7 @@ def initialise(model: nn.Module, seed: int | None = None, init: InitFn | None = 
                 d[k] = v
         with torch.no_grad():
             for _, k, v in todo:
-                _keep_shard(v, full[k].detach())
+                keep_shard(v, full[k].detach())
                 done.add(id(v))
 
 
@@ -172,7 +172,7 @@ def _full_like(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _keep_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+def keep_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into ``target`` its part of ``full``: all of it, or this rank's shard."""
     mesh = getattr(target, "device_mesh", None)
     if mesh is None:
