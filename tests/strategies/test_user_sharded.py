@@ -61,6 +61,7 @@ def _sharded_setup(rt: gk.Runtime, mixed: bool, root: bool) -> Any:
         "groups": len(user_groups(out)),
         "root dtype": out._get_fsdp_state()._mp_policy.param_dtype,  # type: ignore[operator]
         "printed": [(g.name, g.parameters) for g in rt.strategy.plans[-1].groups],  # type: ignore[attr-defined]
+        "mixed": rt.strategy.plans[-1].settings["mixed"],  # type: ignore[attr-defined]
     }
 
 
@@ -72,7 +73,8 @@ def test_a_model_the_user_sharded_is_seen_before_anything_else(
     got = one_rank(_sharded_setup, True, False)
     # The printed plan shows the user's groups, not gpukit's.
     printed = [("blocks.0", 20), ("blocks.1", 20), ("(root: the rest)", 10)]
-    assert got == {"groups": 3, "root dtype": torch.bfloat16, "printed": printed}
+    mixed = "your mp_policy (parameters in bfloat16)"
+    assert got == {"groups": 3, "root dtype": torch.bfloat16, "printed": printed, "mixed": mixed}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", gk.strategies.DDP()])

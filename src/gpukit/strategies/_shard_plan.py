@@ -20,6 +20,7 @@ from torch import nn
 from gpukit._util.text import format_bytes, render_table
 from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies._groups import Group, tied_names
+from gpukit.strategies._user_sharded import casts, mixed_policies
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def describe_plan(
         tp=o.tp,
         settings={
             "reshard": o.reshard,
-            "mixed": o.mixed if isinstance(o.mixed, (str, type(None))) else "policy",
+            "mixed": _mixed(o.mixed, already),
             "activation checkpointing": o.activation_checkpointing,
             "compile": o.compile,
             "accumulation": o.accumulation,
@@ -160,3 +161,15 @@ def _local(p: Any) -> Any:
 
 def _short(names: list[str]) -> list[str]:
     return names if len(names) <= 3 else [*names[:2], f"... {names[-1]}"]
+
+
+def _mixed(option: Any, already: list[nn.Module]) -> str | None:
+    """The mixed precision the groups compute with, as the plan shows it: the user's own
+    ``mp_policy`` when they sharded the model (gpukit's ``mixed`` option is then refused)."""
+    if already:
+        policies = [p for p in mixed_policies(already) if casts(p)]
+        if not policies:
+            return None
+        dtypes = {str(getattr(p, "param_dtype", None)).replace("torch.", "") for p in policies}
+        return f"your mp_policy (parameters in {', '.join(sorted(dtypes))})"
+    return option if isinstance(option, (str, type(None))) else "policy"
