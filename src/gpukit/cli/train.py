@@ -267,6 +267,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.
             nproc, strategy = rt.world_size, rt.strategy.name
+            if args.strategy == "auto" and strategy == "ddp":
+                strategy = "auto"  # each rank may still take fsdp for a model ddp cannot fit
             rt.teardown()
             return run_job(
                 _worker_command(args, strategy),
