@@ -31,6 +31,7 @@ from gpukit.planning.facts import PRECISIONS, ModelFacts, model_facts
 from gpukit.planning.targets import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
 from gpukit.runtime.auto import Answer, Question, use_estimator
 from gpukit.strategies._groups import find_groups
+from gpukit.strategies.auto import REPLICATED, SHARDED
 
 __all__ = ["answer", "state_facts"]
 
@@ -49,10 +50,10 @@ def answer(q: Question) -> Answer:
             counted = "activations not counted: the model's forward could not be measured"
         else:
             counted = "activations not counted: no DataLoader given to rt.setup"
-    ddp = _need(q, facts, "ddp", precision)
+    ddp = _need(q, facts, REPLICATED, precision)
     if ddp <= q.capacity:
         return Answer(shard=False)
-    fsdp = _need(q, facts, "fsdp", precision)
+    fsdp = _need(q, facts, SHARDED, precision)
     per = f"per device of {format_bytes(q.capacity)}"
     if fsdp <= q.capacity:
         return Answer(

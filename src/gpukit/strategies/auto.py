@@ -18,6 +18,9 @@ from gpukit.strategies.base import Strategy
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 
+# What "auto" picks over several ranks, and what it may take instead (the planner compares them).
+REPLICATED, SHARDED = DDP.name, FSDP.name
+
 
 def replaceable(strategy: Strategy) -> bool:
     """Whether ``strategy`` is a plain ddp over several ranks (what ``"auto"`` makes there)."""
