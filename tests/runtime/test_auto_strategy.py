@@ -95,7 +95,7 @@ def test_small_states_are_not_measured_and_no_data_counts_states_only(
     assert not auto.answer(_question(2**40)).shard  # far below the device: no forward
     assert measured == []
     answer = auto.answer(_question(1, loader=False))
-    assert measured == [] and answer.said is not None and "no DataLoader" in answer.said
+    assert measured == [] and answer.said is not None and "no map-style DataLoader" in answer.said
 
 
 def _run(rt: gk.Runtime, capacity: int | None) -> dict[str, Any]:
@@ -161,3 +161,29 @@ def test_auto_keeps_ddp_and_points_at_the_planner_when_nothing_fits() -> None:
     got = rt.launch(_run, _needs()["fsdp"] - 1)
     assert got["strategy"] == "ddp"
     assert "neither fits" in got["said"] and "gpukit plan" in got["said"]
+
+
+class _Drawing(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataset whose items draw random numbers (as random augmentations do)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(WIDTH), torch.randn(1)
+
+
+def test_reading_the_example_leaves_every_random_generator_as_it_was() -> None:
+    import random
+
+    import numpy as np
+
+    from gpukit.runtime.auto import _data
+
+    read, micro = _data((DataLoader(_Drawing(), batch_size=4),), accumulate=2)
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    item = read()
+    assert micro == 2 and item[0].shape == (WIDTH,)
+    drawn = (torch.rand(1), random.random(), np.random.rand())
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    assert (torch.rand(1), random.random(), np.random.rand()) == drawn

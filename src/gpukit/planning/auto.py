@@ -43,13 +43,8 @@ def answer(q: Question) -> Answer:
     facts = state_facts(q.model)
     counted = "activations not counted"
     if _states(facts) * 2 > q.capacity:
-        measured = _measured(q, precision)
-        if measured is not None:
-            facts, counted = measured, f"activations at {max(1, q.micro_batch)} per micro-batch"
-        elif q.micro_batch:
-            counted = "activations not counted: the model's forward could not be measured"
-        else:
-            counted = "activations not counted: no DataLoader given to rt.setup"
+        measured, counted = _measured(q, precision)
+        facts = measured or facts
     ddp = _need(q, facts, REPLICATED, precision)
     if ddp <= q.capacity:
         return Answer(shard=False)
@@ -102,17 +97,17 @@ def _states(facts: ModelFacts) -> int:
     return weights + facts.trainable_bytes + 8 * facts.trainable_numel
 
 
-def _measured(q: Question, precision: str) -> ModelFacts | None:
-    if not q.micro_batch:
-        return None
-    example = q.example()
+def _measured(q: Question, precision: str) -> tuple[ModelFacts | None, str]:
+    """The facts with the activations, and what was counted (in words)."""
+    example = q.example() if q.micro_batch else None
     if example is None:
-        return None
+        return None, "activations not counted: no map-style DataLoader given to rt.setup"
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            return model_facts(q.model, example, precision=precision)
+            facts = model_facts(q.model, example, precision=precision)
     except GpukitError:
-        return None
+        return None, "activations not counted: the forward could not run on fake tensors"
+    return facts, f"activations at {q.micro_batch} per micro-batch"
 
 
 def _need(q: Question, facts: ModelFacts, strategy: str, precision: str) -> int:
