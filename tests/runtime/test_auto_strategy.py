@@ -187,3 +187,22 @@ def test_reading_the_example_leaves_every_random_generator_as_it_was() -> None:
     drawn = (torch.rand(1), random.random(), np.random.rand())
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     assert (torch.rand(1), random.random(), np.random.rand()) == drawn
+
+
+@pytest.mark.parametrize(
+    ("argv", "given"),
+    [([], "auto"), (["--strategy", "ddp"], "ddp"), (["--strategy", "fsdp"], "fsdp")],
+)
+def test_gpukit_train_lets_each_rank_decide_auto(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], given: str
+) -> None:
+    """The launcher's ranks get --strategy auto (each then asks the planner at setup), and
+    an explicit strategy as it was given."""
+    from gpukit.cli import train
+    from gpukit.cli.__main__ import main
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(train, "run_job", lambda command, *a, **k: commands.append(command) or 0)
+    assert main(["train", "--workload", "mlp", "--devices", "2", *argv]) == 0
+    (command,) = commands
+    assert command[command.index("--strategy") + 1] == given
