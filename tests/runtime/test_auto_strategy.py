@@ -98,14 +98,16 @@ def test_small_states_are_not_measured_and_no_data_counts_states_only(
     assert measured == [] and answer.said is not None and "no map-style DataLoader" in answer.said
 
 
-def _run(rt: gk.Runtime, capacity: int | None) -> dict[str, Any]:
-    """Set up with each device mocked at ``capacity`` bytes, then train, tracing the last steps."""
+def _run(rt: gk.Runtime, capacity: int | None, meta: bool = False) -> dict[str, Any]:
+    """Set up with each device mocked at ``capacity`` bytes, then train, tracing the last steps
+    (``meta``: the model built on the meta device, materialised by the strategy)."""
     if capacity is not None:
         rt.strategy.devices = [
             dataclasses.replace(d, total_memory=capacity) for d in rt.strategy.devices
         ]
     torch.manual_seed(0)
-    model = _Net()
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = _Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(_data(), batch_size=BATCH)
     said = io.StringIO()
@@ -145,13 +147,15 @@ def test_a_model_that_fits_runs_the_same_ddp_with_the_same_per_step_cost() -> No
 
 
 @pytest.mark.processes
-def test_auto_takes_fsdp_on_every_rank_for_a_model_ddp_cannot_fit() -> None:
+@pytest.mark.parametrize("meta", [False, True])
+def test_auto_takes_fsdp_on_every_rank_for_a_model_ddp_cannot_fit(meta: bool) -> None:
     needs = _needs()
-    rt = gk.Runtime(strategy="auto", devices=["cpu", "cpu"], log_every=2)
-    got = rt.launch(_run, (needs["ddp"] + needs["fsdp"]) // 2)
+    rt = gk.Runtime(strategy="auto", devices=["cpu", "cpu"], log_every=2, seed=0)
+    got = rt.launch(_run, (needs["ddp"] + needs["fsdp"]) // 2, meta)
     assert got["strategy"] == "fsdp"
     assert got["said"].startswith("auto: ddp would need ") and "using fsdp" in got["said"]
-    sharded = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], log_every=2).launch(_run, None)
+    named = gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], log_every=2, seed=0)
+    sharded = named.launch(_run, None, meta)
     assert got["losses"] == sharded["losses"]  # the same training as fsdp asked for by name
 
 
