@@ -210,3 +210,12 @@ def test_gpukit_train_lets_each_rank_decide_auto(
     assert main(["train", "--workload", "mlp", "--devices", "2", *argv]) == 0
     (command,) = commands
     assert command[command.index("--strategy") + 1] == given
+
+
+@pytest.mark.processes
+def test_oom_recover_keeps_ddp_without_asking() -> None:
+    """Recovery over several ranks is ddp's alone: such a run is never switched."""
+    needs = _needs()
+    rt = gk.Runtime(strategy="auto", devices=["cpu", "cpu"], log_every=2, oom="recover")
+    got = rt.launch(_run, (needs["ddp"] + needs["fsdp"]) // 2)
+    assert (got["strategy"], got["said"]) == ("ddp", "")

@@ -84,6 +84,8 @@ class AutoChoice:
     def _auto_pending(self) -> bool:
         return (
             self.config.strategy == "auto"
+            # oom="recover" over several ranks is ddp's alone (fsdp refuses it): ddp stays.
+            and self.config.oom != "recover"
             and not getattr(self, "_auto_asked", False)
             and replaceable(self.strategy)
             and bool(_ESTIMATOR)
@@ -113,13 +115,15 @@ class AutoChoice:
             answer = _ESTIMATOR[0](question)
         except Exception:  # an estimate that fails must not stop a run that ddp may fit
             answer = Answer(shard=False)
-        # oom="recover" over several ranks is ddp's alone (fsdp refuses it): ddp stays.
-        switch = answer.shard and self.config.oom != "recover"
+        switch = answer.shard
         # Every rank decides alike: another node's devices may be smaller than this one's.
         if strategy.world_size > 1 and self._ready:
             switch = strategy.any_rank([switch])[0]
-        if strategy.rank == 0 and answer.said:
-            print(answer.said, flush=True)
+        said = answer.said
+        if switch and not answer.shard:
+            said = "auto: another rank's devices cannot hold ddp's training: using fsdp"
+        if strategy.rank == 0 and said:
+            print(said, flush=True)
         if switch:
             self._use_strategy(fsdp_in_place_of(strategy, ready=self._ready))
 
