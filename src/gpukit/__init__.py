@@ -34,6 +34,7 @@ from gpukit.errors import (
     ShardedTensorError,
     SimulationUnsupported,
 )
+from gpukit.planning import auto as _auto  # noqa: F401  (strategy="auto" asks the planner)
 from gpukit.planning.planner import plan
 from gpukit.runtime.runtime import Runtime
 

@@ -2,8 +2,9 @@
 
 Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
 or package.module:function returning a Workload or (model, dataset, loss). With more than one
-device, one DDP process per device is started (--strategy fsdp: one sharded process per
-device; dp or dp-balanced: one process drives them all). Rank 0 shows a progress bar (loss,
+device, one DDP process per device is started, or an fsdp one where the planner says ddp
+cannot fit the model (--strategy fsdp: always sharded; dp or dp-balanced: one process drives
+them all). Rank 0 shows a progress bar (loss,
 samples/s, ETA); when stdout is not a terminal (CI, a pipe, a file) it prints a plain line
 instead (steps, epoch, loss, samples/s, ETA) every --progress-every SECONDS (default 30; 0:
 after every step) and at the start and end of each epoch. The loss shown is the last one read
@@ -267,6 +268,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.
             nproc, strategy = rt.world_size, rt.strategy.name
+            if args.strategy == "auto" and strategy == "ddp":
+                strategy = "auto"  # each rank may still take fsdp for a model ddp cannot fit
             rt.teardown()
             return run_job(
                 _worker_command(args, strategy),

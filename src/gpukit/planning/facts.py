@@ -7,7 +7,8 @@ shapes and dtypes but no data, at micro-batch 1 and 2, and counts the unique sto
 autograd saves. The growth from 1 to 2 is the per-sample part, the rest the fixed part. Nothing
 of the user's model changes: the forward runs on fake copies of its parameters.
 
-Under ``activation_checkpointing`` the blocks fsdp would shard (``find_blocks``) keep less:
+Under ``activation_checkpointing`` the blocks fsdp shards and recomputes (its groups'
+modules, ``find_groups``: a ``transformers`` model's ``_no_split_modules``) keep less:
 ``"full"`` only each block's input, plus one block's own saved tensors while it is recomputed
 in the backward; ``"selective"`` also the outputs of matrix products and attention.
 
@@ -31,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.errors import ConfigError
-from gpukit.strategies._groups import find_blocks, find_groups
+from gpukit.strategies._groups import find_groups
 from gpukit.strategies._recompute import kept_ops
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -149,6 +150,11 @@ def model_facts(
     )
 
 
+def recomputed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks fsdp recomputes under activation checkpointing: its groups' modules."""
+    return [b for g in find_groups(model) for b in g.modules]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -232,8 +238,7 @@ def _forward(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    found = find_blocks(model)
-    blocks = found[1] if found else []
+    blocks = recomputed_blocks(model)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     real = map_tensors(example, lambda t: torch.stack([t] * batch))
     with mode:

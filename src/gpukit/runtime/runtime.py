@@ -45,6 +45,7 @@ from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
+from gpukit.runtime.auto import AutoChoice
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.config import check_device_count, resolve_devices
@@ -66,7 +67,9 @@ from gpukit.strategies import ReduceOp, choose
 from gpukit.strategies.meta_init import MetaInit
 
 
-class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing, Profiling):
+class Runtime(
+    RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing, Profiling, AutoChoice
+):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -162,6 +165,7 @@ class Runtime(RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Prog
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         optimizers = owned.optimizers_in(objects)
         if module is None:
+            self._auto_decide(user, objects)  # strategy="auto": fsdp where ddp cannot fit
             before = (
                 dict(user.named_parameters(remove_duplicate=False))
                 if isinstance(user, nn.Module)

@@ -123,8 +123,9 @@ class Settings:
         "auto",
         help="how the run uses its devices: auto, single, dp, dp-balanced, ddp or fsdp",
         allowed="auto, single, dp, dp-balanced, ddp, fsdp, or a strategy object",
-        doc='"auto" (ddp under a launcher or with several devices, else single), "single", '
-        '"dp", "dp-balanced", "ddp", or a strategy object such as ``gk.strategies.DDP(...)`` '
+        doc='"auto" (ddp under a launcher or with several devices, or fsdp at rt.setup for a '
+        'model the planner says ddp cannot fit; else single), "single", "dp", "dp-balanced", '
+        '"ddp", "fsdp", or a strategy object such as ``gk.strategies.DDP(...)`` '
         "(see ``gpukit.strategies``).",
     )
     precision: str = setting(

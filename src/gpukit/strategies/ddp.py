@@ -404,6 +404,16 @@ class DDP(Strategy):
                 "(gpukit writes files on rank 0 only); see README, 'Collective calls'"
             ) from None
 
+    def hand_over(self, successor: DDP) -> None:
+        """Give the process group this process joined to ``successor`` (over the same ranks),
+        which sets up its own environment in it (every rank together); this one then holds
+        nothing to tear down."""
+        successor._owns_group, self._owns_group = self._owns_group, False
+        successor.setup_environment()  # the group exists: a guard group (and fsdp's mesh)
+        if self._guard is not None and dist.is_initialized():
+            dist.destroy_process_group(self._guard)
+        self._guard = None
+
     def teardown(self) -> None:
         if self._guard is not None and not self._owns_group and dist.is_initialized():
             dist.destroy_process_group(self._guard)  # the user's own group stays
