@@ -10,7 +10,9 @@ of the user's model changes: the forward runs on fake copies of its parameters.
 Under ``activation_checkpointing`` the blocks fsdp shards and recomputes (its groups'
 modules, ``find_groups``: a ``transformers`` model's ``_no_split_modules``) keep less:
 ``"full"`` only each block's input, plus one block's own saved tensors while it is recomputed
-in the backward; ``"selective"`` also the outputs of matrix products and attention.
+in the backward; ``"selective"`` also what its policy keeps (every second matrix product's
+output and attention's, counted by the same :class:`Selection` that training asks), whether
+the backward needs them or not.
 
 >>> import torch
 >>> from torch import nn
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.errors import ConfigError
 from gpukit.strategies._groups import find_groups
-from gpukit.strategies._recompute import kept_ops
+from gpukit.strategies._recompute import Selection
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 CHECKPOINTING = ("off", "full", "selective")
@@ -166,37 +168,39 @@ def _rows(p: torch.Tensor) -> tuple[int, int, bool]:
 
 @dataclass
 class _Saved:
-    """One storage autograd saved: its bytes, the block saving it (-1: none), whether a
-    selective policy keeps it, and whether it is a block's input."""
+    """One storage autograd saved: its bytes, the block saving it (-1: none) and its key."""
 
     nbytes: int
     block: int
-    kept: bool
-    block_input: bool
+    key: int = 0
 
 
 @dataclass
 class _Run:
-    """What one fake forward at one micro-batch saved, in the order it saved it."""
+    """What one fake forward at one micro-batch saved, in the order it saved it; ``inputs``
+    the blocks' inputs and ``kept`` the outputs selective checkpointing keeps inside blocks
+    (storage key: bytes)."""
 
     saved: list[_Saved]
     output: int
     inputs: int
     targets: int
     loss: int
+    block_inputs: dict[int, int] = field(default_factory=dict)
+    kept: dict[int, int] = field(default_factory=dict)
 
     def activations(self, mode: str) -> int:
         if mode == "off":
             return sum(s.nbytes for s in self.saved)
-        kept = sum(s.nbytes for s in self.saved if s.block < 0 or s.block_input)
-        inside = [s for s in self.saved if s.block >= 0 and not s.block_input]
-        if mode == "selective":
-            kept += sum(s.nbytes for s in inside if s.kept)
-            inside = [s for s in inside if not s.kept]
+        # A checkpointed block holds its input (the recomputation starts from it) and, when
+        # selective, what the policy keeps; one block at a time recomputes the rest.
+        held = {**self.block_inputs, **(self.kept if mode == "selective" else {})}
+        outside = sum(s.nbytes for s in self.saved if s.block < 0 and s.key not in held)
         per_block: dict[int, int] = {}
-        for s in inside:
-            per_block[s.block] = per_block.get(s.block, 0) + s.nbytes
-        return kept + max(per_block.values(), default=0)
+        for s in self.saved:
+            if s.block >= 0 and s.key not in held:
+                per_block[s.block] = per_block.get(s.block, 0) + s.nbytes
+        return outside + sum(held.values()) + max(per_block.values(), default=0)
 
     def backward_extra(self, mode: str) -> int:
         # The backward of the op that saved tensor k runs while tensors 0..k are still held
@@ -213,17 +217,24 @@ class _Run:
 
 
 class _KeptOutputs(TorchDispatchMode):
-    """Notes the storages that selective checkpointing's kept operations produce."""
+    """Notes the storages that selective checkpointing keeps inside blocks: the outputs of the
+    operations a fresh :class:`Selection` per block forward keeps (``current``: the block
+    running, -1 outside)."""
 
-    def __init__(self) -> None:
+    def __init__(self, current: list[int]) -> None:
         super().__init__()
-        self.kept: set[int] = set()
-        self.ops = kept_ops()
+        self.current = current
+        self.kept: dict[int, int] = {}
+        self.hold: list[Any] = []  # keeps counted storages alive, so their ids stay theirs
+        self.selection = Selection()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in self.ops:
-            self.kept.update(t.untyped_storage()._cdata for t in tensors(out))
+        if self.current[0] >= 0 and self.selection.keeps(func):
+            for t in tensors(out):
+                st = t.untyped_storage()
+                self.hold.append(st)
+                self.kept.setdefault(st._cdata, st.nbytes())
         return out
 
 
@@ -248,22 +259,26 @@ def _forward(
         keep: list[Any] = []  # holds counted storages alive, so their ids stay theirs
         saved: dict[int, _Saved] = {}
         current = [-1]
-        starts: set[int] = set()
-        kept_outputs = _KeptOutputs()
+        starts: dict[int, int] = {}
+        kept_outputs = _KeptOutputs(current)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             key = st._cdata
             if key not in own and key not in saved:
                 keep.append(st)
-                in_block = current[0]
-                saved[key] = _Saved(st.nbytes(), in_block, key in kept_outputs.kept, key in starts)
+                saved[key] = _Saved(st.nbytes(), current[0], key)
             return t
 
         def enter(index: int) -> Callable[..., None]:
             def hook(_module: nn.Module, args: Any) -> None:
                 current[0] = index
-                starts.update(t.untyped_storage()._cdata for t in tensors(args))
+                kept_outputs.selection = Selection()
+                for t in tensors(args):
+                    st = t.untyped_storage()
+                    if st._cdata not in own:
+                        keep.append(st)
+                        starts.setdefault(st._cdata, st.nbytes())
 
             return hook
 
@@ -291,18 +306,20 @@ def _forward(
                 h.remove()
         output = sum(_nbytes(t) for t in tensors(out))
         if loss is None:  # a cross entropy keeps its log-probabilities: one output's size
-            saved[-1] = _Saved(output, -1, False, False)
+            saved[-1] = _Saved(output, -1, -1)
             loss_bytes = output
         # The batch lives through the step whether saved or not.
         for t in tensors((x, y)):
             key = t.untyped_storage()._cdata
-            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, False, False))
+            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, key))
         return _Run(
             list(saved.values()),
             output=output,
             inputs=sum(_nbytes(t) for t in tensors(x)),
             targets=sum(_nbytes(t) for t in tensors(y)),
             loss=loss_bytes,
+            block_inputs=starts,
+            kept=kept_outputs.kept,
         )
 
 

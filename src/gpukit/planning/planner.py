@@ -183,7 +183,7 @@ def _plan(subject: _Subject, strategy: str, n: int, micro: int, hint: int | None
     s = subject.setting
     notes = [subject.facts_note] if subject.facts_note else []
     peaks, method = _peaks(subject, strategy, n, micro, notes)
-    per_device = tuple(_with_overheads(p, s, i) for i, p in enumerate(peaks))
+    per_device = tuple(_with_overheads(p, s, i, strategy) for i, p in enumerate(peaks))
     base = Plan(
         strategy=strategy,
         devices=n,
@@ -263,7 +263,7 @@ def _peak(subject: _Subject, strategy: str, n: int, micro: int) -> int:
     """The largest of the devices' predicted peaks at ``micro``, overheads included."""
     s = subject.setting
     peaks, _ = _peaks(subject, strategy, n, micro, [])
-    return max(_with_overheads(p, s, i).peak_bytes for i, p in enumerate(peaks))
+    return max(_with_overheads(p, s, i, strategy).peak_bytes for i, p in enumerate(peaks))
 
 
 def _timed(base: Plan, subject: _Subject) -> Plan:
@@ -290,16 +290,24 @@ def _timed(base: Plan, subject: _Subject) -> Plan:
     return replace(base, step_time=time, samples_per_s=per_s, mfu=mfu)
 
 
-def _with_overheads(peak: DevicePeak, s: _Setting, index: int) -> DevicePeak:
+def _with_overheads(peak: DevicePeak, s: _Setting, index: int, strategy: str) -> DevicePeak:
     """On a GPU: the CUDA context and the allocator's reserve above the tensors, on the
-    device ``cuda:index``."""
+    device ``cuda:index``. The reserve is a share of the tensors (blocks split and cached)
+    and, for a strategy that gathers weights, its communication buffers once more: fsdp
+    allocates them on its all-gather and reduce-scatter streams, and the caching allocator
+    reuses a freed block only on the stream that allocated it, so what those streams cached
+    stays reserved beside the compute stream's own (not when calibrated: measured)."""
     if s.target.kind != "cuda":
         return peak
     reserve = s.target.allocator_reserve_fraction
     context = s.target.cuda_context_bytes
+    streams = 0
     if s.calibration is not None:
         reserve, context = s.calibration.reserve_fraction, s.calibration.context_bytes
-    extra = {"cuda_context": context, "allocator_reserve": int(peak.tensor_bytes * reserve)}
+    elif registered.traits(strategy).gathers_weights:
+        streams = peak.breakdown.get("communication", 0)
+    held = int(peak.tensor_bytes * reserve) + streams
+    extra = {"cuda_context": context, "allocator_reserve": held}
     return DevicePeak(f"cuda:{index}", {**peak.breakdown, **extra})
 
 

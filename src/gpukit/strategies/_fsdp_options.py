@@ -55,7 +55,7 @@ class FSDPOptions:
             raise ConfigError(
                 f"FSDP(activation_checkpointing={described(self.activation_checkpointing)}): give "
                 "'off', 'full' (recompute each block's forward in the backward) or 'selective' "
-                "(keep matrix products and attention, recompute the rest)"
+                "(keep every second matrix product's output and attention's, recompute the rest)"
             )
         if self.compile is not False and self.compile != "blocks" and self.compile is not True:
             raise ConfigError(

@@ -1,12 +1,14 @@
 """Activation checkpointing of a sharded model's blocks: keep less from the forward, recompute
 the rest in the backward.
 
-``"full"`` keeps only each block's input and recomputes the whole block; ``"selective"`` keeps
-the outputs of the expensive operations (matrix products, attention) and recomputes the cheap
-ones (activations, norms, additions): most of the memory saved for a fraction of the extra
-compute. Both use torch's non-reentrant checkpoint, the only kind that works with fsdp (the
-reentrant kind runs the block's backward outside autograd's view, so fsdp would all-gather
-its weights twice and miss its gradients).
+``"full"`` keeps only each block's input and recomputes the whole block; ``"selective"`` is the
+op-level policy large-model trainers use (torchtitan's default): in each block's forward it
+keeps the output of every second matrix product (the first, third, ...) and of attention, and
+recomputes the rest (the other products, activations, norms, additions): about half of the
+memory of keeping every product, for the recomputation of half of them. Both use torch's
+non-reentrant checkpoint, the only kind that works with fsdp (the reentrant kind runs the
+block's backward outside autograd's view, so fsdp would all-gather its weights twice and miss
+its gradients).
 
 The block's ``forward`` is replaced on the instance, not the module wrapped, so the model's
 structure, parameter names and state-dict keys stay as the user wrote them. Recomputing
@@ -28,14 +30,10 @@ from gpukit.errors import ConfigError
 
 MODES = ("off", "full", "selective")
 
-# Operations whose outputs selective checkpointing keeps: their recomputation would cost as
-# much as the forward itself (torchtitan's list, less what this torch lacks).
-_KEPT_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "linear",
+# Matrix products: selective checkpointing keeps every second one's output in a block.
+_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+# Attention: selective checkpointing keeps its outputs (what this torch has of them).
+_ATTENTION = (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
@@ -43,9 +41,28 @@ _KEPT_OPS = (
 )
 
 
-def kept_ops() -> set[Any]:
-    """The ops (of this torch) whose outputs selective checkpointing keeps."""
-    return {getattr(torch.ops.aten, n).default for n in _KEPT_OPS if hasattr(torch.ops.aten, n)}
+def _ops(names: tuple[str, ...]) -> frozenset[Any]:
+    return frozenset(
+        getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)
+    )
+
+
+class Selection:
+    """Selective checkpointing's choice for one forward of one block: :meth:`keeps` is asked
+    about each operation in the order the forward runs them. Training asks a fresh one per
+    block forward (and another for its recomputation); the planner asks one per block too,
+    so both keep the same tensors."""
+
+    def __init__(self) -> None:
+        self.products = 0
+        self._products, self._attention = _ops(_PRODUCTS), _ops(_ATTENTION)
+
+    def keeps(self, op: Any) -> bool:
+        """Whether the output of ``op`` (an aten overload) is kept."""
+        if op in self._products:
+            self.products += 1
+            return self.products % 2 == 1
+        return op in self._attention
 
 
 def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> None:
@@ -78,10 +95,12 @@ def _selective_context() -> Any:
             f"activation_checkpointing='selective' needs torch 2.4 or newer (this is "
             f"{torch.__version__}); use 'full'"
         )
-    kept = kept_ops()
+    # The forward and its recomputation each count the products from the first.
+    selections = {False: Selection(), True: Selection()}
 
     def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return policy.MUST_SAVE if op in kept else policy.PREFER_RECOMPUTE
+        keep = selections[bool(ctx.is_recompute)].keeps(op)
+        return policy.MUST_SAVE if keep else policy.PREFER_RECOMPUTE
 
     return make(choose)
 
