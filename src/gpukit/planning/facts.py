@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.errors import ConfigError
+from gpukit.planning import repeats
 from gpukit.strategies._groups import find_blocks, find_groups
 from gpukit.strategies._recompute import kept_ops
 
@@ -111,7 +112,7 @@ def model_facts(
     group_sizes = [sum(_nbytes(p) for p in g.parameters) for g in groups]
     root = sum(_nbytes(p) for p in params if id(p) not in in_blocks)
     try:
-        one, two = (_forward(model, example, b, precision, loss, param_dtype) for b in (1, 2))
+        one, two = (_measure(model, example, b, precision, loss, param_dtype) for b in (1, 2))
     except ConfigError:
         raise
     except Exception as err:
@@ -167,6 +168,42 @@ class _Saved:
     block: int
     kept: bool
     block_input: bool
+    entered: int = 0  # blocks the forward had entered when it saved this
+
+
+def _measure(
+    model: nn.Module,
+    example: Any,
+    batch: int,
+    precision: str,
+    loss: Callable[..., Any] | None,
+    param_dtype: torch.dtype | None,
+) -> _Run:
+    """:func:`_forward`, through the first few of ``model``'s blocks when they are identical
+    (:mod:`gpukit.planning.repeats`: the same saved tensors, in far less time), else through
+    the whole model."""
+    found = repeats.repeated_blocks(model)
+    if found is not None:
+        container, blocks = found
+        try:
+            with repeats.truncated(container, repeats.MEASURED):
+                run = _forward(
+                    model, example, batch, precision, loss, param_dtype, blocks[: repeats.MEASURED]
+                )
+        except Exception:
+            run = None  # measured whole, below
+        if run is not None:
+            laid = repeats.stretch(
+                run.saved,
+                block=lambda s: s.block,
+                entered=lambda s: s.entered,
+                key=lambda s: (s.nbytes, s.kept, s.block_input),
+                total=len(blocks),
+            )
+            if laid is not None:
+                run.saved = [replace(s, block=b) for s, b in laid]
+                return run
+    return _forward(model, example, batch, precision, loss, param_dtype)
 
 
 @dataclass
@@ -228,12 +265,14 @@ def _forward(
     precision: str,
     loss: Callable[..., Any] | None,
     param_dtype: torch.dtype | None = None,
+    blocks: list[nn.Module] | None = None,
 ) -> _Run:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    found = find_blocks(model)
-    blocks = found[1] if found else []
+    if blocks is None:
+        found = find_blocks(model)
+        blocks = found[1] if found else []
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     real = map_tensors(example, lambda t: torch.stack([t] * batch))
     with mode:
@@ -242,7 +281,7 @@ def _forward(
         x, y = map_tensors(real, mode.from_tensor)
         keep: list[Any] = []  # holds counted storages alive, so their ids stay theirs
         saved: dict[int, _Saved] = {}
-        current = [-1]
+        current = [-1, 0]  # the block inside (-1: none), the blocks entered
         starts: set[int] = set()
         kept_outputs = _KeptOutputs()
 
@@ -252,12 +291,14 @@ def _forward(
             if key not in own and key not in saved:
                 keep.append(st)
                 in_block = current[0]
-                saved[key] = _Saved(st.nbytes(), in_block, key in kept_outputs.kept, key in starts)
+                kept = key in kept_outputs.kept
+                saved[key] = _Saved(st.nbytes(), in_block, kept, key in starts, current[1])
             return t
 
         def enter(index: int) -> Callable[..., None]:
             def hook(_module: nn.Module, args: Any) -> None:
                 current[0] = index
+                current[1] += 1
                 starts.update(t.untyped_storage()._cdata for t in tensors(args))
 
             return hook
@@ -286,12 +327,13 @@ def _forward(
                 h.remove()
         output = sum(_nbytes(t) for t in tensors(out))
         if loss is None:  # a cross entropy keeps its log-probabilities: one output's size
-            saved[-1] = _Saved(output, -1, False, False)
+            saved[-1] = _Saved(output, -1, False, False, current[1])
             loss_bytes = output
         # The batch lives through the step whether saved or not.
         for t in tensors((x, y)):
             key = t.untyped_storage()._cdata
-            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, False, False))
+            nbytes = t.untyped_storage().nbytes()
+            saved.setdefault(key, _Saved(nbytes, -1, False, False, current[1]))
         return _Run(
             list(saved.values()),
             output=output,
