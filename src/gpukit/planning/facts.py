@@ -5,7 +5,9 @@ its activations do not: they depend on what each operation saves for the backwar
 :func:`model_facts` runs the forward (and the loss, when given) under fake tensors, which have
 shapes and dtypes but no data, at micro-batch 1 and 2, and counts the unique storages that
 autograd saves. The growth from 1 to 2 is the per-sample part, the rest the fixed part. Nothing
-of the user's model changes: the forward runs on fake copies of its parameters.
+of the user's model changes: the forward runs on fake copies of its parameters. A model of
+identical blocks runs through its first few only (:mod:`gpukit.planning.repeats`: its block
+list is shortened while measuring and restored), with the same result.
 
 Under ``activation_checkpointing`` the blocks fsdp would shard (``find_blocks``) keep less:
 ``"full"`` only each block's input, plus one block's own saved tensors while it is recomputed
@@ -249,12 +251,15 @@ class _KeptOutputs(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.kept: set[int] = set()
+        self.alive: list[Any] = []  # the storages noted, held so that no other takes their id
         self.ops = kept_ops()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in self.ops:
-            self.kept.update(t.untyped_storage()._cdata for t in tensors(out))
+            for t in tensors(out):
+                self.alive.append(t.untyped_storage())
+                self.kept.add(self.alive[-1]._cdata)
         return out
 
 
@@ -299,7 +304,9 @@ def _forward(
             def hook(_module: nn.Module, args: Any) -> None:
                 current[0] = index
                 current[1] += 1
-                starts.update(t.untyped_storage()._cdata for t in tensors(args))
+                for t in tensors(args):
+                    keep.append(t.untyped_storage())
+                    starts.add(keep[-1]._cdata)
 
             return hook
 
