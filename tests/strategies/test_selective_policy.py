@@ -87,6 +87,6 @@ def test_the_planner_counts_what_the_policy_keeps() -> None:
     kv = shape.kv_heads * shape.dim // shape.heads
     # float32, per token: wq, wv, w1, w2 outputs, attention's output and log-sum-exp.
     per_token = 4 * (shape.dim + kv + shape.hidden + shape.dim + shape.dim + shape.heads)
-    assert sum(run.kept.values()) == shape.layers * 32 * per_token
+    assert sum(n.nbytes for n in run.notes if n.kept) == shape.layers * 32 * per_token
     # Each block's input is held too (the embedding's output for the first).
-    assert sum(run.block_inputs.values()) == shape.layers * 32 * shape.dim * 4
+    assert sum(n.nbytes for n in run.notes if n.block_input) == shape.layers * 32 * shape.dim * 4

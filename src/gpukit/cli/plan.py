@@ -1,4 +1,4 @@
-"""gpukit plan: each device's peak memory and the step time, per strategy and device count,
+r"""gpukit plan: each device's peak memory and the step time, per strategy and device count,
 predicted before running, and the plan to run.
 
 For every strategy and device count: the largest device's peak (and the first device's, where
@@ -15,8 +15,9 @@ Example:
     gpukit plan --workload gpt --devices 64 --target h100 --batch-size 512 --json
     gpukit plan --workload mypkg.train:make --devices 4 --target a100-40gb \
         --activation-checkpointing selective
+    # a meta-device 8B model, planned without materialising it:
     gpukit plan --workload gpukit.workloads.llama:llama3_8b --devices 8,128 --target h100 \
-        --strategies ddp,fsdp --fsdp-mixed bf16    # a meta-device 8B model, not materialised
+        --strategies ddp,fsdp --fsdp-mixed bf16
 """
 
 from __future__ import annotations

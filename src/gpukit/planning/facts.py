@@ -5,7 +5,9 @@ its activations do not: they depend on what each operation saves for the backwar
 :func:`model_facts` runs the forward (and the loss, when given) under fake tensors, which have
 shapes and dtypes but no data, at micro-batch 1 and 2, and counts the unique storages that
 autograd saves. The growth from 1 to 2 is the per-sample part, the rest the fixed part. Nothing
-of the user's model changes: the forward runs on fake copies of its parameters.
+of the user's model changes: the forward runs on fake copies of its parameters. A model of
+identical blocks runs through its first few only (:mod:`gpukit.planning.repeats`: its block
+list is shortened while measuring and restored), with the same result.
 
 Under ``activation_checkpointing`` the blocks fsdp shards and recomputes (its groups'
 modules, ``find_groups``: a ``transformers`` model's ``_no_split_modules``) keep less:
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.errors import ConfigError
+from gpukit.planning import repeats
 from gpukit.strategies._groups import find_groups
 from gpukit.strategies._recompute import Selection
 
@@ -114,7 +117,7 @@ def model_facts(
     group_sizes = [sum(_nbytes(p) for p in g.parameters) for g in groups]
     root = sum(_nbytes(p) for p in params if id(p) not in in_blocks)
     try:
-        one, two = (_forward(model, example, b, precision, loss, param_dtype) for b in (1, 2))
+        one, two = (_measure(model, example, b, precision, loss, param_dtype) for b in (1, 2))
     except ConfigError:
         raise
     except Exception as err:
@@ -168,39 +171,72 @@ def _rows(p: torch.Tensor) -> tuple[int, int, bool]:
 
 @dataclass
 class _Saved:
-    """One storage autograd saved: its bytes, the block saving it (-1: none) and its key."""
+    """One storage the forward noted: its bytes, the block noting it (-1: none), its key and
+    how many blocks the forward had entered by then; for a note (not saved by autograd),
+    whether the policy keeps it and whether it is a block's input."""
 
     nbytes: int
     block: int
     key: int = 0
+    entered: int = 0
+    kept: bool = False
+    block_input: bool = False
+
+
+def _measure(
+    model: nn.Module,
+    example: Any,
+    batch: int,
+    precision: str,
+    loss: Callable[..., Any] | None,
+    param_dtype: torch.dtype | None,
+) -> _Run:
+    """:func:`_forward`, through the first few of ``model``'s blocks when they are identical
+    and are the blocks fsdp recomputes (:mod:`gpukit.planning.repeats`: the same saved
+    tensors, in far less time), else through the whole model."""
+    found = repeats.repeated_blocks(model)
+    if found is not None and [id(b) for b in found[1]] == [id(b) for b in recomputed_blocks(model)]:
+        container, blocks = found
+        try:
+            with repeats.truncated(container, repeats.MEASURED):
+                run = _forward(
+                    model, example, batch, precision, loss, param_dtype, blocks[: repeats.MEASURED]
+                )
+        except Exception:
+            run = None  # measured whole, below
+        if run is not None:
+            stretched = run.stretched(len(blocks))
+            if stretched is not None:
+                return stretched
+    return _forward(model, example, batch, precision, loss, param_dtype)
 
 
 @dataclass
 class _Run:
-    """What one fake forward at one micro-batch saved, in the order it saved it; ``inputs``
-    the blocks' inputs and ``kept`` the outputs selective checkpointing keeps inside blocks
-    (storage key: bytes)."""
+    """What one fake forward at one micro-batch saved, in the order it saved it; ``notes``
+    the blocks' inputs and the outputs selective checkpointing keeps inside blocks, one per
+    storage, in the order noted."""
 
     saved: list[_Saved]
     output: int
     inputs: int
     targets: int
     loss: int
-    block_inputs: dict[int, int] = field(default_factory=dict)
-    kept: dict[int, int] = field(default_factory=dict)
+    notes: list[_Saved] = field(default_factory=list)
 
     def activations(self, mode: str) -> int:
         if mode == "off":
             return sum(s.nbytes for s in self.saved)
         # A checkpointed block holds its input (the recomputation starts from it) and, when
         # selective, what the policy keeps; one block at a time recomputes the rest.
-        held = {**self.block_inputs, **(self.kept if mode == "selective" else {})}
-        outside = sum(s.nbytes for s in self.saved if s.block < 0 and s.key not in held)
+        held = [n for n in self.notes if n.block_input or (mode == "selective" and n.kept)]
+        keys = {n.key for n in held}
+        outside = sum(s.nbytes for s in self.saved if s.block < 0 and s.key not in keys)
         per_block: dict[int, int] = {}
         for s in self.saved:
-            if s.block >= 0 and s.key not in held:
+            if s.block >= 0 and s.key not in keys:
                 per_block[s.block] = per_block.get(s.block, 0) + s.nbytes
-        return outside + sum(held.values()) + max(per_block.values(), default=0)
+        return outside + sum(n.nbytes for n in held) + max(per_block.values(), default=0)
 
     def backward_extra(self, mode: str) -> int:
         # The backward of the op that saved tensor k runs while tensors 0..k are still held
@@ -215,26 +251,50 @@ class _Run:
             worst = max(worst, held + 2 * s.nbytes)
         return worst - total
 
+    def stretched(self, total: int) -> _Run | None:
+        """This run through the first ``repeats.MEASURED`` blocks laid out for ``total``
+        identical blocks, or None when the measured middle blocks differ."""
+        # Whether a saved storage is also kept by the policy is the block's own; whether it is
+        # the next block's input is not (the last measured block has none after it).
+        kept = {n.key for n in self.notes if n.kept}
+        saved = repeats.stretch(
+            self.saved,
+            block=lambda s: s.block,
+            entered=lambda s: s.entered,
+            key=lambda s: (s.nbytes, s.key in kept),
+            total=total,
+        )
+        notes = repeats.stretch(
+            self.notes,
+            block=lambda n: n.block,
+            entered=lambda n: n.entered,
+            key=lambda n: (n.nbytes, n.kept, n.block_input),
+            total=total,
+        )
+        if saved is None or notes is None:
+            return None
+        return replace(
+            self,
+            saved=[replace(s, block=b) for s, b in saved],
+            notes=[replace(n, block=b) for n, b in notes],
+        )
+
 
 class _KeptOutputs(TorchDispatchMode):
     """Notes the storages that selective checkpointing keeps inside blocks: the outputs of the
     operations a fresh :class:`Selection` per block forward keeps (``current``: the block
-    running, -1 outside)."""
+    running, -1 outside, and the blocks entered)."""
 
-    def __init__(self, current: list[int]) -> None:
+    def __init__(self, current: list[int], note: Callable[[Any, str], None]) -> None:
         super().__init__()
-        self.current = current
-        self.kept: dict[int, int] = {}
-        self.hold: list[Any] = []  # keeps counted storages alive, so their ids stay theirs
+        self.current, self.note = current, note
         self.selection = Selection()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.current[0] >= 0 and self.selection.keeps(func):
             for t in tensors(out):
-                st = t.untyped_storage()
-                self.hold.append(st)
-                self.kept.setdefault(st._cdata, st.nbytes())
+                self.note(t.untyped_storage(), "kept")
         return out
 
 
@@ -245,11 +305,13 @@ def _forward(
     precision: str,
     loss: Callable[..., Any] | None,
     param_dtype: torch.dtype | None = None,
+    blocks: list[nn.Module] | None = None,
 ) -> _Run:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    blocks = recomputed_blocks(model)
+    if blocks is None:
+        blocks = recomputed_blocks(model)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     real = map_tensors(example, lambda t: torch.stack([t] * batch))
     with mode:
@@ -258,27 +320,38 @@ def _forward(
         x, y = map_tensors(real, mode.from_tensor)
         keep: list[Any] = []  # holds counted storages alive, so their ids stay theirs
         saved: dict[int, _Saved] = {}
-        current = [-1]
-        starts: dict[int, int] = {}
-        kept_outputs = _KeptOutputs(current)
+        notes: dict[int, _Saved] = {}
+        current = [-1, 0]  # the block inside (-1: none), the blocks entered
+
+        def note(st: Any, what: str) -> None:
+            key = st._cdata
+            if key in own:
+                return
+            if key not in notes:
+                keep.append(st)
+                notes[key] = _Saved(st.nbytes(), current[0], key, current[1])
+            if what == "kept":
+                notes[key].kept = True
+            else:
+                notes[key].block_input = True
+
+        kept_outputs = _KeptOutputs(current, note)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             key = st._cdata
             if key not in own and key not in saved:
                 keep.append(st)
-                saved[key] = _Saved(st.nbytes(), current[0], key)
+                saved[key] = _Saved(st.nbytes(), current[0], key, current[1])
             return t
 
         def enter(index: int) -> Callable[..., None]:
             def hook(_module: nn.Module, args: Any) -> None:
                 current[0] = index
+                current[1] += 1
                 kept_outputs.selection = Selection()
                 for t in tensors(args):
-                    st = t.untyped_storage()
-                    if st._cdata not in own:
-                        keep.append(st)
-                        starts.setdefault(st._cdata, st.nbytes())
+                    note(t.untyped_storage(), "input")
 
             return hook
 
@@ -306,20 +379,19 @@ def _forward(
                 h.remove()
         output = sum(_nbytes(t) for t in tensors(out))
         if loss is None:  # a cross entropy keeps its log-probabilities: one output's size
-            saved[-1] = _Saved(output, -1, -1)
+            saved[-1] = _Saved(output, -1, -1, current[1])
             loss_bytes = output
         # The batch lives through the step whether saved or not.
         for t in tensors((x, y)):
             key = t.untyped_storage()._cdata
-            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, key))
+            saved.setdefault(key, _Saved(t.untyped_storage().nbytes(), -1, key, current[1]))
         return _Run(
             list(saved.values()),
             output=output,
             inputs=sum(_nbytes(t) for t in tensors(x)),
             targets=sum(_nbytes(t) for t in tensors(y)),
             loss=loss_bytes,
-            block_inputs=starts,
-            kept=kept_outputs.kept,
+            notes=list(notes.values()),
         )
 
 

@@ -284,6 +284,8 @@ def _timed(base: Plan, subject: _Subject) -> Plan:
             precision=s.precision,
             calibration=s.calibration,
             io_bytes_per_sample=facts.input_bytes_per_sample + facts.output_bytes_per_sample,
+            mixed=s.fsdp_mixed if registered.traits(base.strategy).gathers_weights else None,
+            trainable_numel=facts.trainable_numel,
         )
     except GpukitError as err:
         return replace(base, notes=(*base.notes, f"step time unknown: {err}"))

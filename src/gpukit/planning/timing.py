@@ -21,6 +21,9 @@ A closed form, so that it answers instantly for every strategy and device count:
   - dp, dp-balanced (one process driving N GPUs): per micro-step, a broadcast of the
     parameters to the N-1 replicas, a reduce of their gradients to the first GPU, and the
     inputs scattered from and outputs gathered to it; nothing overlaps.
+- **FSDP2 mixed precision** (``mixed="bf16"``): the parameters are gathered and computed
+  with in bf16, so the matrix products run at bf16's peak whatever ``precision`` says, the
+  all-gathers move two bytes per parameter and the reduce-scatters four (float32 reduction).
 - **Host**: a fixed cost per micro-step (Python, kernel launches; :data:`HOST_SECONDS`, or the
   calibration's fixed seconds); one process driving every device launches every replica's
   kernels.
@@ -66,6 +69,9 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 # The dtype whose peak a precision runs its matmuls at. "32" is plain float32: torch leaves
 # TF32 off for matmuls unless asked, so its peak is fp32's.
+# FSDP2 mixed precision: the bytes of a parameter gathered in each modelled dtype.
+MIXED_BYTES = {"bf16": 2}
+
 PRECISION_DTYPES = {
     "32": "fp32",
     "fp32": "fp32",
@@ -108,13 +114,17 @@ def step_time(
     precision: str,
     calibration: Calibration | None = None,
     io_bytes_per_sample: int = 0,
+    mixed: str | None = None,
+    trainable_numel: int = 0,
 ) -> tuple[StepTime, float, float | None]:
     """(step time by cause, samples/s, MFU) of one optimizer step (see the module doc).
 
     ``micro_batch`` is per device; ``trainable_bytes`` the gradients' bytes (as many as the
     parameters that train); ``largest_group_bytes`` the largest unit FSDP gathers at once (a
     block); ``io_bytes_per_sample`` an input and its output, which DataParallel moves through
-    the first GPU. MFU is None where the peak is not a datasheet figure (a CPU).
+    the first GPU. MFU is None where the peak is not a datasheet figure (a CPU). ``mixed``:
+    "bf16" for FSDP2's mixed precision (see the module doc), whose collectives' bytes follow
+    from ``trainable_numel`` (default: ``trainable_bytes`` of float32 parameters).
 
     >>> from gpukit.planning.targets import target
     >>> t, per_s, mfu = step_time(target=target("a100"), strategy="single", devices=1,
@@ -131,6 +141,10 @@ def step_time(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name}={value!r}: give a whole number of bytes, 0 or more")
+    if mixed is not None and mixed not in MIXED_BYTES:
+        raise ConfigError(f"mixed={mixed!r}: use None or one of {', '.join(MIXED_BYTES)}")
+    if mixed is not None and PRECISION_DTYPES.get(precision) in ("fp32", "tf32"):
+        precision = mixed  # the matrix products take the gathered parameters' dtype
     peak = _peak(target, precision, required=calibration is None)
     samples = micro_batch * accumulate
     if calibration is not None:
@@ -141,10 +155,18 @@ def step_time(
         micro_s = flops_per_sample * micro_batch / (peak * EFFICIENCY[target.kind])
         host_micro_s = HOST_SECONDS
     compute = micro_s * accumulate
+    numel = trainable_numel or trainable_bytes // 4
+    moved = {
+        "gradients": numel * 4 if mixed else trainable_bytes,  # reduced in float32
+        "weights": numel * MIXED_BYTES[mixed] if mixed else trainable_bytes,
+        "samples": io_bytes_per_sample * micro_batch,
+    }
+    group, grads = largest_group_bytes, trainable_bytes
+    blocks = max(1, math.ceil(grads / group)) if group else 1
+    largest = min(1.0, group / grads) if group and grads else 1.0  # the largest block's share
     exposed = _exposed(
-        traits.collectives, _Link(target, devices), micro_s, accumulate, trainable_bytes,
-        largest_group_bytes, io_bytes_per_sample * micro_batch,
-    )  # fmt: skip
+        traits.collectives, _Link(target, devices), micro_s, accumulate, moved, blocks, largest
+    )
     host_factor = float(devices) if traits.drives_all_devices and devices > 1 else 1.0
     time = StepTime(compute, exposed, host_micro_s * accumulate * host_factor)
     global_batch = samples * devices
@@ -178,21 +200,26 @@ def _exposed(
     link: _Link,
     micro_s: float,
     acc: int,
-    grads: int,
-    group: int,
-    io: int,
+    moved: dict[str, int],
+    blocks: int,
+    largest: float,
 ) -> float:
     """Exposed communication seconds per optimizer step: the collectives hidden behind one
-    pass (or none) together, per micro-step times ``acc`` plus per step."""
+    pass (or none) together, per micro-step times ``acc`` plus per step. ``moved``: the bytes
+    of each payload; ``blocks``: the pieces a per-block collective is cut in, the ``largest``
+    holding that share of its bytes."""
     passes: dict[tuple[str, str | None], list[Collective]] = {}
     for c in collectives:
         passes.setdefault((c.per, c.hidden_by), []).append(c)
     per_micro = per_step = 0.0
     for (per, hidden_by), together in passes.items():
-        total = sum(_seconds(c, link, grads, group, io) for c in together)
+        total = sum(_seconds(c, link, moved[c.payload], blocks) for c in together)
         if hidden_by is not None:
             share = BACKWARD_SHARE if hidden_by == "backward" else 1 - BACKWARD_SHARE
-            total = max(total - share * micro_s, _unhidden(together[0], link, grads, group))
+            first = together[0]
+            total = max(
+                total - share * micro_s, _unhidden(first, link, moved[first.payload], largest)
+            )
         if per == "micro-step":
             per_micro += total
         else:
@@ -200,25 +227,21 @@ def _exposed(
     return acc * per_micro + per_step
 
 
-def _seconds(c: Collective, link: _Link, grads: int, group: int, io: int) -> float:
-    """Seconds of one collective ``c`` in one pass, over all its pieces."""
-    if c.payload == "samples":
-        nbytes: float = io
-    else:
-        nbytes = grads  # weights move as many bytes as the gradients of what trains
+def _seconds(c: Collective, link: _Link, nbytes: int, blocks: int) -> float:
+    """Seconds of one collective ``c`` of ``nbytes`` in one pass, over all its pieces."""
     if c.unit == "block" and link.n >= 2:
         # Each block is its own collective: its latency counts once per block.
-        blocks = max(1, math.ceil(grads / group)) if group else 1
         return blocks * _cost(c.op, link, nbytes / blocks)
     return _cost(c.op, link, nbytes)
 
 
-def _unhidden(c: Collective, link: _Link, grads: int, group: int) -> float:
-    """What of collective ``c`` no compute hides: DDP's last bucket, FSDP's first block."""
+def _unhidden(c: Collective, link: _Link, nbytes: int, largest: float) -> float:
+    """What of collective ``c`` no compute hides: DDP's last bucket, FSDP's first block (the
+    ``largest`` share of the bytes)."""
     if c.unit == "bucket":
-        return _cost(c.op, link, min(grads, DDP_BUCKET_BYTES))
+        return _cost(c.op, link, min(nbytes, DDP_BUCKET_BYTES))
     if c.unit == "block":
-        return _cost(c.op, link, min(group or grads, grads))
+        return _cost(c.op, link, nbytes * largest)
     return 0.0
 
 
@@ -293,6 +316,7 @@ __all__ = [
     "DDP_BUCKET_BYTES",
     "EFFICIENCY",
     "HOST_SECONDS",
+    "MIXED_BYTES",
     "PRECISION_DTYPES",
     "ring_all_reduce_s",
     "ring_gather_s",
