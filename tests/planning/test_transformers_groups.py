@@ -13,6 +13,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.planning.facts import model_facts, recomputed_blocks
+from tests.hf_models import tiny_config
 
 VOCAB, CONTEXT = 64, 8
 
@@ -21,24 +22,9 @@ def _hf_model(kind: str) -> nn.Module:
     pytest.importorskip(
         "transformers", reason="transformers is not installed (pip install gpukit[hf])"
     )
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if kind == "gpt2":
-        config = AutoConfig.for_model(
-            "gpt2", vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=3, n_head=2
-        )
-    else:
-        config = AutoConfig.for_model(
-            "llama",
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-            tie_word_embeddings=kind == "llama-tied",
-        )
+    config = tiny_config("gpt2" if kind == "gpt2" else "llama", VOCAB, tied=kind == "llama-tied")
     config.use_cache = False
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)

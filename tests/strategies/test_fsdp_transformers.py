@@ -18,6 +18,7 @@ from torch import nn
 import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.strategies._groups import find_groups
+from tests.hf_models import tiny_config
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install gpukit[hf])"
@@ -27,23 +28,9 @@ VOCAB, CONTEXT, STEPS = 64, 8, 3
 
 
 def _model(kind: str) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+    from transformers import AutoModelForCausalLM
 
-    if kind == "gpt2":
-        config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=3, n_head=2)
-    else:
-        config = AutoConfig.for_model(
-            "llama",
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-            tie_word_embeddings=True,
-        )
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(tiny_config(kind, VOCAB))
 
 
 LAYERS = {"gpt2": "transformer.h", "llama": "model.layers"}
