@@ -15,7 +15,9 @@ workload's global batch:
   first allocations), leaving out spans that hold a validation pass.
 
 Errors are (predicted - measured) / measured. Both sides run in this process's environment
-(``OMP_NUM_THREADS`` included), one after the other, so that the machine's load bends both.
+(``OMP_NUM_THREADS`` included), alternated ``repeats`` times (:data:`REPEATS`; 1 with
+``--quick``), and their medians are compared, so that a change of the machine's load bends
+both.
 
 >>> steady_step([{"step": "5", "elapsed": "1.0", "loss": "2", "val_loss": ""},
 ...              {"step": "10", "elapsed": "1.5", "loss": "1", "val_loss": ""},
@@ -52,6 +54,7 @@ LOG_EVERY = 5
 STEPS = 40  # steps measured after the skipped ones (--steps)
 QUICK_STEPS = 10
 RUN_TIMEOUT_S = 600
+REPEATS = 2  # calibrations and trainings per case, alternated; the medians are compared
 WITHIN = 25.0  # %: the calibrated prediction's goal
 
 COLUMNS = (
@@ -68,7 +71,10 @@ COLUMNS = (
 
 
 def run(
-    quick: bool = False, steps: int | None = None, workloads: Sequence[str] | None = None
+    quick: bool = False,
+    steps: int | None = None,
+    workloads: Sequence[str] | None = None,
+    repeats: int | None = None,
 ) -> BenchResult:
     """Predict and measure every case (see the module doc); ``steps``: training steps timed
     after the skipped ones, and calibration steps timed per micro-batch (a quarter of them, at
@@ -76,37 +82,50 @@ def run(
     names = tuple(workloads or (("mlp",) if quick else ("mlp", "cnn", "gpt")))
     cases = QUICK_CASES if quick else CASES
     steps = steps or (QUICK_STEPS if quick else STEPS)
+    repeats = repeats or (1 if quick else REPEATS)
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
     counts = sorted({n for _, n in cases})
     strategies = list(dict.fromkeys(s for s, _ in cases))
     for name in names:
-        cal = calibrate_plan(name, list(cases), steps=max(5, steps // 4))
-        calibrated = _step_times(plan(name, devices=counts, strategies=strategies,
-                                      calibration=cal, method="closed-form"))  # fmt: skip
         datasheet = _step_times(plan(name, devices=counts, strategies=strategies,
                                      method="closed-form"))  # fmt: skip
+        predicted: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
+        measured: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
+        micro: dict[tuple[str, int], int] = {}
+        for _ in range(repeats):  # alternated, so that a change of the machine's load bends both
+            cal = calibrate_plan(name, list(cases), steps=max(5, steps // 4))
+            calibrated = _step_times(plan(name, devices=counts, strategies=strategies,
+                                          calibration=cal, method="closed-form"))  # fmt: skip
+            raw.setdefault(f"{name}/calibration", []).append(
+                {"single": [cal.micro_batches, cal.step_seconds]}
+                | {
+                    f"{x.strategy}/{x.devices}": [x.micro_batches, x.step_seconds]
+                    for x in cal.lines
+                }
+            )
+            for case in cases:
+                seconds, rows_csv = train_step_seconds(name, *case, steps)
+                raw.setdefault(f"{name}/{case[0]}/{case[1]}", []).append({"metrics_csv": rows_csv})
+                micro[case], guess = calibrated[case]
+                predicted[case] += [guess] if guess is not None else []
+                measured[case] += [seconds] if seconds is not None else []
         for strategy, n in cases:
-            measured, rows_csv = train_step_seconds(name, strategy, n, steps)
-            raw[f"{name}/{strategy}/{n}"] = {"metrics_csv": rows_csv}
-            micro, predicted = calibrated[(strategy, n)]
+            got = _median(measured[(strategy, n)])
+            guess = _median(predicted[(strategy, n)])
             rows.append(
                 {
                     "workload": name,
                     "strategy": strategy,
                     "devices": n,
-                    "micro_batch": micro,
-                    "measured_s": measured,
-                    "calibrated_s": predicted,
-                    "calibrated_error": _error(predicted, measured),
+                    "micro_batch": micro[(strategy, n)],
+                    "measured_s": got,
+                    "calibrated_s": guess,
+                    "calibrated_error": _error(guess, got),
                     "datasheet_s": datasheet[(strategy, n)][1],
-                    "datasheet_error": _error(datasheet[(strategy, n)][1], measured),
+                    "datasheet_error": _error(datasheet[(strategy, n)][1], got),
                 }
             )
-        raw[f"{name}/calibration"] = {
-            "single": [cal.micro_batches, cal.step_seconds],
-            **{f"{x.strategy}/{x.devices}": [x.micro_batches, x.step_seconds] for x in cal.lines},
-        }
     errors = [r["calibrated_error"] for r in rows if r["calibrated_error"] is not None]
     worst = max(rows, key=lambda r: abs(r["calibrated_error"] or 0.0))
     return BenchResult(
@@ -181,6 +200,10 @@ def steady_step(rows: Sequence[dict[str, str]]) -> float | None:
         if s0 >= SKIPPED_STEPS and s1 > s0 and not any(s0 <= v < s1 for v in checked)
     ]
     return round(statistics.median(rates), 9) if rates else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _error(predicted: float | None, measured: float | None) -> float | None:
