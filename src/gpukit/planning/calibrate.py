@@ -219,25 +219,29 @@ def calibrate(
 # Bytes per parameter that training with AdamW holds at least: float32 weights, gradients and
 # the optimizer's two moments.
 TRAINING_BYTES_PER_PARAMETER = 16
+# Share of the device's memory that state may take for a calibration to go ahead: activations,
+# the batch and the allocator need the rest.
+HEADROOM = 0.5
 
 
 def check_fits_here(model: nn.Module, device: str | torch.device | None) -> None:
     """Refuse, before anything is allocated, a model whose weights, gradients and AdamW state
-    alone exceed the memory of ``device`` on this machine (a meta-device model of billions of
-    parameters): calibration trains it for real."""
+    alone exceed :data:`HEADROOM` of the memory of ``device`` on this machine (a meta-device
+    model of billions of parameters): calibration trains it for real."""
     params = sum(p.numel() for p in model.parameters())
     need = params * TRAINING_BYTES_PER_PARAMETER
     kind = torch.device(device).type if device not in (None, "auto") else (
         "cuda" if hw.cuda_count() else "cpu"
     )  # fmt: skip
     have = hw.cuda_properties(0).total_memory if kind == "cuda" else hw.ram_total()
-    if have and need > have:
+    if have and need > have * HEADROOM:
         raise ConfigError(
             f"calibrate: the model has {params:,} parameters; training them here holds at "
-            f"least {format_bytes(need)} (float32 weights, gradients and AdamW's two moments) "
-            f"and this machine's {kind} has {format_bytes(have)}: it is too large to calibrate "
-            "here. Calibrate on a machine where it trains, or plan without calibration (the "
-            "step time is then a datasheet estimate)"
+            f"least {format_bytes(need)} (float32 weights, gradients and AdamW's two moments), "
+            f"more than {HEADROOM:.0%} of this machine's {kind} memory ({format_bytes(have)}; "
+            "the rest is for activations): it is too large to calibrate here. Calibrate on a "
+            "machine where it trains, or plan without calibration (the step time is then a "
+            "datasheet estimate)"
         )
 
 
@@ -341,6 +345,7 @@ def _device_name(device: torch.device) -> str:
 
 
 __all__ = [
+    "HEADROOM",
     "TRAINING_BYTES_PER_PARAMETER",
     "Calibration",
     "Line",
