@@ -77,8 +77,8 @@ def run(
     repeats: int | None = None,
 ) -> BenchResult:
     """Predict and measure every case (see the module doc); ``steps``: training steps timed
-    after the skipped ones, and calibration steps timed per micro-batch (a quarter of them, at
-    least 5)."""
+    after the skipped ones; calibration times an eighth of them (at least 3) per micro-batch,
+    each a block of 5 steps."""
     names = tuple(workloads or (("mlp",) if quick else ("mlp", "cnn", "gpt")))
     cases = QUICK_CASES if quick else CASES
     steps = steps or (QUICK_STEPS if quick else STEPS)
@@ -94,7 +94,7 @@ def run(
         measured: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
         micro: dict[tuple[str, int], int] = {}
         for _ in range(repeats):  # alternated, so that a change of the machine's load bends both
-            cal = calibrate_plan(name, list(cases), steps=max(5, steps // 4))
+            cal = calibrate_plan(name, list(cases), steps=max(3, steps // 8))
             calibrated = _step_times(plan(name, devices=counts, strategies=strategies,
                                           calibration=cal, method="closed-form"))  # fmt: skip
             raw.setdefault(f"{name}/calibration", []).append(

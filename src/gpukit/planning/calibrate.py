@@ -7,8 +7,8 @@ A step's time is close to linear in the micro-batch, ``t(b) = fixed + per_sample
 sizes fit the line. Each size trains a copy of the model (the caller's stays untouched) with
 AdamW through a single-device Runtime, as ``gpukit train`` does; two warm-up steps build the
 optimizer's state, one more is measured for memory, then ``steps`` are timed with the device
-synchronised before each clock read (:func:`gpukit.devices.clock.time_once`) and their median
-kept.
+synchronised before each clock read (:func:`gpukit.devices.clock.time_once`), each
+timed sample the mean of a block of :data:`BLOCK` consecutive steps, and their median kept.
 
 >>> cal = calibrate("mlp", micro_batches=(8, 1024), steps=1, device="cpu")
 >>> cal.step_seconds[0] > 0, cal.measured_peak_tensors[0] < cal.measured_peak_tensors[1]
@@ -323,9 +323,19 @@ def _counted_peak(step: _Step, device: torch.device) -> int:
     return live.peak.get(_name(device), 0)
 
 
+# Steps timed together, their mean kept: one clock read (and one garbage collection before it)
+# per block, as a training loop's clock spans its steps, rather than a cold start per step.
+BLOCK = 5
+
+
+def block_time(run: Callable[[], object], sync: Callable[[], None] | None) -> float:
+    """Mean seconds of :data:`BLOCK` consecutive ``run()`` calls, timed together."""
+    return time_once(lambda: [run() for _ in range(BLOCK)], sync) / BLOCK
+
+
 def _default_timer(device: torch.device) -> Timer:
     sync = synchronizer(device)
-    return lambda run, _b: time_once(run, sync)
+    return lambda run, _b: block_time(run, sync)
 
 
 def _median_time(step: Callable[[], object], b: int, steps: int, timer: Timer) -> float:
@@ -345,12 +355,14 @@ def _device_name(device: torch.device) -> str:
 
 
 __all__ = [
+    "BLOCK",
     "HEADROOM",
     "TRAINING_BYTES_PER_PARAMETER",
     "Calibration",
     "Line",
     "Timer",
     "batches",
+    "block_time",
     "calibrate",
     "check_fits_here",
     "cuda_context_bytes",

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gpukit.devices import hw
-from gpukit.devices.clock import synchronizer, time_once
+from gpukit.devices.clock import synchronizer
 from gpukit.devices.move import to
 from gpukit.errors import ConfigError
 from gpukit.planning import registered
@@ -38,6 +38,7 @@ from gpukit.planning.calibrate import (
     Calibration,
     Line,
     batches,
+    block_time,
     calibrate,
     check_fits_here,
     fit_line,
@@ -80,7 +81,7 @@ def calibrate_plan(
     *,
     batch: int | None = None,
     accumulate: int = 1,
-    steps: int = 8,
+    steps: int = 5,
     device: str | None = None,
     precision: str = "auto",
 ) -> Calibration:
@@ -114,12 +115,12 @@ def measure_line(
     devices: str,
     micro_batches: tuple[int, int],
     *,
-    steps: int = 8,
+    steps: int = 5,
     precision: str = "auto",
 ) -> Line:
     """Train ``workload`` with ``strategy`` on ``devices`` (such as ``"cpu,cpu"``) at each of
-    ``micro_batches`` per device, ``steps`` timed steps each after warm-up; the line through
-    the medians."""
+    ``micro_batches`` per device, ``steps`` timed blocks of steps each after warm-up
+    (:func:`~gpukit.planning.calibrate.block_time`); the line through the medians."""
     if strategy not in registered.names():
         raise ConfigError(f"strategy {strategy!r}: use one of {', '.join(registered.names())}")
     rt = Runtime(strategy=strategy, devices=devices, precision=precision)
@@ -167,7 +168,7 @@ def _timed_steps(
 
         for _ in range(WARMUP_STEPS):
             step()
-        medians.append(statistics.median(time_once(step, sync) for _ in range(steps)))
+        medians.append(statistics.median(block_time(step, sync) for _ in range(steps)))
     return medians
 
 
