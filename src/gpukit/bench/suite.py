@@ -37,6 +37,7 @@ _MODULES = {
     "overhead": "gpukit.bench.overhead",
     "trace": "gpukit.bench.trace_cost",
     "plan": "gpukit.bench.plan",
+    "calibration": "gpukit.bench.calibration",
     "restarts": "gpukit.bench.restarts",
 }
 

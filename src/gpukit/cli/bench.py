@@ -21,6 +21,9 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     plan         the planner's predicted peak tensor memory per rank (simulation and closed
                  form) against gpukit train's measured one, every built-in workload x single,
                  ddp, fsdp x 1, 2 ranks; 8 and 64 ranks simulated
+    calibration  the planner's step time, calibrated here (gpukit plan --calibrate) and from
+                 the datasheet, against gpukit train's, every built-in workload x every
+                 strategy on this CPU (single; ddp, fsdp, dp, dp-balanced on cpu,cpu)
     restarts     a 2-rank gpukit train that fails once under --max-restarts 1: the restart's
                  phases (stop, python, import torch, import gpukit, process group, set-up,
                  first step) beside the cold start's, and restart / cold start
@@ -67,6 +70,7 @@ _ONE_LINERS = {
     "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
     "trace": "cost of gk.trace() on a training loop (traced / untraced)",
     "plan": "the planner's predicted peak memory against gpukit train's measured one",
+    "calibration": "the planner's step time (calibrated, datasheet) against gpukit train's",
     "restarts": "what a restart under gpukit's launcher costs, phase by phase, vs a cold start",
 }
 
@@ -84,6 +88,8 @@ def register(sub: Any) -> None:
         if name in ("overhead", "trace"):
             one.add_argument("--steps", type=int, metavar="N", help="steps timed per round")
             one.add_argument("--rounds", type=int, metavar="R", help="rounds")
+        if name == "calibration":
+            one.add_argument("--steps", type=int, metavar="N", help="training steps timed")
         if name == "trace":
             one.add_argument(
                 "--workload",

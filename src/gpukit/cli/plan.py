@@ -8,7 +8,9 @@ fits, and a recommendation. single, ddp and fsdp are simulated (gpukit's own tra
 over fake tensors, one rank standing for N, in this process: exact on this machine's CPU);
 dp and dp-balanced use the closed form. --target names the GPU to plan for (default: this
 machine's first GPU, else its CPU); --memory overrides its size. --calibrate first measures a
-few real steps on this machine's device (memory overheads, seconds per sample).
+few real steps on this machine's device (memory overheads, seconds per sample), and trains each
+strategy asked on each device count this machine has (ddp and fsdp as gloo processes on a CPU)
+for its step time; without it the step time is a datasheet estimate, and the output says so.
 
 Example:
     gpukit plan --workload gpt --devices 1,2,8 --strategies single,ddp,fsdp
@@ -27,6 +29,7 @@ from typing import Any
 
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
+from gpukit.planning import registered
 from gpukit.planning.arguments import CHECKPOINTING, PRECISIONS
 from gpukit.planning.closed_form import MIXED
 from gpukit.planning.planner import plan
@@ -70,15 +73,22 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     calibration = None
+    counts = _counts(args.devices)
+    names = _names(args.strategies) if args.strategies is not None else None
     if args.calibrate:
-        from gpukit.planning.calibrate import calibrate
+        from gpukit.planning.calibrate_runs import calibrate_plan
 
-        calibration = calibrate(args.workload)
+        every = names or list(registered.names())
+        cases = [(s, n) for s in every for n in counts]
+        calibration = calibrate_plan(
+            args.workload, cases, batch=args.batch_size, accumulate=args.accumulate,
+            precision=args.precision,
+        )  # fmt: skip
     report = plan(
         args.workload,
         batch=args.batch_size,
-        devices=_counts(args.devices),
-        strategies=_names(args.strategies) if args.strategies is not None else None,
+        devices=counts,
+        strategies=names,
         precision=args.precision,
         accumulate=args.accumulate,
         activation_checkpointing=args.activation_checkpointing,

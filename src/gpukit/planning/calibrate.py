@@ -7,8 +7,8 @@ A step's time is close to linear in the micro-batch, ``t(b) = fixed + per_sample
 sizes fit the line. Each size trains a copy of the model (the caller's stays untouched) with
 AdamW through a single-device Runtime, as ``gpukit train`` does; two warm-up steps build the
 optimizer's state, one more is measured for memory, then ``steps`` are timed with the device
-synchronised before each clock read (:func:`gpukit.devices.clock.time_once`) and their median
-kept.
+synchronised before each clock read (:func:`gpukit.devices.clock.time_once`), each
+timed sample the mean of a block of :data:`BLOCK` consecutive steps, and their median kept.
 
 >>> cal = calibrate("mlp", micro_batches=(8, 1024), steps=1, device="cpu")
 >>> cal.step_seconds[0] > 0, cal.measured_peak_tensors[0] < cal.measured_peak_tensors[1]
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gpukit._util.text import format_bytes
 from gpukit._util.tree import tensors
 from gpukit.devices import hw
 from gpukit.devices.clock import synchronizer, time_once
@@ -39,6 +40,24 @@ from gpukit.workloads.base import Workload, load_workload
 # Seconds one step takes: given the step to run and its micro-batch. The default runs it once
 # with time_once; tests pass synthetic times.
 Timer = Callable[[Callable[[], object], int], float]
+
+
+@dataclass(frozen=True)
+class Line:
+    """One configuration's measured step time: ``strategy`` on ``devices`` devices at each of
+    two micro-batches per device, and the line through them (``fixed_seconds`` +
+    ``seconds_per_sample`` x micro-batch)."""
+
+    strategy: str
+    devices: int
+    micro_batches: tuple[int, int]
+    step_seconds: tuple[float, float]
+    fixed_seconds: float
+    seconds_per_sample: float
+
+    def at(self, micro_batch: int) -> float:
+        """Seconds of one step at ``micro_batch`` samples per device."""
+        return self.fixed_seconds + self.seconds_per_sample * micro_batch
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,18 @@ class Calibration:
     measured_peak_tensors: tuple[int, int]
     reserve_fraction: float
     context_bytes: int
+    # Step-time lines measured for a strategy on several devices here
+    # (gpukit.planning.calibrate_runs); the single-device one is built from the fields above.
+    lines: tuple[Line, ...] = ()
+
+    def line(self, strategy: str, devices: int) -> Line | None:
+        """The line measured for ``strategy`` on ``devices`` devices, None if not measured
+        (single on one device: always measured)."""
+        alone = one_device()
+        if strategy == alone and devices == 1:
+            return Line(alone, 1, self.micro_batches, self.step_seconds,
+                        self.fixed_seconds, self.seconds_per_sample)  # fmt: skip
+        return next((x for x in self.lines if (x.strategy, x.devices) == (strategy, devices)), None)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -130,6 +161,7 @@ def calibrate(
     (0.01, 0.002, 0.0, 0)
     """
     model, data, criterion, lr = _parts(workload, dataset, loss, lr)
+    check_fits_here(model, device)
     sizes = tuple(micro_batches)
     if (
         len(sizes) != 2
@@ -163,7 +195,8 @@ def calibrate(
                 allocated = _counted_peak(step, dev)
                 fractions.append(0.0)
             peaks.append(allocated)
-            seconds.append(_median_time(step, b, steps, timer or _default_timer(dev)))
+            step.fresh()  # the loader's workers and first batch
+            seconds.append(_median_time(step.fresh, b, steps, timer or _default_timer(dev)))
             where, used = _name(dev), rt.precision.name
             name = _device_name(dev)
         finally:
@@ -183,6 +216,35 @@ def calibrate(
     )
 
 
+# Bytes per parameter that training with AdamW holds at least: float32 weights, gradients and
+# the optimizer's two moments.
+TRAINING_BYTES_PER_PARAMETER = 16
+# Share of the device's memory that state may take for a calibration to go ahead: activations,
+# the batch and the allocator need the rest.
+HEADROOM = 0.5
+
+
+def check_fits_here(model: nn.Module, device: str | torch.device | None) -> None:
+    """Refuse, before anything is allocated, a model whose weights, gradients and AdamW state
+    alone exceed :data:`HEADROOM` of the memory of ``device`` on this machine (a meta-device
+    model of billions of parameters): calibration trains it for real."""
+    params = sum(p.numel() for p in model.parameters())
+    need = params * TRAINING_BYTES_PER_PARAMETER
+    kind = torch.device(device).type if device not in (None, "auto") else (
+        "cuda" if hw.cuda_count() else "cpu"
+    )  # fmt: skip
+    have = hw.cuda_properties(0).total_memory if kind == "cuda" else hw.ram_total()
+    if have and need > have * HEADROOM:
+        raise ConfigError(
+            f"calibrate: the model has {params:,} parameters; training them here holds at "
+            f"least {format_bytes(need)} (float32 weights, gradients and AdamW's two moments), "
+            f"more than {HEADROOM:.0%} of this machine's {kind} memory ({format_bytes(have)}; "
+            "the rest is for activations): it is too large to calibrate here. Calibrate on a "
+            "machine where it trains, or plan without calibration (the step time is then a "
+            "datasheet estimate)"
+        )
+
+
 def _parts(
     workload: Workload | str | nn.Module,
     dataset: Any,
@@ -190,7 +252,7 @@ def _parts(
     lr: float,
 ) -> tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], float]:
     if isinstance(workload, str):
-        workload = load_workload(workload)
+        workload = load_workload(workload, meta=True)  # a meta model: materialised by setup
     if isinstance(workload, Workload):
         return workload.model, workload.dataset, workload.loss, workload.lr
     if isinstance(workload, nn.Module):
@@ -207,15 +269,19 @@ def _parts(
 
 
 class _Step:
-    """One optimizer step of a fixed batch through ``rt``."""
+    """One optimizer step through ``rt``: of a fixed batch (``step()``, for memory), or of the
+    next batch drawn as ``gpukit train`` draws them, shuffled and collated, its loss logged
+    (``step.fresh()``, for time: the loader's cost per sample is part of a step's)."""
 
     def __init__(
-        self, rt: Runtime, model: nn.Module, batch: Any, criterion: Any, lr: float
-    ) -> None:
+        self, rt: Runtime, model: nn.Module, batch: Any, criterion: Any, lr: float,
+        fresh: Iterator[Any] | None = None,
+    ) -> None:  # fmt: skip
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.model, self.optimizer = rt.setup(model, optimizer)
         self.criterion = rt.setup_criterion(criterion)
         self.rt, self.batch = rt, to(batch, rt.strategy.device.torch)
+        self.batches = fresh
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -224,13 +290,26 @@ class _Step:
     def __call__(self) -> None:
         self.rt.train_step(self.optimizer, self.batch, self.loss)
 
+    def fresh(self) -> None:
+        if self.batches is None:
+            return self()
+        batch = to(next(self.batches), self.rt.strategy.device.torch)
+        self.rt.log(loss=self.rt.train_step(self.optimizer, batch, self.loss))
+        return None
+
+
+def batches(data: Any, size: int) -> Iterator[Any]:
+    """Endless shuffled batches of ``size`` samples of ``data``, collated by a DataLoader."""
+    sampler = torch.utils.data.RandomSampler(data, replacement=True, num_samples=size * 2**20)
+    return iter(torch.utils.data.DataLoader(data, batch_size=size, sampler=sampler))
+
 
 def _stepper(rt: Runtime, model: nn.Module, data: Any, criterion: Any, lr: float, b: int) -> _Step:
     n = len(data)
     if n < 1:
         raise ConfigError("calibrate: the dataset is empty; give one with at least one sample")
     batch = torch.utils.data.default_collate([data[i % n] for i in range(b)])
-    return _Step(rt, model, batch, criterion, lr)
+    return _Step(rt, model, batch, criterion, lr, batches(data, b))
 
 
 def _counted_peak(step: _Step, device: torch.device) -> int:
@@ -244,12 +323,22 @@ def _counted_peak(step: _Step, device: torch.device) -> int:
     return live.peak.get(_name(device), 0)
 
 
+# Steps timed together, their mean kept: one clock read (and one garbage collection before it)
+# per block, as a training loop's clock spans its steps, rather than a cold start per step.
+BLOCK = 5
+
+
+def block_time(run: Callable[[], object], sync: Callable[[], None] | None) -> float:
+    """Mean seconds of :data:`BLOCK` consecutive ``run()`` calls, timed together."""
+    return time_once(lambda: [run() for _ in range(BLOCK)], sync) / BLOCK
+
+
 def _default_timer(device: torch.device) -> Timer:
     sync = synchronizer(device)
-    return lambda run, _b: time_once(run, sync)
+    return lambda run, _b: block_time(run, sync)
 
 
-def _median_time(step: _Step, b: int, steps: int, timer: Timer) -> float:
+def _median_time(step: Callable[[], object], b: int, steps: int, timer: Timer) -> float:
     return statistics.median(timer(step, b) for _ in range(steps))
 
 
@@ -266,9 +355,16 @@ def _device_name(device: torch.device) -> str:
 
 
 __all__ = [
+    "BLOCK",
+    "HEADROOM",
+    "TRAINING_BYTES_PER_PARAMETER",
     "Calibration",
+    "Line",
     "Timer",
+    "batches",
+    "block_time",
     "calibrate",
+    "check_fits_here",
     "cuda_context_bytes",
     "cuda_peaks",
     "fit_line",

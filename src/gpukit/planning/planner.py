@@ -39,6 +39,7 @@ from gpukit.planning.search import largest_micro_batch
 from gpukit.planning.simulate import SimulationUnsupported, simulate
 from gpukit.planning.targets import Target
 from gpukit.planning.timing import step_time
+from gpukit.planning.timing_notes import step_time_notes
 from gpukit.workloads.base import Workload
 
 
@@ -198,7 +199,7 @@ def _plan(subject: _Subject, strategy: str, n: int, micro: int, hint: int | None
     peak = functools.partial(_peak, subject, strategy, n)
     largest = largest_micro_batch(peak, s.target.memory_bytes, micro, base.peak_bytes, notes, hint)
     timed = _timed(base, subject)
-    return replace(timed, largest_micro_batch=largest, notes=tuple(notes))
+    return replace(timed, largest_micro_batch=largest, notes=(*notes, *timed.notes))
 
 
 def _peaks(
@@ -289,7 +290,8 @@ def _timed(base: Plan, subject: _Subject) -> Plan:
         )
     except GpukitError as err:
         return replace(base, notes=(*base.notes, f"step time unknown: {err}"))
-    return replace(base, step_time=time, samples_per_s=per_s, mfu=mfu)
+    notes = (*base.notes, *step_time_notes(s.calibration, base.strategy, base.devices))
+    return replace(base, step_time=time, samples_per_s=per_s, mfu=mfu, notes=notes)
 
 
 def _with_overheads(peak: DevicePeak, s: _Setting, index: int, strategy: str) -> DevicePeak:

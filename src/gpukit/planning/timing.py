@@ -169,12 +169,33 @@ def step_time(
     )
     host_factor = float(devices) if traits.drives_all_devices and devices > 1 else 1.0
     time = StepTime(compute, exposed, host_micro_s * accumulate * host_factor)
+    measured = calibration.line(strategy, devices) if calibration is not None else None
+    if measured is not None and devices > 1:
+        time = measured_time(
+            measured.at(micro_batch) * accumulate, compute, host_micro_s * accumulate
+        )
     global_batch = samples * devices
     samples_per_s = global_batch / time.total_s
     mfu = None
     if target.kind == "cuda" and peak and flops_per_sample > 0:
         mfu = flops_per_sample * global_batch / (time.total_s * devices * peak)
     return time, samples_per_s, mfu
+
+
+def measured_time(total_s: float, compute_s: float, host_s: float) -> StepTime:
+    """A step measured whole (``total_s``: a strategy on several devices, calibrated here)
+    split by cause: one device's compute and host time (``compute_s``, ``host_s``), and the
+    rest as communication (collectives, copies, processes sharing the host); one device's
+    parts scaled down where the whole took less.
+
+    >>> measured_time(0.5, 0.3, 0.1).communication_s, measured_time(0.2, 0.3, 0.1).compute_s
+    (0.1, 0.15)
+    """
+    single = compute_s + host_s
+    if total_s >= single:
+        return StepTime(compute_s, round(total_s - single, 15), host_s)
+    scale = total_s / single if single else 0.0
+    return StepTime(round(compute_s * scale, 15), 0.0, round(host_s * scale, 15))
 
 
 class _Link:
@@ -318,6 +339,7 @@ __all__ = [
     "HOST_SECONDS",
     "MIXED_BYTES",
     "PRECISION_DTYPES",
+    "measured_time",
     "ring_all_reduce_s",
     "ring_gather_s",
     "step_time",
