@@ -103,6 +103,18 @@ def test_plan_cli_says_datasheet_without_calibrate_and_not_with_it(
     assert workload == "mlp" and ("ddp", 2) in cases and ("single", 1) in cases
 
 
+def test_calibrate_with_another_target_is_refused_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured: list[object] = []
+    monkeypatch.setattr(calibrate_runs, "calibrate_plan", lambda *a, **k: measured.append(a))
+    argv = ["plan", "--workload", "mlp", "--target", "h100", "--calibrate"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--calibrate measures steps on this machine" in err and "--target is H100" in err
+    assert measured == []
+
+
 def test_calibrating_a_meta_workload_materialises_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

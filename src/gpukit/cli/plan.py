@@ -33,7 +33,7 @@ from gpukit.planning import registered
 from gpukit.planning.arguments import CHECKPOINTING, PRECISIONS
 from gpukit.planning.closed_form import MIXED
 from gpukit.planning.planner import plan
-from gpukit.planning.targets import parse_bytes
+from gpukit.planning.targets import parse_bytes, target
 from gpukit.strategies import STRATEGIES
 
 NAME = "plan"
@@ -77,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
     names = _names(args.strategies) if args.strategies is not None else None
     if args.calibrate:
         from gpukit.planning.calibrate_runs import calibrate_plan
+
+        here, asked = target(None).name, target(args.target).name
+        if asked != here:  # this machine's seconds would be printed as the target's
+            raise ConfigError(
+                f"--calibrate measures steps on this machine ({here}), but --target is "
+                f"{asked}: its step time would be this machine's. Run --calibrate on a "
+                f"{asked}, or drop --calibrate for the target's datasheet estimate"
+            )
 
         every = names or list(registered.names())
         cases = [(s, n) for s in every for n in counts]
