@@ -180,8 +180,15 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # importing must write nothing
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GPUKIT_FAULT",
-                 "GPUKIT_FAULT_OOM_ABOVE", "GPUKIT_COLLECTIVE_CHECK_TIMEOUT"):  # fmt: skip
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GPUKIT_FAULT",
+        "GPUKIT_FAULT_OOM_ABOVE",
+        "GPUKIT_COLLECTIVE_CHECK_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)
     importlib.invalidate_caches()
     before = snapshot(tmp_path)

@@ -13,9 +13,23 @@ PACKAGE = Path(gpukit.__file__).resolve().parent
 SRC = PACKAGE.parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # Packages by concept, as the README's "Architecture" section describes them.
-ROOMS = {"_util", "bench", "checkpoint", "cli", "devices", "diagnostics", "doctor", "launch",
-         "lifecycle", "loggers", "planning", "runtime", "strategies", "train",
-         "workloads"}  # fmt: skip
+ROOMS = {
+    "_util",
+    "bench",
+    "checkpoint",
+    "cli",
+    "devices",
+    "diagnostics",
+    "doctor",
+    "launch",
+    "lifecycle",
+    "loggers",
+    "planning",
+    "runtime",
+    "strategies",
+    "train",
+    "workloads",
+}
 
 
 def module_name(path: Path) -> str:
@@ -142,9 +156,12 @@ def test_no_module_imports_another_modules_private_names() -> None:
             if not module.startswith("gpukit") or module == me:
                 continue
             private = [
-                n for n in names if n.startswith("_") and not n.startswith("__")
+                n
+                for n in names
+                if n.startswith("_")
+                and not n.startswith("__")
                 and not is_module(f"{module}.{n}")  # a private module of the package is fine
-            ]  # fmt: skip
+            ]
             if private:
                 borrowed.append(f"{path.relative_to(PACKAGE)}:{line} {module}: {private}")
     assert not borrowed, borrowed

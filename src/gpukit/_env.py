@@ -216,9 +216,13 @@ def stop_grace() -> float:
 
 # Variables outside the SLURM_ and PET_ families that describe a cluster job's nodes.
 _CLUSTER = (
-    "KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX",
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-)  # fmt: skip
+    "KUBERNETES_SERVICE_HOST",
+    "JOB_COMPLETION_INDEX",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+)
 
 
 def cluster_variables() -> dict[str, str]:
@@ -356,9 +360,17 @@ def _launch_number(name: str, text: str, low: int, below: int | None, what: str)
 # injected faults (they would fire in the simulated steps) and this process's place in a
 # launched job (its rank, its heartbeats and fault markers in the job's folder).
 _RUN_ONLY = (
-    "GPUKIT_FAULT_OOM_ABOVE", "GPUKIT_FAULT", "GPUKIT_JOB_DIR", "GPUKIT_ATTEMPT",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-)  # fmt: skip
+    "GPUKIT_FAULT_OOM_ABOVE",
+    "GPUKIT_FAULT",
+    "GPUKIT_JOB_DIR",
+    "GPUKIT_ATTEMPT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @contextlib.contextmanager

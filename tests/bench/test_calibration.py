@@ -19,8 +19,14 @@ def row(step: int, elapsed: float, loss: str = "1.0", val: str = "") -> dict[str
 
 
 def test_steady_step_skips_the_first_steps_and_validation_spans() -> None:
-    rows = [row(5, 1.0), row(10, 2.0), row(15, 2.5), row(15, 9.0, loss="", val="0.5"),
-            row(20, 9.5), row(25, 10.0)]  # fmt: skip
+    rows = [
+        row(5, 1.0),
+        row(10, 2.0),
+        row(15, 2.5),
+        row(15, 9.0, loss="", val="0.5"),
+        row(20, 9.5),
+        row(25, 10.0),
+    ]
     # 5->10: 0.2 s/step; 10->15: 0.1; 15->20 holds the validation pass: left out; 20->25: 0.1
     assert calibration.steady_step(rows) == pytest.approx(0.1)
     assert calibration.steady_step([row(1, 0.5), row(2, 0.6)]) is None  # all in the skipped steps
@@ -28,8 +34,9 @@ def test_steady_step_skips_the_first_steps_and_validation_spans() -> None:
 
 def fake_calibrate_plan(workload: str, cases: list[tuple[str, int]], **_: Any) -> Calibration:
     lines = tuple(Line(s, n, (16, 32), (0.02, 0.03), 0.01, 6.25e-4) for s, n in cases if n > 1)
-    return Calibration("cpu", "test cpu", "32", (32, 64), (0.02, 0.03), 3.125e-4, 0.01, (1, 2),
-                       0.0, 0, lines)  # fmt: skip
+    return Calibration(
+        "cpu", "test cpu", "32", (32, 64), (0.02, 0.03), 3.125e-4, 0.01, (1, 2), 0.0, 0, lines
+    )
 
 
 def test_a_row_per_workload_and_strategy_with_errors(monkeypatch: pytest.MonkeyPatch) -> None:

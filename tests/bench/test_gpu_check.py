@@ -75,9 +75,12 @@ def test_checks_past_the_budget_are_failed_not_run(tmp_path: Path) -> None:
     quick = Check("quick", [sys.executable, "-c", "pass"], 60, lambda rc, out, f: (rc == 0, "ok"))
     summaries: list[int] = []
     outcomes = run_checks(
-        tmp_path, [quick, quick], lambda line: None, budget_s=0.5,
+        tmp_path,
+        [quick, quick],
+        lambda line: None,
+        budget_s=0.5,
         after_each=lambda done: summaries.append(len(done)),
-    )  # fmt: skip
+    )
     assert [o.detail for o in outcomes] == ["not run: no time left in the budget"] * 2
     assert summaries == [1, 2]  # the summary is rewritten after every check
 

@@ -136,15 +136,30 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
     assert (data["steps"], data["rounds"], data["warmup_steps"]) == (5, 2, 5)
     assert data["workload"]["device"] == "cpu" and data["workload"]["batch_size"] == 64
     assert set(data["environment"]) >= {
-        "date", "command", "python", "torch", "cpu", "threads", "device", "gpukit"
-    }  # fmt: skip
+        "date",
+        "command",
+        "python",
+        "torch",
+        "cpu",
+        "threads",
+        "device",
+        "gpukit",
+    }
     assert [v["name"] for v in data["variants"]] == ALL_VARIANTS
     for v in data["variants"]:
         assert set(v) == {
-            "name", "available", "version", "note", "seconds_per_step", "ratio_to_plain",
-            "seconds_per_step_by_round", "ratio_to_plain_by_round", "settings", "baseline",
+            "name",
+            "available",
+            "version",
+            "note",
+            "seconds_per_step",
+            "ratio_to_plain",
+            "seconds_per_step_by_round",
+            "ratio_to_plain_by_round",
+            "settings",
+            "baseline",
             "ratio_to_baseline",
-        }  # fmt: skip
+        }
     by_name = {v["name"]: v for v in data["variants"]}
     assert by_name["plain"]["ratio_to_plain"] == 1.0
     assert all(len(by_name[n]["ratio_to_plain_by_round"]) == 2 for n in GPUKIT_VARIANTS)
@@ -153,9 +168,14 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
 
 @pytest.mark.parametrize(
     "build",
-    [loops.gpukit_loop, loops.train_step_loop, loops.train_default_loop, loops.plain_logged_loop,
-     loops.logger_loop("csv")],
-)  # fmt: skip
+    [
+        loops.gpukit_loop,
+        loops.train_step_loop,
+        loops.train_default_loop,
+        loops.plain_logged_loop,
+        loops.logger_loop("csv"),
+    ],
+)
 def test_gpukit_loops_do_exactly_the_same_arithmetic_as_plain(build: Builder) -> None:
     """Bit for bit, because each gpukit variant computes the same float32 operations in the
     same order: no autocast (precision "32", also what "auto" gives on the CPU), and one

@@ -52,8 +52,9 @@ def test_16_mixed_is_predicted_with_bf16_autocast_on_this_cpu() -> None:
 
 
 def test_in_a_process_group_ddp_is_predicted_by_the_closed_form(tmp_path: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     found = predict("mlp", "ddp", ["cpu", "cpu"], micro_batch=8, precision="32")
     assert found["method"] == "closed-form" and "process group" in found["note"]
     assert len(found["peaks"]) == 2 and dist.is_initialized()  # the caller's group is kept
@@ -70,8 +71,13 @@ def test_a_prediction_that_fails_is_empty_cells_not_an_exception(monkeypatch) ->
     found = predict("mlp", "single", ["cpu"], micro_batch=8, precision="32")
     assert found["peaks"] is None and found["error"] == "RuntimeError: boom"
     cells = tensor_columns([{"peak_tensors": 3 * MiB}], found["peaks"])
-    assert cells == {"tensors_first": 3.0, "predicted_first": None, "tensors_others": None,
-                     "predicted_others": None, "tensors_error": None}  # fmt: skip
+    assert cells == {
+        "tensors_first": 3.0,
+        "predicted_first": None,
+        "tensors_others": None,
+        "predicted_others": None,
+        "tensors_error": None,
+    }
 
 
 def test_columns_take_the_first_device_and_the_fullest_other() -> None:

@@ -22,10 +22,22 @@ def write_marks(folder: Path, attempt: int, start: float, slow_rank: int) -> Non
 
 
 def test_phases_of_the_cold_start_and_of_the_restart(tmp_path: Path) -> None:
-    first = {"attempt": 0, "started": 99.5, "all_beaten": 103.2, "first_step": 106.1,
-             "failed": 110.0, "gone": 111.0}  # fmt: skip
-    second = {"attempt": 1, "started": 111.25, "all_beaten": 115.0, "first_step": 118.0,
-              "failed": None, "gone": None}  # fmt: skip
+    first = {
+        "attempt": 0,
+        "started": 99.5,
+        "all_beaten": 103.2,
+        "first_step": 106.1,
+        "failed": 110.0,
+        "gone": 111.0,
+    }
+    second = {
+        "attempt": 1,
+        "started": 111.25,
+        "all_beaten": 115.0,
+        "first_step": 118.0,
+        "failed": None,
+        "gone": None,
+    }
     write_marks(tmp_path, 0, 100.0, slow_rank=1)
     write_marks(tmp_path, 1, 112.0, slow_rank=0)
     cold = restarts._phases(tmp_path, first, None)

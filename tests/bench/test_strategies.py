@@ -20,8 +20,13 @@ from gpukit.errors import ConfigError
 from gpukit.strategies import STRATEGIES, SingleDevice
 
 KEYS = {c.key for c in experiment.COLUMNS}
-TENSOR_KEYS = ("tensors_first", "tensors_others", "predicted_first", "predicted_others",
-               "tensors_error")  # fmt: skip
+TENSOR_KEYS = (
+    "tensors_first",
+    "tensors_others",
+    "predicted_first",
+    "predicted_others",
+    "tensors_error",
+)
 
 
 @pytest.fixture
@@ -97,18 +102,35 @@ def test_plot_draws_memory_per_device_where_dp_ran(tmp_path: Path) -> None:
 
     def run(strategy: str, peaks: list[float], in_process: bool = True) -> dict[str, Any]:
         memory = [{"device": f"cuda:{i}", "peak": int(p * gib)} for i, p in enumerate(peaks)]
-        return {"workload": "gpt", "strategy": strategy, "devices": len(peaks), "status": "ran",
-                "memory": memory, "in_process": in_process}  # fmt: skip
+        return {
+            "workload": "gpt",
+            "strategy": strategy,
+            "devices": len(peaks),
+            "status": "ran",
+            "memory": memory,
+            "in_process": in_process,
+        }
 
     runs = [run("dp", [6, 3]), run("dp-balanced", [4, 3]), run("ddp", [3, 3], False)]
     rows = [
-        {"workload": "gpt", "strategy": r["strategy"], "devices": 2, "samples_per_s": 1e4,
-         "status": "ran"} for r in runs
-    ] + [{"workload": "cnn", "strategy": "dp", "devices": 2, "status": "failed: boom"}]  # fmt: skip
+        {
+            "workload": "gpt",
+            "strategy": r["strategy"],
+            "devices": 2,
+            "samples_per_s": 1e4,
+            "status": "ran",
+        }
+        for r in runs
+    ] + [{"workload": "cnn", "strategy": "dp", "devices": 2, "status": "failed: boom"}]
     result = BenchResult(
-        "strategies", "t", ("workload",), experiment.COLUMNS, rows, raw={"runs": runs},
+        "strategies",
+        "t",
+        ("workload",),
+        experiment.COLUMNS,
+        rows,
+        raw={"runs": runs},
         environment={"device": "cuda:0", "device_name": "NVIDIA H100"},
-    )  # fmt: skip
+    )
     assert [r["strategy"] for r in experiment._memory_runs(result)] == ["dp", "dp-balanced", "ddp"]
     path = tmp_path / "memory.png"
     experiment.plot(result, path)
@@ -123,8 +145,12 @@ def test_plan_on_gpus_runs_each_strategy_on_each_count() -> None:
         assert p.reason is None and p.devices == tuple(f"cuda:{i}" for i in range(p.count))
     several = [1, 2, 3]
     assert counts == {
-        "single": [1], "dp": several, "dp-balanced": several, "ddp": several, "fsdp": several
-    }  # fmt: skip
+        "single": [1],
+        "dp": several,
+        "dp-balanced": several,
+        "ddp": several,
+        "fsdp": several,
+    }
 
 
 @pytest.mark.processes
@@ -166,8 +192,11 @@ def test_a_configuration_that_fails_is_a_row_not_a_crash(monkeypatch) -> None:
     assert len(shown) == len(TENSOR_KEYS)
     assert all(result.cell(r, c) == "-" for r in result.rows for c in shown)
     assert all("prediction" not in r for r in result.raw["runs"])
-    assert all(r["status"] == "RuntimeError: boom: the details" for r in result.raw["runs"]
-               if r["status"].startswith("RuntimeError"))  # fmt: skip
+    assert all(
+        r["status"] == "RuntimeError: boom: the details"
+        for r in result.raw["runs"]
+        if r["status"].startswith("RuntimeError")
+    )
 
 
 def test_efficiency_falls_back_to_a_one_device_strategy() -> None:
@@ -271,8 +300,13 @@ def test_a_prediction_that_fails_keeps_the_measurement(monkeypatch) -> None:
 
     def measured(p: experiment.Planned, s: experiment.Settings) -> tuple[Any, Any]:
         memory = [{"device": "cpu", "peak": 9 * experiment.MiB, "peak_tensors": 3 * experiment.MiB}]
-        last = {"micro_batch": 5, "precision": "bf16-mixed", "memory": memory,
-                "utilization": {}, "model_state": [1]}  # fmt: skip
+        last = {
+            "micro_batch": 5,
+            "precision": "bf16-mixed",
+            "memory": memory,
+            "utilization": {},
+            "model_state": [1],
+        }
         return [{"samples_per_s": 10.0}], last
 
     def simulate(workload: str, **shape: Any) -> None:

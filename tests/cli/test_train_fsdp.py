@@ -123,8 +123,19 @@ def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) 
     assert [r["rank"] for r in got["memory"]["devices"]] == [0, 1]
     assert any((run / "checkpoints").iterdir()), "no checkpoint written"
 
-    more = train("--strategy", "fsdp", "--max-steps", "6", "--log-every", "1", "--out", str(run),
-                 "--resume", "--hang-timeout", "120")  # fmt: skip
+    more = train(
+        "--strategy",
+        "fsdp",
+        "--max-steps",
+        "6",
+        "--log-every",
+        "1",
+        "--out",
+        str(run),
+        "--resume",
+        "--hang-timeout",
+        "120",
+    )
     assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads((run / "metrics.json").read_text())
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 6

@@ -83,8 +83,14 @@ def test_to_dict_str_and_table_without_ranks() -> None:
     }
     headers = [c.header for c in rep.table().columns]
     assert headers == [
-        "device", "allocated", "reserved", "peak", "total", "free", "other processes"
-    ]  # fmt: skip
+        "device",
+        "allocated",
+        "reserved",
+        "peak",
+        "total",
+        "free",
+        "other processes",
+    ]
     text = str(rep)
     assert "Memory per device" in text and "80 GiB" in text and "3 GiB" in text
     assert text.splitlines()[-1] == "imbalance (max/min peak): 1.50x"

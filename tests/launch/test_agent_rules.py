@@ -252,10 +252,11 @@ def test_the_rank_outside_the_majority_of_collectives_diverged() -> None:
     ar, bw = "rt.all_reduce at train.py:17", "rt.backward at train.py:13"
     ends = [
         RankEnd(0, -6, 1, step=4, where_called=ar, calls=9),  # gloo aborted this one: a victim
-        RankEnd(1, 1, 2, ErrorRecord("DistributedError: collective failed"), where_called=ar,
-                calls=9),
+        RankEnd(
+            1, 1, 2, ErrorRecord("DistributedError: collective failed"), where_called=ar, calls=9
+        ),
         RankEnd(2, -9, 3, stopped=True, step=4, where_called=bw, calls=9),
-    ]  # fmt: skip
+    ]
     rank, text = diverged(ends)  # type: ignore[misc]
     assert rank.rank == 2
     assert text == f"diverged at step 4: it went on to {bw} while ranks 0, 1 wait in {ar}"
@@ -289,8 +290,14 @@ def test_no_divergence_is_claimed_without_proof() -> None:
     # rank 0 aborted on its own after its step; rank 1 waits one call further on
     aborted = [
         RankEnd(0, -6, 1, where_called="rt.step at train.py:11", calls=12),
-        RankEnd(1, 1, 2, ErrorRecord("DistributedError: connection closed"), where_called=where[1],
-                calls=13),
-    ]  # fmt: skip
+        RankEnd(
+            1,
+            1,
+            2,
+            ErrorRecord("DistributedError: connection closed"),
+            where_called=where[1],
+            calls=13,
+        ),
+    ]
     same = [RankEnd(r, -6, r, where_called=where[0], calls=5) for r in (0, 1)]
     assert all(diverged(e) is None for e in (raised, killed, aborted, same))

@@ -63,15 +63,29 @@ def _node(
     rank: int, nnodes: int | str, port: int, cwd: Path, args: list[str], nproc: int = 1, **env: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpukit", "launch", "--nproc", str(nproc), "--nnodes",
-         str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-         "--master-port", str(port), *args],
+        [
+            sys.executable,
+            "-m",
+            "gpukit",
+            "launch",
+            "--nproc",
+            str(nproc),
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            *args,
+        ],
         cwd=cwd,
         env=_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def _job(nnodes: int, cwd: Path, args: list[str], **env: str) -> list[subprocess.Popen[str]]:
@@ -108,8 +122,12 @@ def test_a_rank_killed_on_node_1_restarts_every_node_and_ends_bitwise_equal(
     # The same two ranks on one node, uninterrupted.
     plain = subprocess.run(
         [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", "train.py", steps],
-        cwd=whole, env=_env(), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        cwd=whole,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert plain.returncode == 0, plain.stdout + plain.stderr
     nodes = _job(2, cut, ["--max-restarts", "2", "train.py", steps], GPUKIT_FAULT="sigkill:1:6")
     outputs = _ends(nodes)

@@ -57,9 +57,15 @@ def _train(rt: gk.Runtime, steps: int, fused: bool = False) -> nn.Module:
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [(4, (4, None)), ("4", (4, None)), ("10m", (None, 600.0)), ("90s", (None, 90.0)),
-     ("1.5h", (None, 5400.0)), (None, (None, None))],
-)  # fmt: skip
+    [
+        (4, (4, None)),
+        ("4", (4, None)),
+        ("10m", (None, 600.0)),
+        ("90s", (None, 90.0)),
+        ("1.5h", (None, 5400.0)),
+        (None, (None, None)),
+    ],
+)
 def test_save_every_reads_steps_or_time(given: Any, expected: Any) -> None:
     assert parse_save_every(given) == expected
 

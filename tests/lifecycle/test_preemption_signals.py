@@ -170,11 +170,30 @@ def _ctrl_c(job: subprocess.Popen[str], folder: Path) -> None:
 def test_gpukit_train_stops_once_saved_and_exits_143(tmp_path: Path, pattern: Pattern) -> None:
     (tmp_path / "slowload.py").write_text(WORKLOAD)
     job = _start(
-        [sys.executable, "-m", "gpukit", "train", "--workload", "slowload:make", "--devices",
-         "2", "--batch-size", "16", "--max-steps", str(STEPS), "--out", "run", "--save-every",
-         str(PERIODIC), "--max-restarts", "2", "--progress-every", "0"],
+        [
+            sys.executable,
+            "-m",
+            "gpukit",
+            "train",
+            "--workload",
+            "slowload:make",
+            "--devices",
+            "2",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            str(STEPS),
+            "--out",
+            "run",
+            "--save-every",
+            str(PERIODIC),
+            "--max-restarts",
+            "2",
+            "--progress-every",
+            "0",
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     checkpoints = tmp_path / "run" / "checkpoints"
     _wait_for(checkpoints / f"step-{PERIODIC:08d}" / "manifest.json", job)
     pattern(job, tmp_path)
@@ -188,9 +207,24 @@ def test_a_preempted_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
 ) -> None:
     (tmp_path / "slowload.py").write_text(WORKLOAD)
     steps = 20
-    train = [sys.executable, "-m", "gpukit", "train", "--workload", "slowload:make",
-             "--devices", "2", "--batch-size", "16", "--max-steps", str(steps),
-             "--save-every", str(PERIODIC), "--progress-every", "0"]  # fmt: skip
+    train = [
+        sys.executable,
+        "-m",
+        "gpukit",
+        "train",
+        "--workload",
+        "slowload:make",
+        "--devices",
+        "2",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        str(PERIODIC),
+        "--progress-every",
+        "0",
+    ]
     whole = subprocess.run([*train, "--out", "whole"], cwd=tmp_path, env=_env(), timeout=300)
     assert whole.returncode == 0
     job = _start([*train, "--out", "cut"], tmp_path)
@@ -222,10 +256,19 @@ def program(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_gpukit_launch_one_rank_signalled(tmp_path: Path, program: Path) -> None:
     job = _start(
-        [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", "--max-restarts", "1",
-         str(program)],
+        [
+            sys.executable,
+            "-m",
+            "gpukit",
+            "launch",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            str(program),
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     _send([_pid(tmp_path, 1)], signal.SIGTERM)
     output, _ = _stopped(job, tmp_path / "ck")
@@ -282,10 +325,18 @@ def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
     # A port of its own: torchrun's default (29500) is shared by every test run on the machine.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())]
     job = _start(
-        [*torchrun, "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1",
-         str(program)],
+        [
+            *torchrun,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--monitor-interval",
+            "0.1",
+            str(program),
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     ranks = [_pid(tmp_path, 0), _pid(tmp_path, 1)]
     _send([job.pid, *ranks] if everyone else ranks[1:], signal.SIGTERM)

@@ -92,9 +92,12 @@ def test_an_object_that_is_not_a_logger_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("name", "extra", "package"),
-    [("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
-     ("mlflow", "mlflow", "mlflow")],
-)  # fmt: skip
+    [
+        ("tensorboard", "tensorboard", "tensorboard"),
+        ("wandb", "wandb", "wandb"),
+        ("mlflow", "mlflow", "mlflow"),
+    ],
+)
 def test_a_missing_package_names_the_pip_extra_when_the_logger_is_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, extra: str, package: str
 ) -> None:

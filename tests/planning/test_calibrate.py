@@ -66,8 +66,15 @@ def test_cpu_calibration_on_mlp_leaves_the_model_alone() -> None:
 def test_a_bare_model_needs_data_and_loss() -> None:
     model = nn.Linear(3, 1)
     data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
-    cal = calibrate(model, dataset=data, loss=nn.MSELoss(), micro_batches=(2, 4), steps=1,
-                    device="cpu", timer=lambda run, b: 1.0 + b)  # fmt: skip
+    cal = calibrate(
+        model,
+        dataset=data,
+        loss=nn.MSELoss(),
+        micro_batches=(2, 4),
+        steps=1,
+        device="cpu",
+        timer=lambda run, b: 1.0 + b,
+    )
     assert cal.seconds_per_sample == pytest.approx(1.0)
     with pytest.raises(ConfigError, match="dataset="):
         calibrate(model, micro_batches=(2, 4), device="cpu")

@@ -35,15 +35,33 @@ def make(seed=0):
 
 def fake_calibration(*lines: Line) -> Calibration:
     return Calibration(
-        device="cpu", device_name="test cpu", precision="32", micro_batches=(32, 64),
-        step_seconds=(0.02, 0.03), seconds_per_sample=3.125e-4, fixed_seconds=0.01,
-        measured_peak_tensors=(1, 2), reserve_fraction=0.0, context_bytes=0, lines=lines,
-    )  # fmt: skip
+        device="cpu",
+        device_name="test cpu",
+        precision="32",
+        micro_batches=(32, 64),
+        step_seconds=(0.02, 0.03),
+        seconds_per_sample=3.125e-4,
+        fixed_seconds=0.01,
+        measured_peak_tensors=(1, 2),
+        reserve_fraction=0.0,
+        context_bytes=0,
+        lines=lines,
+    )
 
 
 def test_cases_measured_here_are_multi_device_strategies_within_the_machine() -> None:
-    cases = [("single", 1), ("single", 2), ("ddp", 1), ("ddp", 2), ("fsdp", 2), ("dp", 2),
-             ("dp-balanced", 2), ("ddp", 3), ("ddp", 2), ("nonsense", 2)]  # fmt: skip
+    cases = [
+        ("single", 1),
+        ("single", 2),
+        ("ddp", 1),
+        ("ddp", 2),
+        ("fsdp", 2),
+        ("dp", 2),
+        ("dp-balanced", 2),
+        ("ddp", 3),
+        ("ddp", 2),
+        ("nonsense", 2),
+    ]
     here = calibrate_runs.cases_here(cases, kind="cpu", available=2)
     assert here == [("ddp", 2), ("fsdp", 2), ("dp", 2), ("dp-balanced", 2)]
     assert calibrate_runs.micro_sizes(64) == (32, 64) and calibrate_runs.micro_sizes(1) == (1, 2)
@@ -54,8 +72,13 @@ def test_a_measured_line_is_the_step_time_of_its_strategy_and_count() -> None:
     cal = fake_calibration(ddp)
     assert cal.line("ddp", 2) is ddp and cal.line("fsdp", 2) is None
     assert cal.line("single", 1) == Line("single", 1, (32, 64), (0.02, 0.03), 0.01, 3.125e-4)
-    report = plan("mlp", devices=[1, 2], strategies=["single", "ddp", "fsdp"], calibration=cal,
-                  method="closed-form")  # fmt: skip
+    report = plan(
+        "mlp",
+        devices=[1, 2],
+        strategies=["single", "ddp", "fsdp"],
+        calibration=cal,
+        method="closed-form",
+    )
     by = {(p.strategy, p.devices): p for p in report.plans}
     measured = by[("ddp", 2)]
     assert measured.micro_batch == 32
@@ -81,8 +104,17 @@ def test_without_calibration_every_plan_says_its_step_time_is_a_datasheet_estima
 def test_plan_cli_says_datasheet_without_calibrate_and_not_with_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    argv = ["plan", "--workload", "mlp", "--devices", "1,2", "--strategies", "single,ddp",
-            "--method", "closed-form"]  # fmt: skip
+    argv = [
+        "plan",
+        "--workload",
+        "mlp",
+        "--devices",
+        "1,2",
+        "--strategies",
+        "single,ddp",
+        "--method",
+        "closed-form",
+    ]
     out = io.StringIO()
     with redirect_stdout(out):
         assert main(argv) == 0
@@ -138,5 +170,6 @@ def test_a_meta_workload_too_large_for_this_machine_is_refused_before_allocating
     with pytest.raises(ConfigError, match="too large to calibrate here"):
         calibrate("gpukit.workloads.llama:llama3_8b", device="cpu")
     with pytest.raises(ConfigError, match="datasheet estimate"):
-        calibrate_runs.calibrate_plan("gpukit.workloads.llama:llama3_8b", [("ddp", 2)],
-                                      device="cpu")  # fmt: skip
+        calibrate_runs.calibrate_plan(
+            "gpukit.workloads.llama:llama3_8b", [("ddp", 2)], device="cpu"
+        )

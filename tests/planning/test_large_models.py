@@ -123,8 +123,9 @@ def test_closed_form_refuses_mixed_for_a_strategy_that_gathers_nothing() -> None
 def _fits(strategy: str, per_s: float) -> Plan:
     gib = 2**30
     peak = (DevicePeak("cuda:0", {"parameters": gib}),) * 8
-    return Plan(strategy, 8, 2, 1, "bf16-mixed", "off", peak, capacity_bytes=2 * gib,
-                samples_per_s=per_s)  # fmt: skip
+    return Plan(
+        strategy, 8, 2, 1, "bf16-mixed", "off", peak, capacity_bytes=2 * gib, samples_per_s=per_s
+    )
 
 
 def test_the_simplest_strategy_that_fits_is_recommended_unless_clearly_slower() -> None:
@@ -138,8 +139,20 @@ def test_the_simplest_strategy_that_fits_is_recommended_unless_clearly_slower() 
 
 
 def test_cli_fsdp_mixed(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--workload", "mlp", "--devices", "2", "--target", "h100", "--method",
-            "closed-form", "--strategies", "ddp,fsdp", "--json"]  # fmt: skip
+    argv = [
+        "plan",
+        "--workload",
+        "mlp",
+        "--devices",
+        "2",
+        "--target",
+        "h100",
+        "--method",
+        "closed-form",
+        "--strategies",
+        "ddp,fsdp",
+        "--json",
+    ]
     assert main([*argv, "--fsdp-mixed", "bf16"]) == 0
     mixed = {p["strategy"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
     assert any("mixed precision bf16" in n for n in mixed["fsdp"]["notes"])

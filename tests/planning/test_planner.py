@@ -60,8 +60,9 @@ def test_largest_micro_batch_fits_and_one_more_would_not() -> None:
 
 
 def test_when_the_batch_does_not_fit_the_recommendation_accumulates() -> None:
-    report = gk.plan("mlp", devices=[1], strategies=["single"], batch=1024, target="cpu",
-                     memory=600_000)  # fmt: skip
+    report = gk.plan(
+        "mlp", devices=[1], strategies=["single"], batch=1024, target="cpu", memory=600_000
+    )
     plan = report.plans[0]
     assert plan.fits is False and plan.largest_micro_batch
     best = report.best
@@ -71,12 +72,31 @@ def test_when_the_batch_does_not_fit_the_recommendation_accumulates() -> None:
 
 
 def test_json_lists_the_plans_with_peak_bytes_per_device_and_fits(capsys) -> None:
-    assert main(["plan", "--workload", "mlp", "--devices", "1,2", "--strategies",
-                 "single,ddp,fsdp", "--target", "cpu", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--workload",
+                "mlp",
+                "--devices",
+                "1,2",
+                "--strategies",
+                "single,ddp,fsdp",
+                "--target",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [(p["strategy"], p["devices"]) for p in out["plans"]] == [
-        ("single", 1), ("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)
-    ]  # fmt: skip
+        ("single", 1),
+        ("ddp", 1),
+        ("ddp", 2),
+        ("fsdp", 1),
+        ("fsdp", 2),
+    ]
     for p in out["plans"]:
         assert p["peak_bytes"] == max(d["peak_bytes"] for d in p["per_device"])
         assert set(p) >= {"micro_batch", "breakdown", "step_time_s", "fits", "per_device"}
@@ -129,24 +149,29 @@ def test_largest_micro_batch_is_exact_for_fsdp_on_two() -> None:
 
 def test_a_batch_that_does_not_fit_is_planned_again_in_smaller_micro_batches() -> None:
     cap = 2 * 2**20
-    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu",
-                     memory=cap)  # fmt: skip
+    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu", memory=cap)
     (asked,) = report.plans
     (again,) = report.fitted
     assert asked.fits is False and again.fits is True
     assert again.micro_batch * again.accumulate == 4096 and again.accumulate > 1
-    twice = simulate("mlp", strategy="single", devices=1, micro_batch=again.micro_batch,
-                     accumulate=again.accumulate)  # fmt: skip
+    twice = simulate(
+        "mlp",
+        strategy="single",
+        devices=1,
+        micro_batch=again.micro_batch,
+        accumulate=again.accumulate,
+    )
     assert again.peak_bytes == twice[0].peak_bytes <= cap
     # Planned again, its own largest micro-batch is searched at its accumulation (which holds
     # the gradients between micro-steps): it fits, and one more sample does not.
     largest = again.largest_micro_batch
     assert largest is not None and largest >= again.micro_batch
     at, above = (
-        simulate("mlp", strategy="single", devices=1, micro_batch=m,
-                 accumulate=again.accumulate)[0].peak_bytes
+        simulate("mlp", strategy="single", devices=1, micro_batch=m, accumulate=again.accumulate)[
+            0
+        ].peak_bytes
         for m in (largest, largest + 1)
-    )  # fmt: skip
+    )
     assert at <= cap < above
     assert report.best == again
     assert (
@@ -155,8 +180,10 @@ def test_a_batch_that_does_not_fit_is_planned_again_in_smaller_micro_batches() -
 
 
 def test_checkpointing_is_planned_for_fsdp_only() -> None:
-    assert [p.strategy for p in gk.plan("mlp", devices=2, activation_checkpointing="full",
-                                        target="cpu").plans] == ["fsdp"]  # fmt: skip
+    assert [
+        p.strategy
+        for p in gk.plan("mlp", devices=2, activation_checkpointing="full", target="cpu").plans
+    ] == ["fsdp"]
     with pytest.raises(ConfigError, match="fsdp setting"):
         gk.plan("mlp", devices=2, strategies=["ddp"], activation_checkpointing="full")
 
@@ -170,8 +197,7 @@ def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again() -> None:
     # Accumulating loads the step's whole batch at once, and the mlp's batch of 4096 is 1 MiB
     # of inputs: at 1 MiB each cut holds more than the line of the one before predicted.
     cap = 2**20
-    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu",
-                     memory=cap)  # fmt: skip
+    report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu", memory=cap)
     (asked,) = report.plans
     (again,) = report.fitted
     assert asked.largest_micro_batch is not None
@@ -190,8 +216,7 @@ def test_a_second_cut_fits_where_the_first_held_the_gradients_between_micro_step
     # gradients stay between them and 23 no longer fits; cut again by the largest at that
     # accumulation (22), the batch divides into 23 micro-batches of 2.
     cap = 15 * 2**20
-    report = gk.plan("gpt", batch=46, devices=1, strategies=["single"], target="cpu",
-                     memory=cap)  # fmt: skip
+    report = gk.plan("gpt", batch=46, devices=1, strategies=["single"], target="cpu", memory=cap)
     (asked,) = report.plans
     assert asked.largest_micro_batch == 23
     (again,) = report.fitted

@@ -47,9 +47,14 @@ def test_ddp_on_two_lists_the_run_and_each_remedy_as_the_planner_predicts_them(
         monkeypatch.setenv(name, value)
     capacity = 200_000  # mlp's peaks are ~120-170 KB: everything fits
     figures = plan_remedies(
-        "mlp", batch=64, devices=2, strategy="ddp", precision="32", capacity_bytes=capacity,
+        "mlp",
+        batch=64,
+        devices=2,
+        strategy="ddp",
+        precision="32",
+        capacity_bytes=capacity,
         target="cpu",
-    )  # fmt: skip
+    )
     assert {name: os.environ.get(name) for name in steering} == steering
     assert list(tmp_path.iterdir()) == []
     for name in steering:  # gk.plan itself obeys them: the expected figures are asked without

@@ -48,10 +48,14 @@ def test_single_device_prediction_equals_the_measured_peak_to_the_byte(name: str
 
 
 def test_more_ranks_hold_less_under_fsdp_and_no_more_under_ddp() -> None:
-    fsdp = [simulate("gpt", strategy="fsdp", devices=n, micro_batch=4)[0].peak_bytes
-            for n in (1, 2, 8, 64)]  # fmt: skip
-    ddp = [simulate("gpt", strategy="ddp", devices=n, micro_batch=4)[0].peak_bytes
-           for n in (1, 2, 8, 64)]  # fmt: skip
+    fsdp = [
+        simulate("gpt", strategy="fsdp", devices=n, micro_batch=4)[0].peak_bytes
+        for n in (1, 2, 8, 64)
+    ]
+    ddp = [
+        simulate("gpt", strategy="ddp", devices=n, micro_batch=4)[0].peak_bytes
+        for n in (1, 2, 8, 64)
+    ]
     assert fsdp == sorted(fsdp, reverse=True) and fsdp[0] > fsdp[-1]
     assert len(set(ddp)) == 1  # a replica per rank: the same whatever the count
     assert all(f < d for f, d in zip(fsdp[1:], ddp[1:], strict=True))

@@ -64,8 +64,15 @@ def test_more_devices_less_compute_each_more_communication(strategy: str) -> Non
     model = {"flops_per_sample": 6e9, "trainable_bytes": 4 * 10**9, "largest_group_bytes": 10**8}
     previous = None
     for n in (1, 2, 4, 8):  # the same global batch of 64 samples
-        t, _, _ = step_time(target=h100, strategy=strategy, devices=n, micro_batch=64 // n,
-                            accumulate=1, precision="bf16-mixed", **model)  # fmt: skip
+        t, _, _ = step_time(
+            target=h100,
+            strategy=strategy,
+            devices=n,
+            micro_batch=64 // n,
+            accumulate=1,
+            precision="bf16-mixed",
+            **model,
+        )
         if previous is not None:
             assert t.compute_s < previous.compute_s
             # raw collectives grow with N; what is exposed can only grow as compute shrinks
@@ -86,8 +93,10 @@ def test_fsdp_communicates_more_than_ddp() -> None:
 
 def test_precision_picks_the_peak() -> None:
     h100 = target("h100")
-    times = {p: run("single", 1, target=h100, precision=p)[0].compute_s
-             for p in ("32", "tf32", "bf16-mixed", "16-mixed")}  # fmt: skip
+    times = {
+        p: run("single", 1, target=h100, precision=p)[0].compute_s
+        for p in ("32", "tf32", "bf16-mixed", "16-mixed")
+    }
     assert times["32"] > times["tf32"] > times["bf16-mixed"] == times["16-mixed"]
 
 
@@ -103,8 +112,9 @@ def test_calibration_replaces_the_assumptions() -> None:
     assert t.host_s == pytest.approx(0.01 * 2)
     # a measurement needs no datasheet peak, nor a FLOP count
     t4 = target("t4")
-    t2, _, mfu = run("single", 1, target=t4, precision="bf16-mixed", calibration=cal,
-                     flops_per_sample=0.0)  # fmt: skip
+    t2, _, mfu = run(
+        "single", 1, target=t4, precision="bf16-mixed", calibration=cal, flops_per_sample=0.0
+    )
     assert t2.compute_s == pytest.approx(t.compute_s) and mfu is None
 
 

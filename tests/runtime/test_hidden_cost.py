@@ -29,8 +29,10 @@ def _model() -> nn.Module:
 
 def _batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(size, 8, generator=gen), torch.randint(0, 3, (size,), generator=gen))
-            for _ in range(n)]  # fmt: skip
+    return [
+        (torch.randn(size, 8, generator=gen), torch.randint(0, 3, (size,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _reads(rt: gk.Runtime, manual: bool = False) -> dict[str, Any]:

@@ -308,13 +308,18 @@ def test_mixed_precision_sits_inside_ddp_so_its_switches_hold(tmp_path: Path) ->
     accumulation and out-of-memory recovery, are on the outermost module; checkpoints and
     state dicts keep DDP's own keys."""
     rt = gk.Runtime(
-        strategy="ddp", devices=["cpu", "cpu"], precision="bf16-mixed", accumulate=2,
+        strategy="ddp",
+        devices=["cpu", "cpu"],
+        precision="bf16-mixed",
+        accumulate=2,
         oom="recover",
-    )  # fmt: skip
+    )
     out = rt.launch(_mixed_precision_inside_ddp, str(tmp_path))
     assert (out["outer"], out["inner"], out["user"]) == (
-        "DistributedDataParallel", "MixedPrecision", True,
-    )  # fmt: skip
+        "DistributedDataParallel",
+        "MixedPrecision",
+        True,
+    )
     assert out["flags_after_setup"][0] is False  # the first micro-batch does not all-reduce
     assert out["reducer_calls"] == 0  # held back: gpukit averages after the ranks agree
     assert out["loss_dtype"] == "torch.float32"

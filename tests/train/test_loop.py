@@ -36,9 +36,7 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     assert row["device"] == "cpu" and row["peak"] > 0 and row["total"] > row["peak"]
     assert metrics["memory"]["imbalance"] is None and metrics["oom_retries"] == []
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
-    assert list(rows[0]) == [
-        "step", "epoch", "elapsed", "lr", "loss", "val_accuracy", "val_loss"
-    ]  # fmt: skip
+    assert list(rows[0]) == ["step", "epoch", "elapsed", "lr", "loss", "val_accuracy", "val_loss"]
     trained = [r for r in rows if r["loss"]]
     assert len(trained) == 64 // 4 and all(float(r["lr"]) == 3e-3 for r in rows)
     # A validation row at the end of each epoch, after that step's training row.

@@ -88,15 +88,23 @@ def run(
     counts = sorted({n for _, n in cases})
     strategies = list(dict.fromkeys(s for s, _ in cases))
     for name in names:
-        datasheet = _step_times(plan(name, devices=counts, strategies=strategies,
-                                     method="closed-form"))  # fmt: skip
+        datasheet = _step_times(
+            plan(name, devices=counts, strategies=strategies, method="closed-form")
+        )
         predicted: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
         measured: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
         micro: dict[tuple[str, int], int] = {}
         for _ in range(repeats):  # alternated, so that a change of the machine's load bends both
             cal = calibrate_plan(name, list(cases), steps=max(3, steps // 8))
-            calibrated = _step_times(plan(name, devices=counts, strategies=strategies,
-                                          calibration=cal, method="closed-form"))  # fmt: skip
+            calibrated = _step_times(
+                plan(
+                    name,
+                    devices=counts,
+                    strategies=strategies,
+                    calibration=cal,
+                    method="closed-form",
+                )
+            )
             raw.setdefault(f"{name}/calibration", []).append(
                 {"single": [cal.micro_batches, cal.step_seconds]}
                 | {
@@ -173,10 +181,23 @@ def train_step_seconds(
     total = SKIPPED_STEPS + max(LOG_EVERY, steps // LOG_EVERY * LOG_EVERY)
     with tempfile.TemporaryDirectory(prefix="gpukit-calibration-") as out:
         command = [
-            sys.executable, "-m", "gpukit", "train", "--workload", workload, "--strategy",
-            strategy, "--devices", ",".join(["cpu"] * devices), "--max-steps", str(total),
-            "--log-every", str(LOG_EVERY), "--out", out,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gpukit",
+            "train",
+            "--workload",
+            workload,
+            "--strategy",
+            strategy,
+            "--devices",
+            ",".join(["cpu"] * devices),
+            "--max-steps",
+            str(total),
+            "--log-every",
+            str(LOG_EVERY),
+            "--out",
+            out,
+        ]
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
         )
@@ -219,10 +240,18 @@ def plot(result: BenchResult, path: Path) -> None:
     size = (max(8.0, 0.7 * len(rows)), 4.5)
     with figure(path, TITLE, "case", "error vs gpukit train (%)", size=size) as ax:
         xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["calibrated_error"] or 0.0 for r in rows], 0.4,
-               label="calibrated")  # fmt: skip
-        ax.bar([x + 0.2 for x in xs], [min(r["datasheet_error"] or 0.0, 500.0) for r in rows],
-               0.4, label="datasheet")  # fmt: skip
+        ax.bar(
+            [x - 0.2 for x in xs],
+            [r["calibrated_error"] or 0.0 for r in rows],
+            0.4,
+            label="calibrated",
+        )
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [min(r["datasheet_error"] or 0.0, 500.0) for r in rows],
+            0.4,
+            label="datasheet",
+        )
         ax.axhline(WITHIN, linestyle="--", linewidth=0.8)
         ax.axhline(-WITHIN, linestyle="--", linewidth=0.8)
         ax.set_xticks(list(xs), labels, fontsize=7)

@@ -140,9 +140,15 @@ def _two_gpus(gpus: list[torch.device], sizes: dict[str, int], _: Any) -> Compar
     a, b = _matrices(sizes["gpu"])
     setups = [
         Setup(f"A, B on {g0}", str(g0), sum_of_powers, (a.to(g0), b.to(g0)), (g0,)),
-        Setup(f"A on {g0}, B on {g1}", f"{g0}, {g1}", sum_of_powers, (a.to(g0), b.to(g1)),
-              (g0, g1), ideal=2.0),
-    ]  # fmt: skip
+        Setup(
+            f"A on {g0}, B on {g1}",
+            f"{g0}, {g1}",
+            sum_of_powers,
+            (a.to(g0), b.to(g1)),
+            (g0, g1),
+            ideal=2.0,
+        ),
+    ]
     return Comparison(TWO_GPUS, sizes["gpu"], setups)
 
 
@@ -188,9 +194,15 @@ def _cpu_threads(_: list[torch.device], sizes: dict[str, int], pool: Any) -> Com
     setups = [
         Setup("in turn, 1 thread", "cpu", in_turn, pair, on, threads=1),
         Setup("at once, 2 threads × 1", "cpu", two, pair, on, min(2.0, cores), threads=1),
-        Setup(f"in turn, {default} threads (default)", "cpu", in_turn, pair, on,
-              float(min(default, cores))),
-    ]  # fmt: skip
+        Setup(
+            f"in turn, {default} threads (default)",
+            "cpu",
+            in_turn,
+            pair,
+            on,
+            float(min(default, cores)),
+        ),
+    ]
     return Comparison(THREADS, sizes["cpu"], setups)
 
 
@@ -293,8 +305,15 @@ def _time(setup: Setup, repeats: int, budget_s: float) -> Timed:
     threads = torch_threads(setup.threads) if setup.threads else contextlib.nullcontext()
     warmup = 1 if on_cpu_only else 2  # a GPU's first calls also choose cuBLAS's kernels
     with threads:
-        s = measure(work, setup.timed_on, inputs=[setup.inputs], repeats=repeats,
-                    budget_s=budget_s, warmup=warmup, clock="host")  # fmt: skip
+        s = measure(
+            work,
+            setup.timed_on,
+            inputs=[setup.inputs],
+            repeats=repeats,
+            budget_s=budget_s,
+            warmup=warmup,
+            clock="host",
+        )
     return s, last[0]
 
 
@@ -350,8 +369,14 @@ def plot(result: BenchResult, path: Path) -> None:
                 [ys[i] for i in mine], [times[i] for i in mine], color=colours[name], label=name
             )
         for y, r in zip(ys, rows, strict=True):
-            ax.annotate(_bar_text(r), (r["ms"], y), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=8)  # fmt: skip
+            ax.annotate(
+                _bar_text(r),
+                (r["ms"], y),
+                xytext=(4, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         ax.set_yticks(ys)
         ax.set_yticklabels(
             [f"{r['setup']}\n({r['devices']}, {r['size']}²)" for r in rows], fontsize=8

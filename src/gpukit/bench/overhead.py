@@ -224,9 +224,14 @@ class OverheadResult:
             header_style="bold",
         )
         columns = (
-            "variant", "version", "µs/step (median)", "× plain", "range", "× baseline",
+            "variant",
+            "version",
+            "µs/step (median)",
+            "× plain",
+            "range",
+            "× baseline",
             "settings",
-        )  # fmt: skip
+        )
         for column in (*columns, "note"):
             table.add_column(column, overflow="fold", no_wrap=column in ("variant", "note"))
         for v in self.variants:
@@ -407,5 +412,10 @@ def plot(result: BenchResult, path: Path) -> None:
         ax.axvline(1.0, color="grey", linestyle=":")
         ax.invert_yaxis()
         for bar, ratio in zip(bars, ratios, strict=True):  # the value inside its bar
-            ax.annotate(f"{ratio:.3f}", (0.02, bar.get_y() + bar.get_height() / 2),
-                        va="center", fontsize=8, color="white")  # fmt: skip
+            ax.annotate(
+                f"{ratio:.3f}",
+                (0.02, bar.get_y() + bar.get_height() / 2),
+                va="center",
+                fontsize=8,
+                color="white",
+            )

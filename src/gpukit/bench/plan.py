@@ -189,10 +189,23 @@ def measured_peaks(name: str, strategy: str, ranks: int) -> list[int]:
     """Every rank's ``peak_tensors`` from one real ``gpukit train`` run."""
     with tempfile.TemporaryDirectory(prefix="gpukit-plan-") as out:
         command = [
-            sys.executable, "-m", "gpukit", "train", "--workload", name, "--max-steps",
-            str(STEPS), "--precision", "32", "--out", out, "--strategy", strategy,
-            "--devices", "cpu" if strategy == "single" else str(ranks),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gpukit",
+            "train",
+            "--workload",
+            name,
+            "--max-steps",
+            str(STEPS),
+            "--precision",
+            "32",
+            "--out",
+            out,
+            "--strategy",
+            strategy,
+            "--devices",
+            "cpu" if strategy == "single" else str(ranks),
+        ]
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
         )
@@ -219,10 +232,12 @@ def plot(result: BenchResult, path: Path) -> None:
     size = (max(8.0, 0.7 * len(rows)), 4.5)
     with figure(path, TITLE, "case", "error vs measured (%)", size=size) as ax:
         xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["simulation_error"] for r in rows], 0.4,
-               label="simulation")  # fmt: skip
-        ax.bar([x + 0.2 for x in xs], [r["closed_form_error"] for r in rows], 0.4,
-               label="closed form")  # fmt: skip
+        ax.bar(
+            [x - 0.2 for x in xs], [r["simulation_error"] for r in rows], 0.4, label="simulation"
+        )
+        ax.bar(
+            [x + 0.2 for x in xs], [r["closed_form_error"] for r in rows], 0.4, label="closed form"
+        )
         ax.axhline(5, linestyle="--", linewidth=0.8)
         ax.axhline(-5, linestyle="--", linewidth=0.8)
         ax.set_xticks(list(xs), labels, fontsize=7)

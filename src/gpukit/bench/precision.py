@@ -418,15 +418,26 @@ def plot(result: BenchResult, path: Path) -> None:
                 r["variant"]: r for r in rows if (r["device"], r["workload"]) == (dev, workload)
             }
             offsets = x + (i - (len(groups) - 1) / 2) * width
-            shown = [(o, mine[n]["speedup"]) for o, n in zip(offsets, names, strict=True)
-                     if n in mine and mine[n].get("speedup")]  # fmt: skip
+            shown = [
+                (o, mine[n]["speedup"])
+                for o, n in zip(offsets, names, strict=True)
+                if n in mine and mine[n].get("speedup")
+            ]
             if shown:
                 bars = ax.bar(*zip(*shown, strict=True), width, label=f"{workload} on {dev}")
                 bar_labels(ax, bars, "{:.2f}")
             for o, n in zip(offsets, names, strict=True):
                 if n in mine and not mine[n].get("speedup"):
                     where = ("data", "axes fraction")  # at the foot, whatever the scale
-                    ax.annotate("not run", (o, 0.02), xycoords=where, rotation=90, ha="center",
-                                va="bottom", fontsize=7, color="grey")  # fmt: skip
+                    ax.annotate(
+                        "not run",
+                        (o, 0.02),
+                        xycoords=where,
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="grey",
+                    )
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(x, names, rotation=20, ha="right")

@@ -280,8 +280,16 @@ def plot(result: BenchResult, path: Path) -> None:
                 bar_labels(ax, bars, "{:.0f}")
             for o in (o for o, v in zip(offsets, values, strict=True) if not v):
                 where = ("data", "axes fraction")  # at the foot, whatever the scale
-                ax.annotate("not run", (o, 0.02), xycoords=where, rotation=90, ha="center",
-                            va="bottom", fontsize=7, color="grey")  # fmt: skip
+                ax.annotate(
+                    "not run",
+                    (o, 0.02),
+                    xycoords=where,
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="grey",
+                )
         ax.set_xticks(x, [f"{n} x{k}" for n, k in configs], rotation=30, ha="right")
         if memory:
             _plot_memory(ax.figure.add_subplot(grid[1]), memory)

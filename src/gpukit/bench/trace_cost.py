@@ -130,8 +130,9 @@ def table(result: dict[str, Any]) -> Table:
     for variant in result["variants"]:
         low, high, ratio = _ratios(result, variant["name"])
         per_round = "" if variant["name"] == "untraced" else f"{low:.3f}-{high:.3f}"
-        rows.append([variant["name"], f"{variant['seconds_per_step'] * 1e3:.2f}",
-                     f"{ratio:.3f}", per_round])  # fmt: skip
+        rows.append(
+            [variant["name"], f"{variant['seconds_per_step'] * 1e3:.2f}", f"{ratio:.3f}", per_round]
+        )
     title = (
         f"Cost of gk.trace() and gpukit trace: {result['workload']}, {result['steps']} steps x "
         f"{result['rounds']} rounds, {result['environment']['device']}"
@@ -287,8 +288,13 @@ def plot(result: BenchResult, path: Path) -> None:
             if variant != "untraced":
                 ratios = [by[(w, variant)]["ratio"] for w in workloads]
                 for bar, ratio in zip(bars, ratios, strict=True):
-                    ax.annotate(f"x{ratio:.2f}", (bar.get_x() + width / 2, bar.get_height()),
-                                ha="center", va="bottom", fontsize=8)  # fmt: skip
+                    ax.annotate(
+                        f"x{ratio:.2f}",
+                        (bar.get_x() + width / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                    )
             else:
                 bar_labels(ax, bars, "{:.1f}")
         ax.set_xticks(range(len(workloads)), workloads)

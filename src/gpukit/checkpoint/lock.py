@@ -151,9 +151,12 @@ def holder(folder: str | os.PathLike[str]) -> Holder | None:
     try:
         data = json.loads((Path(folder) / LOCK_FILE).read_text())
         return Holder(
-            int(data["pid"]), str(data["host"]), str(data["started"]), str(data["command"]),
+            int(data["pid"]),
+            str(data["host"]),
+            str(data["started"]),
+            str(data["command"]),
             data.get("job"),
-        )  # fmt: skip
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

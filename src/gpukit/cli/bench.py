@@ -203,8 +203,9 @@ def _all(args: argparse.Namespace) -> int:
             if o.plot_error:
                 out.print(f"{o.name}: no plot ({o.plot_error})")
             out.print()
-        out.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran in "
-                  f"{minutes:.1f} min")  # fmt: skip
+        out.print(
+            f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran in {minutes:.1f} min"
+        )
         for f in files:
             out.print(f"wrote {f}")
     return 1 if failed else 0

@@ -56,15 +56,19 @@ def register(sub: Any) -> None:
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--activation-checkpointing", default="off", choices=CHECKPOINTING)
     parser.add_argument(
-        "--fsdp-mixed", default=None, choices=MIXED,
+        "--fsdp-mixed",
+        default=None,
+        choices=MIXED,
         help="plan fsdp with FSDP2 mixed precision: bf16 params and compute, fp32 reduction",
-    )  # fmt: skip
+    )
     parser.add_argument("--target", default=None, help="a GPU name (h100, a100-40gb), or cpu")
     parser.add_argument("--memory", default=None, help="memory per device, e.g. 24GiB")
     parser.add_argument(
-        "--method", default="auto", choices=("auto", "closed-form"),
+        "--method",
+        default="auto",
+        choices=("auto", "closed-form"),
         help="auto: simulate where possible; closed-form: instant",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--calibrate", action="store_true", help="measure a few steps on this machine first"
     )
@@ -89,9 +93,12 @@ def run(args: argparse.Namespace) -> int:
         every = names or list(registered.names())
         cases = [(s, n) for s in every for n in counts]
         calibration = calibrate_plan(
-            args.workload, cases, batch=args.batch_size, accumulate=args.accumulate,
+            args.workload,
+            cases,
+            batch=args.batch_size,
+            accumulate=args.accumulate,
             precision=args.precision,
-        )  # fmt: skip
+        )
     report = plan(
         args.workload,
         batch=args.batch_size,

@@ -24,9 +24,19 @@ from gpukit._util import tree
 # is on" misses them; these ops are copies whenever their inputs span devices.
 _COPY_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"})
 _new = tuple.__new__  # NamedTuple without its Python-level __new__: the per-op path stays lean
-_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-           torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64"}  # fmt: skip
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+}
 
 
 class TensorSpec(NamedTuple):
@@ -79,8 +89,17 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 
 # Values of op arguments that never hold a tensor: no walk for them.
-_PLAIN = (int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)  # fmt: skip
+_PLAIN = (
+    int,
+    float,
+    complex,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 def specs(obj: Any) -> tuple[TensorSpec, ...]:
@@ -149,8 +168,9 @@ def walked(obj: Any) -> tuple[TensorSpec, ...]:
     return tuple(map(_spec, tree.tensors(obj)))
 
 
-def fact(op: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-          module: str) -> tuple[FactKey, int]:  # fmt: skip
+def fact(
+    op: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], module: str
+) -> tuple[FactKey, int]:
     """What summary() needs of one op: its kind (op, module, device, copy, mixed), bytes copied."""
     specs = outputs or inputs
     dev = str(specs[0].device) if specs else "-"

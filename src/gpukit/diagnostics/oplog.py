@@ -66,8 +66,9 @@ class _Frame:
 
     __slots__ = ("inputs", "key", "name", "ops", "stats")
 
-    def __init__(self, key: int, name: str, stats: ModuleStats | None,
-                 inputs: tuple[TensorSpec, ...]) -> None:  # fmt: skip
+    def __init__(
+        self, key: int, name: str, stats: ModuleStats | None, inputs: tuple[TensorSpec, ...]
+    ) -> None:
         self.key, self.name, self.stats, self.inputs = key, name, stats, inputs
         self.ops: dict[str, int] = {}
 
@@ -75,8 +76,9 @@ class _Frame:
 class PlacementLog:
     """The context manager :func:`log_placement` returns; holds ``records`` or ``modules``."""
 
-    def __init__(self, file: str | os.PathLike[str] | TextIO | None, level: Level,
-                 model: nn.Module | None) -> None:  # fmt: skip
+    def __init__(
+        self, file: str | os.PathLike[str] | TextIO | None, level: Level, model: nn.Module | None
+    ) -> None:
         self.level = level
         self.records: list[OpRecord] = []  # level="op"
         self.modules: dict[str, ModuleStats] = {}  # level="module", in order of first call
@@ -238,10 +240,15 @@ class PlacementLog:
             outputs = specs(output)
             frame.stats.outputs.update(str(s.device) for s in outputs)
             if self._out is not None:
-                label = frame.name if frame.name == frame.stats.type else (
-                    f"{frame.name} ({frame.stats.type})")  # fmt: skip
-                self._out.write(f"{label}  {joined(frame.inputs)} -> {joined(outputs)}  "
-                                f"ops: {device_counts(frame.ops) or '-'}\n")  # fmt: skip
+                label = (
+                    frame.name
+                    if frame.name == frame.stats.type
+                    else (f"{frame.name} ({frame.stats.type})")
+                )
+                self._out.write(
+                    f"{label}  {joined(frame.inputs)} -> {joined(outputs)}  "
+                    f"ops: {device_counts(frame.ops) or '-'}\n"
+                )
 
     def _stats(self, name: str, type_name: str) -> ModuleStats:
         stats = self.modules.get(name)

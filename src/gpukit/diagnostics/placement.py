@@ -154,8 +154,9 @@ class PlacementReport:
                 ]
                 for t in self.sharded
             ]
-            text += "\n" + render_table("Sharded tensors (the counts above are this rank's)",
-                                        header, rows)  # fmt: skip
+            text += "\n" + render_table(
+                "Sharded tensors (the counts above are this rank's)", header, rows
+            )
         return text
 
 

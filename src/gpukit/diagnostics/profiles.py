@@ -79,8 +79,12 @@ class StepProfile:
         record_shapes: bool = False,
         with_stack: bool = False,
     ) -> None:
-        for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
-                                   ("repeat", repeat, 1)):  # fmt: skip
+        for name, value, least in (
+            ("wait", wait, 0),
+            ("warmup", warmup, 0),
+            ("active", active, 1),
+            ("repeat", repeat, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(
                     f"profile({name}={value!r}): give a whole number of at least {least} "
@@ -118,8 +122,7 @@ class StepProfile:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        every = schedule(wait=self.wait, warmup=self.warmup, active=self.active,
-                         repeat=self.repeat)  # fmt: skip
+        every = schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat)
         self._profiler = profile(
             activities=activities,
             schedule=every,

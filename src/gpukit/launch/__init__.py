@@ -211,8 +211,13 @@ def _attempts(
             _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
             return 0
         if outcome.status == "rescale":
-            _say(s, [f"{s.name}: nodes are waiting to join: the ranks saved, the job goes on "
-                     "with them"])  # fmt: skip
+            _say(
+                s,
+                [
+                    f"{s.name}: nodes are waiting to join: the ranks saved, the job goes on "
+                    "with them"
+                ],
+            )
             continue
         if outcome.status == "preempted" and signals.forced:
             saved = outcome.progress.checkpoint

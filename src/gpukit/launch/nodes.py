@@ -56,8 +56,14 @@ class NodeLink:
             return
         self.told_failure = True
         error = end.error.first_line if end.error is not None else ""
-        record = {"rank": end.rank, "node": self.peers.node, "time_ns": end.failed_at_ns,
-                  "step": end.step, "phase": end.phase, "error": error}  # fmt: skip
+        record = {
+            "rank": end.rank,
+            "node": self.peers.node,
+            "time_ns": end.failed_at_ns,
+            "step": end.step,
+            "phase": end.phase,
+            "error": error,
+        }
         with contextlib.suppress(Exception):  # the store is gone: the end tells that
             self.peers.post(f"failure/{self.peers.node}", record)
             if self.peers.claim("failure"):
@@ -147,8 +153,7 @@ def settle(
 def _merged(
     local: Any, reports: dict[int, dict[str, Any]], nnodes: int, stop: Any, attempt: int
 ) -> Any:
-    ends = sorted((_end_from(e) for r in reports.values() for e in r["ends"]),
-                  key=lambda e: e.rank)  # fmt: skip
+    ends = sorted((_end_from(e) for r in reports.values() for e in r["ends"]), key=lambda e: e.rank)
     ranks = len(ends) * nnodes // max(len(reports), 1)
     progress = Progress(min(r["started"] for r in reports.values()), ranks)
     for report in reports.values():
@@ -159,8 +164,13 @@ def _merged(
     progress.first_step_at = min(steps) if steps else None
     detected = [r["detected_at"] for r in reports.values() if r["detected_at"] is not None]
     stopped = max((r["stopped_at"] or 0.0) for r in reports.values())
-    merged = dataclasses.replace(local, ends=ends, progress=progress, stopped_at=stopped,
-                                 detected_at=min(detected) if detected else None)  # fmt: skip
+    merged = dataclasses.replace(
+        local,
+        ends=ends,
+        progress=progress,
+        stopped_at=stopped,
+        detected_at=min(detected) if detected else None,
+    )
     missing = sorted(set(range(nnodes)) - set(reports))
     hung = [r for r in reports.values() if r["status"] == "hung" and r["fault"]]
     signalled = any(r["signalled"] for r in reports.values())
@@ -176,8 +186,9 @@ def _merged(
         return dataclasses.replace(merged, status="hung", fault=Fault(**first["fault"]))
     if failed and not signalled and not stop_only:
         fault = failed[0].fault(attempt, ends)
-        return dataclasses.replace(merged, status="failed", fault=fault,
-                                   detected_at=failed[0].failed_at_ns / 1e9)  # fmt: skip
+        return dataclasses.replace(
+            merged, status="failed", fault=fault, detected_at=failed[0].failed_at_ns / 1e9
+        )
     if signalled or any(e.preempted for e in ends):
         if not signalled and _rescaled(stop):
             return dataclasses.replace(merged, status="rescale", fault=None)

@@ -64,8 +64,12 @@ class JobState:
 
     def to_json(self) -> dict[str, Any]:
         faults = [vars(f) for f in self.faults]
-        return {"attempt": self.attempt, "used": self.used, "checkpoint": self.checkpoint,
-                "faults": faults}  # fmt: skip
+        return {
+            "attempt": self.attempt,
+            "used": self.used,
+            "checkpoint": self.checkpoint,
+            "faults": faults,
+        }
 
     def adopt(self, data: dict[str, Any]) -> None:
         self.attempt, self.used = int(data["attempt"]), int(data["used"])
@@ -163,15 +167,19 @@ class StoreMeeting:
         n = self.nodes
         assert self.peers is not None
         meeting = self.peers
-        meeting.post(f"node/{rank}", {"node_rank": n.node_rank, "nproc": self.nproc,
-                                      "host": socket.getfqdn()})  # fmt: skip
+        meeting.post(
+            f"node/{rank}",
+            {"node_rank": n.node_rank, "nproc": self.nproc, "host": socket.getfqdn()},
+        )
         seen = meeting.gather("node", ANSWER_S)
         if len(seen) < world:
             raise LaunchError(f"only {len(seen)} of the {world} nodes that met said who they are")
         counts = {int(v["nproc"]) for v in seen.values()}
         if len(counts) > 1:
-            each = ", ".join(f"{v['host']} (--node-rank {v['node_rank']}) runs {v['nproc']}"
-                             for v in seen.values())  # fmt: skip
+            each = ", ".join(
+                f"{v['host']} (--node-rank {v['node_rank']}) runs {v['nproc']}"
+                for v in seen.values()
+            )
             raise LaunchError(
                 f"the nodes run different numbers of processes ({each}): give every node the "
                 "same --nproc"

@@ -85,8 +85,14 @@ class Calibration:
         (single on one device: always measured)."""
         alone = one_device()
         if strategy == alone and devices == 1:
-            return Line(alone, 1, self.micro_batches, self.step_seconds,
-                        self.fixed_seconds, self.seconds_per_sample)  # fmt: skip
+            return Line(
+                alone,
+                1,
+                self.micro_batches,
+                self.step_seconds,
+                self.fixed_seconds,
+                self.seconds_per_sample,
+            )
         return next((x for x in self.lines if (x.strategy, x.devices) == (strategy, devices)), None)
 
 
@@ -230,9 +236,11 @@ def check_fits_here(model: nn.Module, device: str | torch.device | None) -> None
     model of billions of parameters): calibration trains it for real."""
     params = sum(p.numel() for p in model.parameters())
     need = params * TRAINING_BYTES_PER_PARAMETER
-    kind = torch.device(device).type if device not in (None, "auto") else (
-        "cuda" if hw.cuda_count() else "cpu"
-    )  # fmt: skip
+    kind = (
+        torch.device(device).type
+        if device not in (None, "auto")
+        else ("cuda" if hw.cuda_count() else "cpu")
+    )
     have = hw.cuda_properties(0).total_memory if kind == "cuda" else hw.ram_total()
     if have and need > have * HEADROOM:
         raise ConfigError(
@@ -274,9 +282,14 @@ class _Step:
     (``step.fresh()``, for time: the loader's cost per sample is part of a step's)."""
 
     def __init__(
-        self, rt: Runtime, model: nn.Module, batch: Any, criterion: Any, lr: float,
+        self,
+        rt: Runtime,
+        model: nn.Module,
+        batch: Any,
+        criterion: Any,
+        lr: float,
         fresh: Iterator[Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.model, self.optimizer = rt.setup(model, optimizer)
         self.criterion = rt.setup_criterion(criterion)

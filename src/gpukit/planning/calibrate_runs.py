@@ -96,16 +96,20 @@ def calibrate_plan(
     check_fits_here(built.model, device)
     total = batch or built.batch_size
     one = max(1, total // accumulate)
-    cal = calibrate(built, micro_batches=micro_sizes(one), steps=steps, device=device,
-                    precision=precision)  # fmt: skip
+    cal = calibrate(
+        built, micro_batches=micro_sizes(one), steps=steps, device=device, precision=precision
+    )
     kind = cal.device.split(":")[0]
     available = hw.cuda_count() if kind == "cuda" else hw.cpu_cores()[1]
     lines = []
     for strategy, n in cases_here(cases, kind=kind, available=available):
         micro = max(1, total // (n * accumulate))
         names = ",".join([kind] * n if kind == "cpu" else [f"cuda:{i}" for i in range(n)])
-        lines.append(measure_line(built, strategy, names, micro_sizes(micro), steps=steps,
-                                  precision=cal.precision))  # fmt: skip
+        lines.append(
+            measure_line(
+                built, strategy, names, micro_sizes(micro), steps=steps, precision=cal.precision
+            )
+        )
     return dataclasses.replace(cal, lines=(*cal.lines, *lines))
 
 

@@ -121,9 +121,19 @@ class PlanReport:
         """One row per plan: peak of the largest device, the first device's, imbalance,
         step time split, samples/s, MFU, fits, largest micro-batch, how it was predicted."""
         header = [
-            "strategy", "devices", "micro-batch", "peak/device", "1st/others", "s/step",
-            "comm", "samples/s", "MFU", "fits", "max micro-batch", "method",
-        ]  # fmt: skip
+            "strategy",
+            "devices",
+            "micro-batch",
+            "peak/device",
+            "1st/others",
+            "s/step",
+            "comm",
+            "samples/s",
+            "MFU",
+            "fits",
+            "max micro-batch",
+            "method",
+        ]
         rows = []
         for p in self.plans:
             st = p.step_time
@@ -155,8 +165,9 @@ class PlanReport:
         device = max(plan.per_device, key=lambda d: d.peak_bytes)
         rows = [[k, _bytes(v)] for k, v in device.breakdown.items() if v]
         rows.append(["total", _bytes(device.peak_bytes)])
-        return make_table(f"{plan.strategy} x{plan.devices}: {device.device} at its peak",
-                          ["part", "bytes"], rows)  # fmt: skip
+        return make_table(
+            f"{plan.strategy} x{plan.devices}: {device.device} at its peak", ["part", "bytes"], rows
+        )
 
     def __str__(self) -> str:
         parts = [render_plain(self.table(), width=160)]
