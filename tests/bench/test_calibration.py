@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gpukit.bench import calibration
-from gpukit.cli.__main__ import main
 from gpukit.planning.calibrate import Calibration, Line
+from tests.bench.conftest import BENCH_QUICK
 
 
 def row(step: int, elapsed: float, loss: str = "1.0", val: str = "") -> dict[str, str]:
@@ -63,9 +63,10 @@ def test_a_row_per_workload_and_strategy_with_errors(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.processes
 @pytest.mark.slow
-def test_quick_bench_prints_a_row_per_case(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "calibration", "--quick", "--steps", "5", "--json"]) == 0
-    printed = capsys.readouterr().out
+@BENCH_QUICK
+def test_quick_bench_prints_a_row_per_case(quick_calibration_printed: tuple[int, str]) -> None:
+    code, printed = quick_calibration_printed
+    assert code == 0
     data = json.loads(printed[printed.index("{\n") :])
     assert [(r["strategy"], r["devices"]) for r in data["rows"]] == list(calibration.QUICK_CASES)
     assert all(r["measured_s"] and r["calibrated_s"] for r in data["rows"])

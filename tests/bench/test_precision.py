@@ -17,15 +17,17 @@ from gpukit.bench import precision as experiment
 from gpukit.bench.result import BenchResult
 from gpukit.errors import ConfigError
 from gpukit.workloads import load_workload
+from tests.bench.conftest import BENCH_QUICK
 
 CPU = torch.device("cpu")
+pytestmark = BENCH_QUICK
 KEYS = {c.key for c in experiment.COLUMNS}
 
 
-@pytest.fixture(scope="module")
-def quick() -> BenchResult:
+@pytest.fixture
+def quick(quick_precision: BenchResult) -> BenchResult:
     """One quick run on this machine's CPU, shared by the tests that read it."""
-    return experiment.run(quick=True, devices=[CPU])
+    return quick_precision
 
 
 def rows_of(result: BenchResult, device: str = "cpu") -> dict[tuple[str, str], dict[str, Any]]:

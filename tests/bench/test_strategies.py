@@ -18,7 +18,9 @@ from gpukit.bench.result import BenchResult
 from gpukit.devices import nvml
 from gpukit.errors import ConfigError
 from gpukit.strategies import STRATEGIES, SingleDevice
+from tests.bench.conftest import BENCH_QUICK
 
+pytestmark = BENCH_QUICK
 KEYS = {c.key for c in experiment.COLUMNS}
 TENSOR_KEYS = (
     "tensors_first",

@@ -10,24 +10,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukit.bench import strategies, suite
+from gpukit.bench import calibration, precision, strategies, suite
 from gpukit.bench.compare import compare
 from gpukit.bench.result import SCHEMA, BenchResult, Column, load_result
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
+from tests.bench.conftest import BENCH_QUICK
 
+pytestmark = BENCH_QUICK
 ENVIRONMENT = {"date", "command", "python", "torch", "gpukit", "cpu", "cpu_cores", "device"}
 
 
 @pytest.fixture(scope="module")
-def quick_all(tmp_path_factory: pytest.TempPathFactory, quick_strategies: BenchResult) -> Path:
+def quick_all(
+    tmp_path_factory: pytest.TempPathFactory,
+    quick_strategies: BenchResult,
+    quick_precision: BenchResult,
+    quick_calibration: BenchResult,
+) -> Path:
     """One `gpukit bench all --quick --out DIR` for the whole module (it takes minutes).
-    Without a GPU, the strategies experiment's quick run is exactly the one its own tests
-    made (CPU processes), so that result is handed over rather than trained a second time."""
+    Without a GPU, the quick runs of the strategies, precision and calibration experiments are
+    exactly the ones their own tests made on this CPU, so those results are handed over rather
+    than measured a second time (calibration's with 5 steps instead of its quick 10)."""
     out = tmp_path_factory.mktemp("bench") / "results"
     with pytest.MonkeyPatch.context() as patch:
         if not torch.cuda.is_available():
             patch.setattr(strategies, "run", lambda quick=False, devices=None: quick_strategies)
+            patch.setattr(precision, "run", lambda quick=False, devices=None: quick_precision)
+            patch.setattr(calibration, "run", lambda quick=False, **_: quick_calibration)
         assert main(["bench", "all", "--quick", "--out", str(out)]) == 0
     return out
 
