@@ -104,8 +104,10 @@ from gpukit.launch import _launched_script, run_job
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
 from gpukit.strategies import FSDP
+from gpukit.train import options
 from gpukit.train.loggers import train_loggers
-from gpukit.train.loop import DEFAULT_PROGRESS_EVERY, TrainConfig, check, fit
+from gpukit.train.loop import check, fit
+from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import check_out, claim_out
 
 NAME = "train"
@@ -115,82 +117,21 @@ def register(sub: Any) -> None:
     parser = add_command(
         sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
     )
-    parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="a TOML file of flags (keys: the long names with underscores, e.g. max_steps = "
-        "50); flags given here win over it. --out DIR writes DIR/config.toml, which reruns "
-        "the run",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        choices=("off", "full", "selective"),
-        default=None,
-        help="fsdp only: recompute each block's activations in the backward (default off)",
-    )
-    parser.add_argument(
-        "--fsdp-mixed",
-        choices=("bf16",),
-        default=None,
-        help="fsdp only: FSDP2's mixed precision, bf16 parameters and compute, fp32 reduction",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the model (single, ddp: all of it; fsdp: each repeated block; "
-        "not dp or dp-balanced)",
-    )
-    parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after S optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=None, help="global batch per step")
-    parser.add_argument("--lr", type=float, default=None, help="default: the workload's")
-    parser.add_argument(
-        "--progress-every",
-        type=float,
-        default=DEFAULT_PROGRESS_EVERY,
-        metavar="SECONDS",
-        help="when stdout is not a terminal: seconds between progress lines "
-        f"(default {DEFAULT_PROGRESS_EVERY:g}; 0: after every step)",
-    )
-    parser.add_argument("--out", default=None, help="folder for metrics, plot and checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    parser.add_argument(
-        "--logger",
-        default=None,
-        metavar="NAMES",
-        help="also log to csv, tensorboard, wandb, mlflow (a comma list), under --out DIR",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in an --out that holds checkpoints (they are moved aside)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart every process after a failure, up to K times, resuming from the newest "
-        "checkpoint",
-    )
-    parser.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="end the run when no rank makes progress for this long, naming the stuck one "
-        "(default 300 with several processes or restarts; given for one process, that process "
-        "runs under gpukit's launcher, which watches it; 0: never)",
-    )
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="under gpukit's launcher, end the run when a rank has not begun this long after "
-        "its start while another has (default GPUKIT_STARTUP_TIMEOUT, else 900; 0: never)",
-    )
+    # gpukit train's own options (--workload, --max-steps, --out, ...): from their one
+    # declaration, gpukit.train.options.
+    for f in options.flags():
+        meta = options.option(f)
+        if options.is_switch(f):
+            parser.add_argument(options.flag_name(f), action="store_true", help=meta.help)
+            continue
+        parser.add_argument(
+            options.flag_name(f),
+            type=meta.parse,
+            choices=meta.choices,
+            default=f.default,
+            metavar=meta.metavar,
+            help=meta.help,
+        )
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
     add_setting_flags(parser)
@@ -210,12 +151,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, worker: bool) -> int:
-    for flag in ("epochs", "max_steps", "batch_size", "keep"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: give 1 or more")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts}: give 0 or more")
+    counts = [(f.name, options.option(f).at_least) for f in options.flags()]
+    for name, least in [*counts, ("keep", 1)]:  # --keep: the Runtime's, checked here too
+        value = getattr(args, name)
+        if least is not None and value is not None and value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: give {least} or more")
     if args.hang_timeout is not None and not 0 <= args.hang_timeout < float("inf"):
         raise ConfigError(
             f"--hang-timeout {args.hang_timeout}: give seconds, 0 or more (0: never end a run "
@@ -239,17 +179,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     loggers = train_loggers(args.logger, args.out)
     chosen = {"strategy": _strategy(args), "checkpoints": checkpoints, "compile": args.compile}
     rt = Runtime(**{**values(args), **chosen}, loggers=loggers)
-    config = TrainConfig(
-        workload=args.workload,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        out=args.out,
-        resume=args.resume,
-        progress_every=args.progress_every,
-    )
+    asked = {f.name: getattr(args, f.name) for f in options.flags()}
+    config = TrainConfig(**asked, seed=args.seed)
     oom: tuple[BaseException, dict[str, Any] | None] | None = None
     try:
         check(config, rt.world_size, rt.accumulate)
@@ -362,18 +293,13 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
     runner = [sys.executable, str(Path(_launched_script.__file__))]
     command = [*runner, "-m", "gpukit", "train", "--strategy", strategy]
     command += command_line(args, skip=("strategy",))
-    flags = ("workload", "epochs", "max_steps", "batch_size", "lr", "progress_every", "out")
-    for name in (*flags, "logger"):
-        value = getattr(args, name)
-        if value is not None:
-            command += [f"--{name.replace('_', '-')}", str(value)]
-    if args.activation_checkpointing is not None:
-        command += ["--activation-checkpointing", args.activation_checkpointing]
-    if args.fsdp_mixed is not None:
-        command += ["--fsdp-mixed", args.fsdp_mixed]
-    if args.compile:
-        command.append("--compile")
-    return command + (["--resume"] if args.resume else [])
+    for f in options.for_ranks():
+        value = getattr(args, f.name)
+        if options.is_switch(f):
+            command += [options.flag_name(f)] if value else []
+        elif value is not None:
+            command += [options.flag_name(f), str(value)]
+    return command
 
 
 def _summary(m: dict[str, Any]) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,11 @@ from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, RunComplete
-from gpukit.runtime.progress import DEFAULT_EVERY, Bar, ProgressLines, Quiet
+from gpukit.runtime.progress import Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
+from gpukit.train import options
+from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import complete_message
 from gpukit.train.report import (
     MetricsCsv,
@@ -60,26 +61,6 @@ from gpukit.workloads.base import load_workload
 # from gk.Runtime's, in gpukit.runtime.settings.
 RUNTIME_DEFAULTS: dict[str, Any] = train_defaults()
 DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
-# Seconds between progress lines when stdout is not a terminal (gpukit.runtime.progress).
-DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What ``gpukit train`` was asked to do; None means the workload's default."""
-
-    workload: str = "gpt"
-    epochs: int | None = None
-    max_steps: int | None = None
-    batch_size: int | None = None  # global: samples per optimizer step over all ranks
-    lr: float | None = None
-    seed: int = 0
-    out: str | None = None
-    resume: bool = False  # continue from out's newest checkpoint (restarted attempts always do)
-    progress: bool = True  # progress on rank 0 (off when stdout carries JSON)
-    progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between lines off a terminal
-    sample: bool = True  # generate text at the end, for workloads that can
-    validate: bool = True  # evaluate the workload's validation set, where it has one
 
 
 def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
@@ -241,7 +222,7 @@ def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
     the strategy and precision it chose."""
     runtime = record(rt.settings, strategy=rt.strategy.name)
     runtime["precision"] = rt.precision.name
-    return {**asdict(config), **used, "runtime": runtime}
+    return {**options.record(config), **used, "runtime": runtime}
 
 
 def check(config: TrainConfig, world_size: int, accumulate: int) -> None:

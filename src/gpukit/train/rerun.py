@@ -23,17 +23,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpukit.runtime.settings import fields, option
+from gpukit.runtime import settings
+from gpukit.train import options
 
-# TrainConfig's fields that are flags of gpukit train (progress and sample are not).
-TRAIN_FLAGS = ("workload", "epochs", "max_steps", "batch_size", "lr", "seed", "out")
-TRAIN_FLAGS_AFTER = ("progress_every",)
-# The strategy's options a rerun repeats: (the option's name, its flag's name).
-STRATEGY_FLAGS = (
-    ("activation_checkpointing", "activation_checkpointing"),
-    ("compile", "compile"),
-    ("mixed", "fsdp_mixed"),
-)
 HEADER = "# gpukit train --config FILE: the flags of a run, by their long names with underscores"
 
 
@@ -41,29 +33,41 @@ def rerun_flags(
     recorded: Mapping[str, Any], precision: str, strategy_options: object = None
 ) -> dict[str, Any]:
     """The flags that train the run again, from its record (``metrics.json``'s ``config``):
-    the run's own, then every Runtime setting that has a flag (``precision``: the one the
-    Runtime chose), then fsdp's ``activation_checkpointing``, ``compile`` and ``mixed`` when
-    ``strategy_options`` (the strategy's ``options``) has them. None: left out.
+    the run's own (:func:`gpukit.train.options.for_rerun`; those the strategy reads, such as
+    fsdp's ``activation_checkpointing``, as ``strategy_options``, the strategy's ``options``,
+    holds them), then every Runtime setting that has a flag (``precision``: the one the Runtime
+    chose). None: left out.
 
     >>> recorded = {"workload": "mlp", "lr": 0.003, "seed": 0, "progress_every": 30.0,
     ...             "runtime": {"strategy": "single", "precision": "auto",
-    ...                         "devices": ["cpu", "cpu"], "clip": None}}
+    ...                         "devices": ["cpu", "cpu"], "seed": 0, "clip": None}}
     >>> rerun_flags(recorded, "32")
-    {'workload': 'mlp', 'lr': 0.003, 'seed': 0, 'strategy': 'single', 'precision': '32', \
-'devices': 'cpu,cpu', 'progress_every': 30.0}
+    {'workload': 'mlp', 'lr': 0.003, 'progress_every': 30.0, 'strategy': 'single', \
+'precision': '32', 'devices': 'cpu,cpu', 'seed': 0}
     """
+    out: dict[str, Any] = {}
+    for f in options.for_rerun():
+        name = options.option(f).strategy_option
+        if name is None:
+            out[f.name] = recorded.get(f.name)
+        else:
+            out[f.name] = _strategy_value(f, getattr(strategy_options, name, None))
     runtime = recorded.get("runtime", {})
-    out: dict[str, Any] = {k: recorded.get(k) for k in TRAIN_FLAGS}
-    for f in fields():
-        if option(f).flag and f.name in runtime:
+    for f in settings.fields():
+        if settings.option(f).flag and f.name in runtime:
             out[f.name] = precision if f.name == "precision" else runtime[f.name]
-    for option_name, name in STRATEGY_FLAGS:
-        value = getattr(strategy_options, option_name, None)
-        if value is None or (name == "fsdp_mixed" and not isinstance(value, str)):
-            continue  # a MixedPrecisionPolicy object has no flag: only gpukit train's "bf16"
-        out[name] = bool(value) if name == "compile" else value
-    out.update({k: recorded.get(k) for k in TRAIN_FLAGS_AFTER})
     return {k: _flag_value(v) for k, v in out.items() if v is not None}
+
+
+def _strategy_value(f: Any, value: object) -> Any:
+    """The strategy's ``value`` of the option ``f`` as its flag gives it; None where no flag
+    value gives it (fsdp's ``mixed`` as a MixedPrecisionPolicy object: only "bf16" has one)."""
+    if value is None:
+        return None
+    if options.is_switch(f):
+        return bool(value)  # fsdp's compile="blocks": the switch that made it
+    allowed = options.option(f).choices
+    return None if allowed is not None and value not in allowed else value
 
 
 def _flag_value(value: Any) -> Any:

@@ -1,0 +1,200 @@
+"""``gpukit train``'s own options, declared once: :class:`TrainConfig`.
+
+The options that are not the Runtime's settings (those are :mod:`gpukit.runtime.settings`'):
+each field carries its default, its flag's help, type, choices and metavar, and who reads it.
+From these come the command's flags and so the keys of a ``--config`` file
+(:mod:`gpukit.cli.train`), the command line the launcher gives each rank, the ``config`` in
+``metrics.json`` (:func:`record`) and the ``config.toml`` that trains a run again
+(:mod:`gpukit.train.rerun`). A new option is one more field here.
+
+Who reads an option (its :class:`TrainOption`'s ``reader``):
+
+- ``"loop"``: :func:`gpukit.train.loop.fit`; each rank gets it, ``metrics.json`` records it.
+- ``"runtime"``: the command makes the Runtime's keywords or strategy of it; each rank gets it,
+  and ``metrics.json`` records what the Runtime made of it (under ``runtime``).
+- ``"launcher"``: the launcher that runs the ranks (restarts, hang watch), never a rank.
+- ``"command"``: the command itself, before anything starts (``--config``, ``--overwrite``).
+
+>>> [flag_name(f) for f in fields() if option(f).reader == "launcher"]
+['--max-restarts', '--hang-timeout', '--startup-timeout']
+>>> sorted(record(TrainConfig(workload="mlp", max_restarts=2)))[:4]
+['batch_size', 'epochs', 'lr', 'max_steps']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gpukit.runtime.progress import DEFAULT_EVERY
+
+# Seconds between progress lines when stdout is not a terminal (gpukit.runtime.progress).
+DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
+
+Reader = Literal["loop", "runtime", "launcher", "command"]
+
+
+@dataclass(frozen=True)
+class TrainOption:
+    """What a :class:`TrainConfig` field says about itself (see the module docstring)."""
+
+    help: str = ""  # the flag's --help line
+    reader: Reader = "loop"
+    flag: bool = True  # gpukit train has --name-with-dashes for it (a bool one: a switch)
+    parse: Callable[[str], Any] = str  # the flag's text to the value
+    choices: tuple[str, ...] | None = None  # the flag's closed set of values
+    metavar: str | None = None
+    at_least: int | None = None  # the command refuses a smaller value
+    rerun: bool = True  # config.toml repeats it (with the value the run used)
+    # config.toml's value: the one the strategy used, its option of this name (where it has one).
+    strategy_option: str | None = None
+
+
+def train_option(default: Any, **meta: Any) -> Any:
+    """A :class:`TrainConfig` field: its default and its :class:`TrainOption`."""
+    return field(default=default, metadata={"train_option": TrainOption(**meta)})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What ``gpukit train`` was asked to do; None means the workload's default.
+
+    :func:`gpukit.train.loop.fit` reads the ``"loop"`` options; the others are the command's,
+    which it turns into the Runtime's keywords, the strategy, or the launcher's settings."""
+
+    workload: str = train_option("gpt", help="mlp, cnn, gpt or module:function")
+    config: str | None = train_option(
+        None,
+        reader="command",
+        metavar="FILE",
+        help="a TOML file of flags (keys: the long names with underscores, e.g. max_steps = "
+        "50); flags given here win over it. --out DIR writes DIR/config.toml, which reruns "
+        "the run",
+    )
+    activation_checkpointing: str | None = train_option(
+        None,
+        reader="runtime",
+        choices=("off", "full", "selective"),
+        strategy_option="activation_checkpointing",
+        help="fsdp only: recompute each block's activations in the backward (default off)",
+    )
+    fsdp_mixed: str | None = train_option(
+        None,
+        reader="runtime",
+        choices=("bf16",),
+        strategy_option="mixed",
+        help="fsdp only: FSDP2's mixed precision, bf16 parameters and compute, fp32 reduction",
+    )
+    compile: bool = train_option(
+        False,
+        reader="runtime",
+        strategy_option="compile",
+        help="torch.compile the model (single, ddp: all of it; fsdp: each repeated block; "
+        "not dp or dp-balanced)",
+    )
+    epochs: int | None = train_option(None, parse=int, at_least=1, help="default: the workload's")
+    max_steps: int | None = train_option(
+        None, parse=int, at_least=1, help="stop after S optimizer steps"
+    )
+    # global: samples per optimizer step over all ranks
+    batch_size: int | None = train_option(None, parse=int, at_least=1, help="global batch per step")
+    lr: float | None = train_option(None, parse=float, help="default: the workload's")
+    # The Runtime's seed (its flag is the setting's), which also seeds the workload's data.
+    seed: int = train_option(0, flag=False)
+    progress_every: float = train_option(
+        DEFAULT_PROGRESS_EVERY,
+        parse=float,
+        metavar="SECONDS",
+        help="when stdout is not a terminal: seconds between progress lines "
+        f"(default {DEFAULT_PROGRESS_EVERY:g}; 0: after every step)",
+    )
+    out: str | None = train_option(None, help="folder for metrics, plot and checkpoints")
+    # Continue from out's newest checkpoint (restarted attempts always do); a rerun starts anew.
+    resume: bool = train_option(False, rerun=False, help="continue from --out's checkpoint")
+    progress: bool = train_option(True, flag=False)  # on rank 0 (off when stdout carries JSON)
+    logger: str | None = train_option(
+        None,
+        reader="runtime",
+        metavar="NAMES",
+        rerun=False,
+        help="also log to csv, tensorboard, wandb, mlflow (a comma list), under --out DIR",
+    )
+    overwrite: bool = train_option(
+        False,
+        reader="command",
+        help="start over in an --out that holds checkpoints (they are moved aside)",
+    )
+    max_restarts: int = train_option(
+        0,
+        reader="launcher",
+        parse=int,
+        at_least=0,
+        help="restart every process after a failure, up to K times, resuming from the newest "
+        "checkpoint",
+    )
+    hang_timeout: float | None = train_option(
+        None,
+        reader="launcher",
+        parse=float,
+        metavar="SECONDS",
+        help="end the run when no rank makes progress for this long, naming the stuck one "
+        "(default 300 with several processes or restarts; given for one process, that process "
+        "runs under gpukit's launcher, which watches it; 0: never)",
+    )
+    startup_timeout: float | None = train_option(
+        None,
+        reader="launcher",
+        parse=float,
+        metavar="SECONDS",
+        help="under gpukit's launcher, end the run when a rank has not begun this long after "
+        "its start while another has (default GPUKIT_STARTUP_TIMEOUT, else 900; 0: never)",
+    )
+    sample: bool = train_option(True, flag=False)  # generate text at the end, where it can
+    # Evaluate the workload's validation set, where it has one.
+    validate: bool = train_option(True, flag=False)
+
+
+def option(f: dataclasses.Field[Any]) -> TrainOption:
+    """The :class:`TrainOption` of a :class:`TrainConfig` field."""
+    found = f.metadata.get("train_option")
+    assert isinstance(found, TrainOption), (
+        f"TrainConfig.{f.name} is declared without train_option()"
+    )
+    return found
+
+
+def fields() -> tuple[dataclasses.Field[Any], ...]:
+    """``gpukit train``'s own options, in the order of its ``--help``."""
+    return dataclasses.fields(TrainConfig)
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """The option's flag (for those :func:`flags` gives): ``--max-steps`` for ``max_steps``."""
+    return "--" + f.name.replace("_", "-")
+
+
+def is_switch(f: dataclasses.Field[Any]) -> bool:
+    """Whether the option's flag takes no value (``--resume``): a bool option's."""
+    return isinstance(f.default, bool)
+
+
+def flags() -> tuple[dataclasses.Field[Any], ...]:
+    """The options that have a flag."""
+    return tuple(f for f in fields() if option(f).flag)
+
+
+def for_ranks() -> tuple[dataclasses.Field[Any], ...]:
+    """The options each rank of a launched job is given again: the loop's and the Runtime's."""
+    return tuple(f for f in flags() if option(f).reader in ("loop", "runtime"))
+
+
+def for_rerun() -> tuple[dataclasses.Field[Any], ...]:
+    """The options ``config.toml`` repeats: what to train (not what to do with a folder)."""
+    return tuple(f for f in for_ranks() if option(f).rerun)
+
+
+def record(config: TrainConfig) -> dict[str, Any]:
+    """The loop's options of ``config``, as ``metrics.json``'s ``config`` holds them."""
+    return {f.name: getattr(config, f.name) for f in fields() if option(f).reader == "loop"}
