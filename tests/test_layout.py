@@ -143,6 +143,19 @@ def test_no_module_is_over_450_lines() -> None:
     assert not long, f"over {MAX_LINES} lines, split by concept: {long}"
 
 
+def test_no_code_is_folded_against_the_formatter() -> None:
+    """The formatter lays out all code: a layout it would not choose is written so that its
+    own reads well, never pinned with a skip mark."""
+    marks = ("fmt: " + "skip", "fmt: " + "off")
+    folded = [
+        f"{path.relative_to(SRC.parent)}:{n}"
+        for path in [*MODULES, *sorted((SRC.parent / "tests").rglob("*.py"))]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(mark in line for mark in marks)
+    ]
+    assert not folded, folded
+
+
 def test_no_import_cycle() -> None:
     found = cycles(edges())
     assert not found, f"import cycles (counting imports in functions and TYPE_CHECKING): {found}"
