@@ -14,7 +14,7 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
   beat, once every rank has beaten), every rank writes its stacks, the report names the stuck
   rank and its line, and all are stopped; a rank that has not beaten ``startup_timeout``
   seconds after its start, while another has, is reported the same way as stuck in start-up
-  (``hang_watch``, ``hangs``);
+  (``hang_watch``, ``hang_reports``);
 - **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
   ``max_restarts`` times, unless it failed before its first step or keeps failing the same
   way (``restarts``);
@@ -25,8 +25,9 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 
 Several machines (``nodes``): every node runs this same launcher, and the nodes' launchers meet
 at each attempt through torch's c10d rendezvous (``rendezvous``), then tell each other every
-failure, stop request and outcome (``nodes``): the guarantees above hold across the nodes, the
-first failure named and the restart decided are the same on every node.
+failure, stop request and outcome (``node_messages``, over the store in ``node_channel``): the
+guarantees above hold across the nodes, the first failure named and the restart decided are the
+same on every node.
 """
 
 from gpukit.launch.job import (

@@ -12,9 +12,9 @@ the job's folder, holds what multiprocessing's "spawn" gives its processes (this
 ``__mp_main__``, so that a script's ``if __name__ == "__main__":`` block does not run again),
 then ``run_rank`` with ``fn`` and its arguments, pickled (``fn`` by reference). A function a
 fresh interpreter could not import (``python -c``, a notebook, a lambda: see
-``spawn.start_method``) runs in processes forked from this one instead, the same workers under
-the same supervisor (each rank then computes on one CPU thread: OpenMP's threads do not survive
-a fork).
+``start_methods.start_method``) runs in processes forked from this one instead, the same
+workers under the same supervisor (each rank then computes on one CPU thread: OpenMP's threads
+do not survive a fork).
 
 What ``rt.launch`` returns or raises, as it always has: rank 0's return value (pickled by value
 into the job's folder); the first failure's gpukit error again (``rank 1: ...``), or a
@@ -46,8 +46,8 @@ from gpukit import _env, errors
 from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, INTERRUPTED_EXIT, RUNNER, _launched_script, run_job
 from gpukit.launch.failures import PREEMPTED_EXIT, RankEnd, failures, headline, rank_lines
-from gpukit.launch.hangs import REPORT_FILE
-from gpukit.launch.spawn import start_method
+from gpukit.launch.hang_reports import REPORT_FILE
+from gpukit.launch.start_methods import start_method
 from gpukit.launch.supervisor import Attempt, Outcome, fresh_job_dir
 from gpukit.launch.workers import Worker, die_with, start_worker, watch_worker
 

@@ -21,8 +21,8 @@ from gpukit.launch.failures import (
     headline,
     rank_lines,
 )
-from gpukit.launch.hangs import REPORT_FILE
-from gpukit.launch.nodes import settle
+from gpukit.launch.hang_reports import REPORT_FILE
+from gpukit.launch.node_messages import settle
 from gpukit.launch.rendezvous import JobState, LocalMeeting, Nodes, StoreMeeting
 from gpukit.launch.restarts import (
     DEFAULT_CRASH_LOOP,

@@ -14,8 +14,9 @@ that one process), has the request relayed to the others, once; the ranks of a g
 also tell each other through their process group's store.
 
 On several nodes the attempt's ranks are this node's share of the job (global ranks
-``node * nproc + local rank``), and the watch also hears the other nodes (``nodes.NodeLink``):
-a failure or a stop request on any node stops every node's ranks alike.
+``node * nproc + local rank``), and the watch also hears the other nodes
+(``node_messages.NodeLink``): a failure or a stop request on any node stops every node's ranks
+alike.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from gpukit.launch.failures import (
     first_line,
     read_error,
 )
+from gpukit.launch.hang_reports import REPORT_FILE, Frame, stack_file, wait_for_dumps
 from gpukit.launch.hang_watch import HangWatch, Local
-from gpukit.launch.hangs import REPORT_FILE, Frame, stack_file, wait_for_dumps
-from gpukit.launch.nodes import NodeLink
-from gpukit.launch.peers import LocalPeers, Peers
+from gpukit.launch.node_channel import LocalPeers, Peers
+from gpukit.launch.node_messages import NodeLink
 from gpukit.launch.restarts import Progress
 from gpukit.launch.workers import Worker, start_worker
 from gpukit.lifecycle import heartbeat
