@@ -50,7 +50,16 @@ class FakeWorker:
 
 def watch_of(folder: Path, workers: list[FakeWorker]) -> _Watch:
     settings = Settings(
-        ["x"], len(workers), {}, folder, 1, None, GRACE, 25.0, "gpukit launch", io.StringIO()
+        command=["x"],
+        nproc=len(workers),
+        env={},
+        folder=folder,
+        max_restarts=1,
+        hang_timeout=None,
+        grace=GRACE,
+        stop_timeout=25.0,
+        name="gpukit launch",
+        out=io.StringIO(),
     )
     attempt = Attempt(settings, 0, 0, Signals.__new__(Signals))
     attempt.workers = workers  # type: ignore[assignment]

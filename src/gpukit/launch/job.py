@@ -114,19 +114,19 @@ def run_job(
     if nproc > 1:
         variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
     settings = Settings(
-        list(command),
-        nproc,
-        variables,
-        folder,
-        max_restarts,
-        DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout or None,
-        grace,
-        _env.stop_grace() if stop_timeout is None else stop_timeout,
-        name,
-        out if out is not None else sys.stderr,
-        startup or None,
-        start,
-        on_attempt,
+        command=list(command),
+        nproc=nproc,
+        env=variables,
+        folder=folder,
+        max_restarts=max_restarts,
+        hang_timeout=DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout or None,
+        grace=grace,
+        stop_timeout=_env.stop_grace() if stop_timeout is None else stop_timeout,
+        name=name,
+        out=out if out is not None else sys.stderr,
+        startup_timeout=startup or None,
+        start=start,
+        on_attempt=on_attempt,
     )
     signals = Signals()
     meeting = LocalMeeting(master_port) if nodes is None else StoreMeeting(nodes, nproc)

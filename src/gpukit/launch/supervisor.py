@@ -54,9 +54,10 @@ POLL_S = 0.15  # how often heartbeats are read
 StartWorker = Callable[[int, list[str], Mapping[str, str], "queue.SimpleQueue[int]"], Worker]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What every attempt of a job shares."""
+    """What every attempt of a job shares; built by name, since many of its fields are numbers
+    that a position would mix up."""
 
     command: list[str]
     nproc: int
