@@ -15,6 +15,7 @@ import pytest
 
 from gpukit.launch import RUNNER, run_job
 from gpukit.launch.restarts import ATTEMPTS_FILE, Progress
+from gpukit.launch.starters import CommandStarter
 from gpukit.launch.supervisor import Attempt, Settings, Signals, _Watch
 from gpukit.lifecycle.heartbeat import Heartbeat
 
@@ -50,7 +51,7 @@ class FakeWorker:
 
 def watch_of(folder: Path, workers: list[FakeWorker]) -> _Watch:
     settings = Settings(
-        command=["x"],
+        ranks=CommandStarter(["x"]),
         nproc=len(workers),
         env={},
         folder=folder,

@@ -32,15 +32,15 @@ from gpukit.launch.restarts import (
     stop_reason,
     summary,
 )
+from gpukit.launch.starters import CommandStarter, RankStarter
 from gpukit.launch.supervisor import (
     Attempt,
     Outcome,
     Settings,
     Signals,
-    StartWorker,
     fresh_job_dir,
 )
-from gpukit.launch.workers import kill_leftovers, start_worker
+from gpukit.launch.workers import kill_leftovers
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
 # it records the error with its time and dumps the stacks when a hang is being reported.
@@ -51,7 +51,7 @@ INTERRUPTED_EXIT = 130  # a second Ctrl-C stopped the job at once, as a shell re
 
 
 def run_job(
-    command: list[str],
+    command: list[str] | RankStarter,
     nproc: int,
     *,
     max_restarts: int = 0,
@@ -65,7 +65,6 @@ def run_job(
     stop_timeout: float | None = None,
     job_dir: str | Path | None = None,
     startup_timeout: float | None = None,
-    start: StartWorker = start_worker,
     on_attempt: Callable[[Attempt, Outcome], None] | None = None,
     nodes: Nodes | None = None,
 ) -> int:
@@ -88,8 +87,9 @@ def run_job(
     ``GPUKIT_STOP_GRACE``, else 25, under the 30 s Slurm and Kubernetes give before SIGKILL).
     ``job_dir``: the job's folder (kept; default a temporary one, removed at the end unless a
     hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
-    starting with ``name``. ``start``: how each rank's process is started (default: the
-    command, by ``start_worker``); ``on_attempt(attempt, outcome)`` is told how each attempt
+    starting with ``name``. ``command`` may also be a ``RankStarter`` that starts each rank
+    its own way (``rt.launch`` forks for a function a fresh interpreter could not import); a
+    list is run by ``CommandStarter``. ``on_attempt(attempt, outcome)`` is told how each attempt
     ended (``rt.launch`` raises its rank's error from it). ``nodes``: this machine is one node
     of a job over several (every node calls ``run_job`` with the same command and ``nproc``);
     its ranks are ``node * nproc + 0..nproc-1`` of ``nnodes * nproc``.
@@ -104,7 +104,9 @@ def run_job(
     Through the runner, a failure is timed to the nanosecond and a hang shows its stacks:
     ``run_job([sys.executable, str(RUNNER), "-m", "gpukit", "train", ...], 2)``.
     """
-    _check(command, nproc, max_restarts, hang_timeout, crash_loop)
+    if not isinstance(command, RankStarter):
+        _check_command(command)
+    _check(nproc, max_restarts, hang_timeout, crash_loop)
     if startup_timeout is not None and not 0 <= startup_timeout < float("inf"):
         raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
     startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
@@ -114,7 +116,7 @@ def run_job(
     if nproc > 1:
         variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
     settings = Settings(
-        command=list(command),
+        ranks=command if isinstance(command, RankStarter) else CommandStarter(command),
         nproc=nproc,
         env=variables,
         folder=folder,
@@ -125,7 +127,6 @@ def run_job(
         name=name,
         out=out if out is not None else sys.stderr,
         startup_timeout=startup or None,
-        start=start,
         on_attempt=on_attempt,
     )
     signals = Signals()
@@ -258,11 +259,12 @@ def _say(s: Settings, lines: list[str]) -> None:
         print(line, file=s.out, flush=True)
 
 
-def _check(
-    command: list[str], nproc: int, max_restarts: int, hang_timeout: float | None, repeats: int
-) -> None:
+def _check_command(command: list[str]) -> None:
     if not command:
         raise ConfigError("run_job: command is empty: give the program and its arguments")
+
+
+def _check(nproc: int, max_restarts: int, hang_timeout: float | None, repeats: int) -> None:
     if nproc < 1:
         raise ConfigError(f"nproc={nproc}: give at least 1 process")
     if max_restarts < 0:
