@@ -98,7 +98,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The examples in src/ that start processes (a docstring cannot carry a mark).
 DOCTESTS_THAT_START_PROCESSES = {
-    "gpukit.launch.run_job",
+    "gpukit.launch.job.run_job",
+    "gpukit.launch.starters",
     "gpukit.launch.workers",
 }
 

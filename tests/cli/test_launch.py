@@ -15,7 +15,7 @@ import pytest
 
 from gpukit.cli.launch import check, describe_exit, nodes
 from gpukit.errors import ConfigError
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 
 SCRIPT = """
 import os, sys, torch, torch.distributed as dist

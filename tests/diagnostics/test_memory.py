@@ -19,7 +19,7 @@ from gpukit.devices import hw as _hw
 from gpukit.devices import nvml as _nvml
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport, breakdown, memory, report
 from gpukit.errors import ConfigError, DeviceError
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 from tests.fakes import GiB, NVMLError_LibraryNotFound, fake_pynvml, install_pynvml
 
 # The module itself: once gpukit exports the `memory` tool, `gpukit.memory` names the tool.

@@ -105,7 +105,7 @@ def _placement_on_rank(rank: int, port: int, outbox: str) -> None:
 
 @pytest.mark.processes
 def test_placement_of_an_fsdp_model_shows_each_shard_over_two_gloo_ranks(tmp_path: Path) -> None:
-    from gpukit.launch.spawn import free_port
+    from gpukit.launch.ports import free_port
 
     plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
     whole = {name: tuple(p.shape) for name, p in plain.named_parameters()}

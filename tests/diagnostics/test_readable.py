@@ -30,7 +30,7 @@ from gpukit.errors import (
     NoKernelImageError,
     OutOfMemory,
 )
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 
 ASYNC = (
     "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 
 pytestmark = pytest.mark.processes
 

@@ -20,7 +20,7 @@ from gpukit.launch.failures import (
     rank_lines,
     read_error,
 )
-from gpukit.launch.hangs import Frame, Watch, blame, hang_report, main_stack, user_frame
+from gpukit.launch.hang_reports import Frame, Watch, blame, hang_report, main_stack, user_frame
 from gpukit.launch.restarts import Progress, Restart, crash_loop, redone, stop_reason
 from gpukit.lifecycle.heartbeat import Beat
 

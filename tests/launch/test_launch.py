@@ -16,7 +16,7 @@ import torch
 
 import gpukit as gk
 from gpukit.errors import LaunchError
-from gpukit.launch import spawn as launch
+from gpukit.launch import start_methods as launch
 
 # Uses the CPU's thread pool before launching (OpenMP's threads do not survive a fork, and a
 # forked rank that waited for them would hang), then trains 2 gloo ranks.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 from tests.cli.test_launch import SCRIPT as PLAIN  # rank FAIL_RANK raises after a collective
 from tests.launch.test_agent_jobs import HANG
 

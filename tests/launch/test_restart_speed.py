@@ -15,6 +15,7 @@ import pytest
 
 from gpukit.launch import RUNNER, run_job
 from gpukit.launch.restarts import ATTEMPTS_FILE, Progress
+from gpukit.launch.starters import CommandStarter
 from gpukit.launch.supervisor import Attempt, Settings, Signals, _Watch
 from gpukit.lifecycle.heartbeat import Heartbeat
 
@@ -50,7 +51,16 @@ class FakeWorker:
 
 def watch_of(folder: Path, workers: list[FakeWorker]) -> _Watch:
     settings = Settings(
-        ["x"], len(workers), {}, folder, 1, None, GRACE, 25.0, "gpukit launch", io.StringIO()
+        ranks=CommandStarter(["x"]),
+        nproc=len(workers),
+        env={},
+        folder=folder,
+        max_restarts=1,
+        hang_timeout=None,
+        grace=GRACE,
+        stop_timeout=25.0,
+        name="gpukit launch",
+        out=io.StringIO(),
     )
     attempt = Attempt(settings, 0, 0, Signals.__new__(Signals))
     attempt.workers = workers  # type: ignore[assignment]

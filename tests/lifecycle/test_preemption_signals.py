@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from gpukit.launch.spawn import free_port
+from gpukit.launch.ports import free_port
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 # Signals, grace periods and hang timeouts: one at a time under `make test`.

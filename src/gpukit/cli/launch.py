@@ -58,7 +58,7 @@ from gpukit.errors import ConfigError
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, Nodes, run_job
 from gpukit.launch.clusters import with_cluster_defaults
 from gpukit.launch.failures import describe_exit
-from gpukit.launch.spawn import check_port
+from gpukit.launch.ports import check_port
 
 __all__ = ["RUNNER", "describe_exit", "nodes", "register", "run"]
 

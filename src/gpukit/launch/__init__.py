@@ -1,8 +1,8 @@
 """gpukit's launcher: ``nproc`` ranks of a command on this machine, watched and restarted,
 alone or as one node of a job over several.
 
-``run_job`` starts one process per rank with the variables torchrun would give it (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
+``run_job`` (``job``) starts one process per rank with the variables torchrun would give it
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``,
 ``MASTER_PORT``, ``TORCHELASTIC_ERROR_FILE``, ``TORCHELASTIC_RESTART_COUNT``,
 ``TORCHELASTIC_MAX_RESTARTS``) plus ``GPUKIT_JOB_DIR`` (one folder per job, kept across attempts:
 heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then:
@@ -14,7 +14,7 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
   beat, once every rank has beaten), every rank writes its stacks, the report names the stuck
   rank and its line, and all are stopped; a rank that has not beaten ``startup_timeout``
   seconds after its start, while another has, is reported the same way as stuck in start-up
-  (``hang_watch``, ``hangs``);
+  (``hang_watch``, ``hang_reports``);
 - **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
   ``max_restarts`` times, unless it failed before its first step or keeps failing the same
   way (``restarts``);
@@ -25,277 +25,18 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 
 Several machines (``nodes``): every node runs this same launcher, and the nodes' launchers meet
 at each attempt through torch's c10d rendezvous (``rendezvous``), then tell each other every
-failure, stop request and outcome (``nodes``): the guarantees above hold across the nodes, the
-first failure named and the restart decided are the same on every node.
+failure, stop request and outcome (``node_messages``, over the store in ``node_channel``): the
+guarantees above hold across the nodes, the first failure named and the restart decided are the
+same on every node.
 """
 
-from __future__ import annotations
-
-import shutil
-import sys
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TextIO
-
-from gpukit import _env
-from gpukit.errors import ConfigError
-from gpukit.launch.failures import (
-    BAD_INPUT_EXIT,
-    PREEMPTED_EXIT,
-    Fault,
-    bad_input,
-    headline,
-    rank_lines,
+from gpukit.launch.job import (
+    DEFAULT_HANG_TIMEOUT,
+    GRACE_S,
+    INTERRUPTED_EXIT,
+    RUNNER,
+    run_job,
 )
-from gpukit.launch.hangs import REPORT_FILE
-from gpukit.launch.nodes import settle
-from gpukit.launch.rendezvous import JobState, LocalMeeting, Nodes, StoreMeeting
-from gpukit.launch.restarts import (
-    DEFAULT_CRASH_LOOP,
-    Restart,
-    record_attempt,
-    redone,
-    stop_reason,
-    summary,
-)
-from gpukit.launch.supervisor import (
-    Attempt,
-    Outcome,
-    Settings,
-    Signals,
-    StartWorker,
-    fresh_job_dir,
-)
-from gpukit.launch.workers import kill_leftovers, start_worker
+from gpukit.launch.rendezvous import Nodes
 
-__all__ = ["DEFAULT_HANG_TIMEOUT", "RUNNER", "Nodes", "run_job"]
-
-# Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
-# it records the error with its time and dumps the stacks when a hang is being reported.
-RUNNER = Path(__file__).resolve().parent / "_launched_script.py"
-DEFAULT_HANG_TIMEOUT = 300.0
-GRACE_S = 1.5  # after the first failure, for the others to fail on their own
-INTERRUPTED_EXIT = 130  # a second Ctrl-C stopped the job at once, as a shell reports SIGINT
-
-
-def run_job(
-    command: list[str],
-    nproc: int,
-    *,
-    max_restarts: int = 0,
-    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
-    env: Mapping[str, str] | None = None,
-    out: TextIO | None = None,
-    name: str = "gpukit launch",
-    master_port: int | None = None,
-    crash_loop: int = DEFAULT_CRASH_LOOP,
-    grace: float = GRACE_S,
-    stop_timeout: float | None = None,
-    job_dir: str | Path | None = None,
-    startup_timeout: float | None = None,
-    start: StartWorker = start_worker,
-    on_attempt: Callable[[Attempt, Outcome], None] | None = None,
-    nodes: Nodes | None = None,
-) -> int:
-    """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
-    0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
-    second Ctrl-C, 2 bad input (a rank refused what it was given: its error is printed once, as
-    one process prints it, and the job is not restarted), 1 failed or hung.
-
-    ``env``: variables for the ranks on top of this process's environment (``OMP_NUM_THREADS``
-    is 1 per rank with several ranks unless set, as under torchrun). ``hang_timeout``: seconds
-    without a heartbeat before a rank counts as hung (0: never; None: the default, 300); only
-    ranks that beat, i.e. that run a gpukit Runtime, are watched, each from its first beat and
-    once every rank has beaten. ``startup_timeout``: seconds a rank may take from its start to
-    its first beat, once another rank has beaten (0: never; None: ``GPUKIT_STARTUP_TIMEOUT``,
-    else 900); the job is then stopped and not restarted. ``master_port``: the first
-    attempt's port (later attempts take a fresh one; default: a free one each time).
-    ``crash_loop``: stop restarting after this many identical failures in a row. ``grace``:
-    seconds the other ranks get to fail on their own after the first failure.
-    ``stop_timeout``: seconds the ranks get to save and exit after a stop request (default:
-    ``GPUKIT_STOP_GRACE``, else 25, under the 30 s Slurm and Kubernetes give before SIGKILL).
-    ``job_dir``: the job's folder (kept; default a temporary one, removed at the end unless a
-    hang was caught). Progress and failures are printed to ``out`` (default stderr), each line
-    starting with ``name``. ``start``: how each rank's process is started (default: the
-    command, by ``start_worker``); ``on_attempt(attempt, outcome)`` is told how each attempt
-    ended (``rt.launch`` raises its rank's error from it). ``nodes``: this machine is one node
-    of a job over several (every node calls ``run_job`` with the same command and ``nproc``);
-    its ranks are ``node * nproc + 0..nproc-1`` of ``nnodes * nproc``.
-
-    Call it from the thread that will live as long as the job (the main thread, normally): the
-    ranks are tied to it, and only there can the launcher catch SIGTERM and SIGINT.
-
-    >>> import sys
-    >>> run_job([sys.executable, "-c", "import os; assert os.environ['WORLD_SIZE'] == '2'"], 2)
-    0
-
-    Through the runner, a failure is timed to the nanosecond and a hang shows its stacks:
-    ``run_job([sys.executable, str(RUNNER), "-m", "gpukit", "train", ...], 2)``.
-    """
-    _check(command, nproc, max_restarts, hang_timeout, crash_loop)
-    if startup_timeout is not None and not 0 <= startup_timeout < float("inf"):
-        raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
-    startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
-    folder = Path(job_dir) if job_dir is not None else fresh_job_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    variables = {**_env.environment(), **(env or {})}
-    if nproc > 1:
-        variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
-    settings = Settings(
-        list(command),
-        nproc,
-        variables,
-        folder,
-        max_restarts,
-        DEFAULT_HANG_TIMEOUT if hang_timeout is None else hang_timeout or None,
-        grace,
-        _env.stop_grace() if stop_timeout is None else stop_timeout,
-        name,
-        out if out is not None else sys.stderr,
-        startup or None,
-        start,
-        on_attempt,
-    )
-    signals = Signals()
-    meeting = LocalMeeting(master_port) if nodes is None else StoreMeeting(nodes, nproc)
-    try:
-        return _attempts(settings, signals, meeting, crash_loop)
-    finally:
-        signals.restore()
-        meeting.close()
-        kill_leftovers()
-        # After a hang the stack dumps and the report stay (the report said where).
-        if job_dir is None and not (folder / REPORT_FILE).exists():
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _attempts(
-    s: Settings, signals: Signals, meeting: LocalMeeting | StoreMeeting, repeats: int
-) -> int:
-    job = JobState()  # on several nodes, node 0's copy, adopted at every meeting
-    restarts: list[Restart] = []
-    world: int | None = None
-    while True:
-        if signals.received:  # asked to stop while deciding to restart: do not
-            _say(s, [f"{s.name}: stopped on request before restart {job.attempt}"])
-            _say(s, _ended(s, job.faults, restarts, "stopped"))
-            return PREEMPTED_EXIT
-        place = meeting.next(job)
-        if world is not None and place.nnodes * s.nproc != world:
-            _say(s, [_world_changed(s.name, world, place.nnodes * s.nproc)])
-        world = place.nnodes * s.nproc
-        number = job.attempt
-        attempt = Attempt(s, number, place.port, signals, max(job.checkpoint, 0))
-        attempt.peers, attempt.master_addr = place.peers, place.master_addr
-        if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
-            attempt.waiting = meeting.waiting
-        outcome = attempt.run()
-        outcome = settle(
-            outcome, place.peers, s.folder, bool(signals.received), s.stop_timeout, number
-        )
-        job.attempt += 1
-        record_attempt(
-            s.folder,
-            number,
-            outcome.progress,
-            outcome.ends,
-            outcome.detected_at,
-            outcome.stopped_at,
-        )
-        if restarts:
-            restarts[-1].startup_s = outcome.progress.startup_s()
-            restarts[-1].resume_s = outcome.progress.resume_s()
-        job.checkpoint = max(job.checkpoint, outcome.progress.checkpoint)
-        faults = job.faults
-        if outcome.status == "ok":
-            _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
-            return 0
-        if outcome.status == "rescale":
-            _say(
-                s,
-                [
-                    f"{s.name}: nodes are waiting to join: the ranks saved, the job goes on "
-                    "with them"
-                ],
-            )
-            continue
-        if outcome.status == "preempted" and signals.forced:
-            saved = outcome.progress.checkpoint
-            newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
-            line = f"{s.name}: stopped at once by a second Ctrl-C, without saving ({newest})"
-            _say(s, [line, *_ended(s, faults, restarts, "stopped")])
-            return INTERRUPTED_EXIT
-        if outcome.status == "preempted":
-            _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
-            return PREEMPTED_EXIT
-        if outcome.status == "failed" and outcome.lost:
-            _say(s, [f"{s.name}: {outcome.lost}"])
-        elif outcome.status == "failed":
-            mistake = bad_input(outcome.ends, s.name)
-            if mistake:  # as the command says it in one process; a restart would repeat it
-                _say(s, mistake + _ended(s, faults, restarts, "failed"))
-                return BAD_INPUT_EXIT
-            _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
-        assert outcome.fault is not None
-        faults.append(outcome.fault)
-        why = stop_reason(faults, outcome.progress.advanced, job.used, s.max_restarts, repeats)
-        if why is not None:
-            lines = [f"{s.name}: not restarted: {why}"] if why else []
-            _say(s, lines + _ended(s, faults, restarts, "failed"))
-            return 1
-        job.used += 1
-        lost = redone(outcome.progress.step, job.checkpoint)
-        restarts.append(Restart(job.used, outcome.fault, lost, outcome.stop_s))
-        _say(s, [f"{s.name}: {restarts[-1].line(s.max_restarts)}"])
-
-
-def _world_changed(name: str, before: int, now: int) -> str:
-    return (
-        f"{name}: the world changed from {before} to {now} ranks: data sharding follows the "
-        "new world size (a checkpoint resumes, but random streams and data shards do not "
-        "continue exactly as they would have)"
-    )
-
-
-def _ended(s: Settings, faults: list[Fault], restarts: list[Restart], how: str) -> list[str]:
-    return summary(s.name, faults, restarts, how) if restarts else []
-
-
-def _preempted(name: str, outcome: Outcome) -> str:
-    head = f"{name}: stopped on request (exit {PREEMPTED_EXIT})"
-    if outcome.preempted_message:
-        return f"{head}: {outcome.preempted_message}"
-    if any(end.stopped for end in outcome.ends):
-        saved = outcome.progress.checkpoint
-        newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
-        return (
-            f"{head}; the ranks did not save and exit within the grace period, so they were "
-            f"killed ({newest}): give them longer with GPUKIT_STOP_GRACE=SECONDS, within what "
-            "the scheduler allows before its SIGKILL"
-        )
-    if all(end.code == 0 for end in outcome.ends):
-        return f"{head}; the ranks had finished their work"
-    return (
-        f"{head}; every rank has exited, none with a save of its own (a gpukit Runtime with "
-        "a checkpoint folder saves on the way out)"
-    )
-
-
-def _say(s: Settings, lines: list[str]) -> None:
-    for line in lines:
-        print(line, file=s.out, flush=True)
-
-
-def _check(
-    command: list[str], nproc: int, max_restarts: int, hang_timeout: float | None, repeats: int
-) -> None:
-    if not command:
-        raise ConfigError("run_job: command is empty: give the program and its arguments")
-    if nproc < 1:
-        raise ConfigError(f"nproc={nproc}: give at least 1 process")
-    if max_restarts < 0:
-        raise ConfigError(f"max_restarts={max_restarts}: give 0 or more")
-    if hang_timeout is not None and not hang_timeout >= 0:
-        raise ConfigError(f"hang_timeout={hang_timeout}: give seconds >= 0 (0: never)")
-    if repeats < 1:
-        raise ConfigError(f"crash_loop={repeats}: give 1 or more identical failures")
+__all__ = ["DEFAULT_HANG_TIMEOUT", "GRACE_S", "INTERRUPTED_EXIT", "RUNNER", "Nodes", "run_job"]

@@ -12,9 +12,9 @@ the job's folder, holds what multiprocessing's "spawn" gives its processes (this
 ``__mp_main__``, so that a script's ``if __name__ == "__main__":`` block does not run again),
 then ``run_rank`` with ``fn`` and its arguments, pickled (``fn`` by reference). A function a
 fresh interpreter could not import (``python -c``, a notebook, a lambda: see
-``spawn.start_method``) runs in processes forked from this one instead, the same workers under
-the same supervisor (each rank then computes on one CPU thread: OpenMP's threads do not survive
-a fork).
+``start_methods.start_method``) runs in processes forked from this one instead, the same
+workers under the same supervisor (each rank then computes on one CPU thread: OpenMP's threads
+do not survive a fork).
 
 What ``rt.launch`` returns or raises, as it always has: rank 0's return value (pickled by value
 into the job's folder); the first failure's gpukit error again (``rank 1: ...``), or a
@@ -46,10 +46,11 @@ from gpukit import _env, errors
 from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, INTERRUPTED_EXIT, RUNNER, _launched_script, run_job
 from gpukit.launch.failures import PREEMPTED_EXIT, RankEnd, failures, headline, rank_lines
-from gpukit.launch.hangs import REPORT_FILE
-from gpukit.launch.spawn import start_method
+from gpukit.launch.hang_reports import REPORT_FILE
+from gpukit.launch.start_methods import start_method
+from gpukit.launch.starters import CommandStarter, RankStarter
 from gpukit.launch.supervisor import Attempt, Outcome, fresh_job_dir
-from gpukit.launch.workers import Worker, die_with, start_worker, watch_worker
+from gpukit.launch.workers import Worker, die_with, watch_worker
 
 NAME = "rt.launch"
 CALL_FILE = "call.pkl"
@@ -101,21 +102,19 @@ def launch_function(
                 pickle.dump(_preparation(), file)
                 # Plain pickle: tensors among the arguments travel by value.
                 pickle.dump(_Call(*call), file)
-            command = [sys.executable, str(RUNNER), "--call", str(path)]
-            start = start_worker
+            ranks: RankStarter = CommandStarter([sys.executable, str(RUNNER), "--call", str(path)])
         else:
-            command, start = [NAME, "(forked)"], _Forker(_Call(*call)).start
+            ranks = ForkStarter(_Call(*call))
         # Each rank computes on as many threads as one process started by "spawn" would.
         threads = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
         code = run_job(
-            command,
+            ranks,
             world_size,
             max_restarts=max_restarts,
             hang_timeout=hang_timeout,
             env={"OMP_NUM_THREADS": threads},
             name=NAME,
             job_dir=folder,
-            start=start,
             on_attempt=lambda attempt, outcome: ended.append((attempt, outcome)),
         )
         return _result(code, ended, folder)
@@ -179,16 +178,18 @@ class _Forked:
         return self.returncode
 
 
-class _Forker:
-    """Starts each rank as a fork of this process that calls ``call`` (``run_job``'s
-    ``start``)."""
+class ForkStarter(RankStarter):
+    """Starts each rank as a fork of this process that calls ``call``: the one way to run a
+    function that only this process holds."""
 
     def __init__(self, call: _Call) -> None:
         self.call = call
 
-    def start(
-        self, rank: int, command: list[str], env: Mapping[str, str], events: queue.SimpleQueue[int]
-    ) -> Worker:
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def start(self, rank: int, env: Mapping[str, str], events: queue.SimpleQueue[int]) -> Worker:
         started, parent = time.time(), os.getpid()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # or the child would print what is buffered here again

@@ -9,9 +9,9 @@ Two bounds, each on a clock of its own:
 - **hang**: a rank's hang clock starts at its first beat, and only once every rank of the job
   has beaten: a rank that beat and then waits in the rendezvous or a collective for a peer still
   importing is waiting, not hung. From then on, a rank without a beat for ``hang_timeout``
-  seconds is hung, and the rank furthest behind is blamed (``hangs.blame``).
+  seconds is hung, and the rank furthest behind is blamed (``hang_reports.blame``).
 
-Across nodes (``peers``): the node that sees a local rank over a bound claims ``hang`` (the
+Across nodes (``node_channel``): the node that sees a local rank over a bound claims ``hang`` (the
 first claim leads) and posts what it saw; every node reads ``hang`` at each wake-up. On seeing
 it, each node asks its ranks for their stacks (SIGUSR1), posts ``hang/<node>`` with each rank's
 age since its last beat (ages, not times: clocks differ between machines), step, phase and
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpukit.launch.hangs import (
+from gpukit.launch.hang_reports import (
     Frame,
     Watch,
     furthest_behind,
@@ -38,7 +38,7 @@ from gpukit.launch.hangs import (
     startup_report,
     user_frame,
 )
-from gpukit.launch.peers import Peers
+from gpukit.launch.node_channel import Peers
 from gpukit.lifecycle.heartbeat import Beat
 
 GATHER_S = 20.0  # how long a node waits for every node's stacks (each takes up to ~2.5 s)

@@ -30,8 +30,8 @@ from typing import Any
 from gpukit import _env
 from gpukit.errors import LaunchError
 from gpukit.launch.failures import Fault, first_line
-from gpukit.launch.peers import LocalPeers, Peers, StorePeers
-from gpukit.launch.spawn import free_port
+from gpukit.launch.node_channel import LocalPeers, Peers, StorePeers
+from gpukit.launch.ports import free_port
 
 LOCAL = "127.0.0.1"
 ANSWER_S = 60.0  # the most a node waits for the others' posts of a round it has joined

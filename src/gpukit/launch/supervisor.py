@@ -14,8 +14,9 @@ that one process), has the request relayed to the others, once; the ranks of a g
 also tell each other through their process group's store.
 
 On several nodes the attempt's ranks are this node's share of the job (global ranks
-``node * nproc + local rank``), and the watch also hears the other nodes (``nodes.NodeLink``):
-a failure or a stop request on any node stops every node's ranks alike.
+``node * nproc + local rank``), and the watch also hears the other nodes
+(``node_messages.NodeLink``): a failure or a stop request on any node stops every node's ranks
+alike.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,24 +41,25 @@ from gpukit.launch.failures import (
     first_line,
     read_error,
 )
+from gpukit.launch.hang_reports import REPORT_FILE, Frame, stack_file, wait_for_dumps
 from gpukit.launch.hang_watch import HangWatch, Local
-from gpukit.launch.hangs import REPORT_FILE, Frame, stack_file, wait_for_dumps
-from gpukit.launch.nodes import NodeLink
-from gpukit.launch.peers import LocalPeers, Peers
+from gpukit.launch.node_channel import LocalPeers, Peers
+from gpukit.launch.node_messages import NodeLink
 from gpukit.launch.restarts import Progress
-from gpukit.launch.workers import Worker, start_worker
+from gpukit.launch.starters import RankStarter
+from gpukit.launch.workers import Worker
 from gpukit.lifecycle import heartbeat
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
-StartWorker = Callable[[int, list[str], Mapping[str, str], "queue.SimpleQueue[int]"], Worker]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What every attempt of a job shares."""
+    """What every attempt of a job shares; built by name, since many of its fields are numbers
+    that a position would mix up."""
 
-    command: list[str]
+    ranks: RankStarter  # how each rank's process starts: a command, or forks for a function
     nproc: int
     env: dict[str, str]
     folder: Path
@@ -68,9 +70,6 @@ class Settings:
     name: str
     out: TextIO
     startup_timeout: float | None = None  # seconds from a rank's start to its first beat
-    # How a rank's process is started (rank, command, env, events): ``start_worker`` runs the
-    # command; ``rt.launch`` forks for a function a fresh interpreter cannot import.
-    start: StartWorker = start_worker
     on_attempt: Callable[[Attempt, Outcome], None] | None = None  # told how each one ended
 
 
@@ -154,7 +153,7 @@ class Attempt:
         progress = Progress(time.time(), s.nproc, self.resumes_from)
         base = self.peers.node * s.nproc  # Worker.rank is the rank in the whole job
         self.workers = [
-            s.start(base + local, s.command, self._env(base + local, local), events)
+            s.ranks.start(base + local, self._env(base + local, local), events)
             for local in range(s.nproc)
         ]
         watch = _Watch(self, progress)

@@ -1,4 +1,4 @@
-"""What the launchers of one job's nodes tell each other during an attempt.
+"""The channel the launchers of one job's nodes talk through during an attempt.
 
 On one machine there is nobody to tell (``LocalPeers``). On several, every node's launcher
 reads and writes the key-value store of the attempt's rendezvous (torch's c10d store, under a

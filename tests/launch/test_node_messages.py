@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from gpukit.launch import nodes
+from gpukit.launch import node_messages
 from gpukit.launch.failures import ErrorRecord, RankEnd, headline
-from gpukit.launch.nodes import settle
-from gpukit.launch.peers import tcp_peers
+from gpukit.launch.node_channel import tcp_peers
+from gpukit.launch.node_messages import settle
+from gpukit.launch.ports import free_port
 from gpukit.launch.restarts import Progress
-from gpukit.launch.spawn import free_port
 from gpukit.launch.supervisor import Outcome
 
 
@@ -60,7 +60,7 @@ def test_every_node_names_the_same_first_failure_and_shares_the_faults_fired(
 def test_a_node_that_sends_no_report_fails_the_attempt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(nodes, "END_WAIT_S", 0.2)
+    monkeypatch.setattr(node_messages, "END_WAIT_S", 0.2)
     port = free_port()
     alone = tcp_peers("127.0.0.1", port, 0, 2)
     outcome = settle(_outcome(RankEnd(0, 0, 1_000), "ok"), alone, tmp_path, False, 0.0, 3)

@@ -1,4 +1,4 @@
-"""Hangs: which rank the others wait for, and the line where each rank is.
+"""Hang reports: which rank the others wait for, and the line where each rank is.
 
 Every rank beats at the phase boundaries of a step (``gpukit.lifecycle.heartbeat``). When a
 rank's last beat is older than the hang timeout, the rank to blame is the one furthest behind

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from gpukit.launch.peers import LocalPeers, tcp_peers
-from gpukit.launch.spawn import free_port
+from gpukit.launch.node_channel import LocalPeers, tcp_peers
+from gpukit.launch.ports import free_port
 
 
 def test_one_machine_claims_once_and_reads_its_own_posts() -> None:

@@ -1,4 +1,4 @@
-"""Ports for launchers, and how ``rt.launch`` starts its processes.
+"""How ``rt.launch`` starts its processes: spawned, or forked where spawning cannot work.
 
 ``rt.launch`` runs its ranks under ``gpukit launch``'s supervisor (``gpukit.launch.functions``).
 Each rank is a fresh interpreter that imports ``fn`` by name ("spawn", as multiprocessing names
@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,27 +21,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from gpukit.errors import ConfigError, LaunchError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def check_port(host: str, port: int) -> None:
-    """Raise ConfigError when ``port`` on ``host`` is taken (a rendezvous would hang or fail)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            raise ConfigError(
-                f"port {port} on {host} is already in use ({err.strerror}): pick another "
-                "with --master-port, or leave it out to get a free one"
-            ) from None
+from gpukit.errors import LaunchError
 
 
 def start_method(fn: Callable[..., Any], payload: Any) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.launch.failures import ErrorRecord, Fault, RankEnd, failures
-from gpukit.launch.peers import Peers
+from gpukit.launch.node_channel import Peers
 from gpukit.launch.restarts import Progress
 from gpukit.lifecycle.faults import fired, mark_fired
 from gpukit.lifecycle.heartbeat import Beat
