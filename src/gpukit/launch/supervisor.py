@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpukit.launch import heartbeat
 from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
@@ -45,9 +46,8 @@ from gpukit.launch.hangs import REPORT_FILE, Frame, stack_file, wait_for_dumps
 from gpukit.launch.nodes import NodeLink
 from gpukit.launch.peers import LocalPeers, Peers
 from gpukit.launch.restarts import Progress
+from gpukit.launch.signals import SECOND_SIGNAL_AFTER_S
 from gpukit.launch.workers import Worker, start_worker
-from gpukit.lifecycle import heartbeat
-from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
 StartWorker = Callable[[int, list[str], Mapping[str, str], "queue.SimpleQueue[int]"], Worker]
