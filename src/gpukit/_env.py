@@ -10,7 +10,7 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_COLLECTIVE_CHECK_TIMEOUT``: seconds ``rt.save`` waits for every rank to arrive
   before it fails naming the missing ones (default 30).
 - ``GPUKIT_FAULT``: faults injected on purpose, ``KIND:RANK:STEP[,...]`` (see
-  ``gpukit.lifecycle.faults``), to rehearse crashes, hangs, preemption and NaNs.
+  ``gpukit.launch.faults``), to rehearse crashes, hangs, preemption and NaNs.
 - ``GPUKIT_JOB_DIR`` and ``GPUKIT_ATTEMPT``: set by gpukit's launcher in each process it
   starts: the job's folder (heartbeats, stack dumps, which injected faults have fired) and
   which attempt of the job this is (0, then 1, 2, ... after restarts).
@@ -72,7 +72,7 @@ def fault_oom_above() -> int | None:
 
 
 def fault_spec() -> str | None:
-    """``GPUKIT_FAULT``, or None when unset or blank (parsed by ``gpukit.lifecycle.faults``)."""
+    """``GPUKIT_FAULT``, or None when unset or blank (parsed by ``gpukit.launch.faults``)."""
     value = os.environ.get("GPUKIT_FAULT", "").strip()
     return value or None
 

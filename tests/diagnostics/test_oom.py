@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import OomNumbers, is_oom, parse
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.lifecycle.faults import injected_oom
+from gpukit.launch.faults import injected_oom
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)

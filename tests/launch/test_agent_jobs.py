@@ -28,7 +28,7 @@ GPUKIT = Path(gpukit.__file__).resolve().parent
 TRAIN = """
 import os, signal, sys
 import torch, torch.distributed as dist
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 
 out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
 beats = Heartbeat.from_env()
@@ -67,7 +67,7 @@ for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
     package = types.ModuleType(name)
     package.__path__ = [os.path.join(GPUKIT, sub)]
     sys.modules[name] = package
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 
 out, plan = sys.argv[1], dict(p.split("=") for p in sys.argv[2].split(",") if p)
 attempt, rank = int(os.environ["GPUKIT_ATTEMPT"]), int(os.environ["RANK"])
@@ -94,7 +94,7 @@ if mode and "stay" in plan:
 HANG = """
 import time
 import torch, torch.distributed as dist
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 
 
 def stall():
@@ -125,7 +125,7 @@ for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
     package = types.ModuleType(name)
     package.__path__ = [os.path.join(GPUKIT, sub)]
     sys.modules[name] = package
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 
 out, late = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -432,7 +432,7 @@ for name, sub in (("gpukit", ""), ("gpukit.runtime", "runtime")):
     package = types.ModuleType(name)
     package.__path__ = [os.path.join(GPUKIT, sub)]
     sys.modules[name] = package
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 out = sys.argv[1]
 beats = Heartbeat.from_env()
 beats.beat("start", 0)

@@ -21,8 +21,8 @@ from gpukit.launch.failures import (
     read_error,
 )
 from gpukit.launch.hang_reports import Frame, Watch, blame, hang_report, main_stack, user_frame
+from gpukit.launch.heartbeat import Beat
 from gpukit.launch.restarts import Progress, Restart, crash_loop, redone, stop_reason
-from gpukit.lifecycle.heartbeat import Beat
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8093"
 

@@ -17,9 +17,9 @@ from gpukit.errors import ConfigError
 from gpukit.launch import run_job
 from gpukit.launch.hang_reports import Frame
 from gpukit.launch.hang_watch import Found, HangWatch, Local, judge
+from gpukit.launch.heartbeat import Beat
 from gpukit.launch.node_channel import LocalPeers, StorePeers, tcp_peers
 from gpukit.launch.ports import free_port
-from gpukit.lifecycle.heartbeat import Beat
 
 C10D = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
 STALL = [Frame("train.py", 9, "stall"), Frame("train.py", 30, "main")]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gpukit.launch import RUNNER, run_job
+from gpukit.launch.heartbeat import Heartbeat
 from gpukit.launch.restarts import ATTEMPTS_FILE, Progress
 from gpukit.launch.starters import CommandStarter
 from gpukit.launch.supervisor import Attempt, Settings, Signals, _Watch
-from gpukit.lifecycle.heartbeat import Heartbeat
 
 GRACE = 1.5
 

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import gpukit as gk
 from gpukit.checkpoint import has_checkpoints
 from gpukit.errors import ConfigError, NonFiniteError, Preempted
-from gpukit.lifecycle import heartbeat
+from gpukit.launch import heartbeat
+from gpukit.launch.faults import FaultPlan, parse_faults
 from gpukit.lifecycle.checks import parse_save_every
-from gpukit.lifecycle.faults import FaultPlan, parse_faults
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 from gpukit.runtime.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
 

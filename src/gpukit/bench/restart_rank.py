@@ -46,7 +46,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import gpukit  # noqa: F401
-    from gpukit.lifecycle.heartbeat import Heartbeat
+    from gpukit.launch.heartbeat import Heartbeat
 
     importlib.import_module("gpukit.cli.__main__")  # the command line, as `-m gpukit` has it
     marks["gpukit"] = time.time()

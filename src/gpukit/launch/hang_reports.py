@@ -1,6 +1,6 @@
 """Hang reports: which rank the others wait for, and the line where each rank is.
 
-Every rank beats at the phase boundaries of a step (``gpukit.lifecycle.heartbeat``). When a
+Every rank beats at the phase boundaries of a step (``gpukit.launch.heartbeat``). When a
 rank's last beat is older than the hang timeout, the rank to blame is the one furthest behind
 (smallest step, then earliest phase, then oldest beat): the others are waiting for it in a
 collective. When to look, and the start-up bound of ranks that never beat, is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from gpukit.lifecycle.heartbeat import PHASES
+from gpukit.launch.heartbeat import PHASES
 
 REPORT_FILE = "hang-report.txt"
 

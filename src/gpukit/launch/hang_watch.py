@@ -38,8 +38,8 @@ from gpukit.launch.hang_reports import (
     startup_report,
     user_frame,
 )
+from gpukit.launch.heartbeat import Beat
 from gpukit.launch.node_channel import Peers
-from gpukit.lifecycle.heartbeat import Beat
 
 GATHER_S = 20.0  # how long a node waits for every node's stacks (each takes up to ~2.5 s)
 START_POLL_S = 1.0  # between two reads of the other nodes' start-up, on several nodes

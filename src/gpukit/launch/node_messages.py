@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.launch.failures import ErrorRecord, Fault, RankEnd, failures
+from gpukit.launch.faults import fired, mark_fired
+from gpukit.launch.heartbeat import Beat
 from gpukit.launch.node_channel import Peers
 from gpukit.launch.restarts import Progress
-from gpukit.lifecycle.faults import fired, mark_fired
-from gpukit.lifecycle.heartbeat import Beat
 
 END_WAIT_S = 60.0  # beyond the stop grace, for the slowest node to report
 RESCALE_EVERY_S = 1.0  # how often node 0 asks whether nodes wait to join

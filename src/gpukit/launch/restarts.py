@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpukit.launch.failures import Fault, RankEnd
-from gpukit.lifecycle.heartbeat import Beat
+from gpukit.launch.heartbeat import Beat
 
 # Phases a rank beats in before its training loop; only "load" carries the step the attempt
 # resumes from ("start" and "setup" come before the checkpoint is read).

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpukit.launch import heartbeat
 from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
@@ -46,10 +47,9 @@ from gpukit.launch.hang_watch import HangWatch, Local
 from gpukit.launch.node_channel import LocalPeers, Peers
 from gpukit.launch.node_messages import NodeLink
 from gpukit.launch.restarts import Progress
+from gpukit.launch.signals import SECOND_SIGNAL_AFTER_S
 from gpukit.launch.starters import RankStarter
 from gpukit.launch.workers import Worker
-from gpukit.lifecycle import heartbeat
-from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 
 POLL_S = 0.15  # how often heartbeats are read
 

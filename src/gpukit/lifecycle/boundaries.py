@@ -28,9 +28,9 @@ from gpukit import _env
 from gpukit.checkpoint import files
 from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import Preempted
+from gpukit.launch.faults import FaultPlan
+from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
-from gpukit.lifecycle.faults import FaultPlan
-from gpukit.lifecycle.heartbeat import Heartbeat
 from gpukit.lifecycle.preemption import Preemption
 from gpukit.runtime.step_hooks import StepBoundaries
 

@@ -55,12 +55,13 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
+from gpukit.launch.signals import SECOND_SIGNAL_AFTER_S
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A rank on this machine was asked to stop: the same request, passed on (never a second one).
 _PEER_SIGNAL = signal.SIGUSR2
-SECOND_SIGNAL_AFTER_S = 2.0  # a SIGINT this long after the first is the user's second Ctrl-C
+
 WATCH_S = 0.5  # how often each rank's watcher asks the store whether a rank was signalled
 _LEAVE_SECONDS = 10  # at most this long waiting for the other ranks to leave together
 

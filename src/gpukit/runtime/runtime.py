@@ -40,9 +40,9 @@ from gpukit import _env
 from gpukit._util.fake import in_real_process_group
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch import DEFAULT_HANG_TIMEOUT
+from gpukit.launch.faults import OomFault
 from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
-from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.adopt import adopt
 from gpukit.runtime.auto import AutoChoice

@@ -39,7 +39,7 @@ from gpukit.diagnostics.oom_message import is_oom
 from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.lifecycle.faults import OomFault
+from gpukit.launch.faults import OomFault
 from gpukit.runtime.adopt import StaleOptimizers
 from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.nonfinite import NonFiniteGuard
