@@ -18,7 +18,7 @@ import gpukit as gk
 import gpukit.planning.auto as auto
 from gpukit.planning.closed_form import closed_form
 from gpukit.planning.facts import model_facts
-from gpukit.runtime.auto import Question
+from gpukit.runtime.strategy_at_setup import Question
 
 WIDTH, BLOCKS, BATCH, STEPS = 32, 4, 4, 4
 
@@ -182,7 +182,7 @@ def test_reading_the_example_leaves_every_random_generator_as_it_was() -> None:
 
     import numpy as np
 
-    from gpukit.runtime.auto import _data
+    from gpukit.runtime.strategy_at_setup import _data
 
     read, micro = _data((DataLoader(_Drawing(), batch_size=4),), accumulate=2)
     torch.manual_seed(1), random.seed(1), np.random.seed(1)

@@ -18,10 +18,10 @@ from gpukit import checkpoint
 from gpukit.checkpoint import pretrained
 from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
-from gpukit.runtime.precision import Precision
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.precision import Precision
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 

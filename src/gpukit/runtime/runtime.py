@@ -44,25 +44,25 @@ from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.faults import OomFault
 from gpukit.runtime import collectives, owned
-from gpukit.runtime.adopt import adopt
-from gpukit.runtime.auto import AutoChoice
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
-from gpukit.runtime.config import check_device_count, resolve_devices
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.evaluation import Evaluation
-from gpukit.runtime.metrics import Metrics
-from gpukit.runtime.nonfinite import NonFiniteGuard
+from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.optimizer_adoption import adopt
+from gpukit.runtime.outputs.evaluation import Evaluation
+from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.outputs.profiling import Profiling
+from gpukit.runtime.outputs.progress import Progressing
+from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.owned import Registry
-from gpukit.runtime.precision import make_precision
-from gpukit.runtime.profiling import Profiling
-from gpukit.runtime.progressing import Progressing
-from gpukit.runtime.reporting import Reporting
+from gpukit.runtime.properties import RuntimeViews
 from gpukit.runtime.settings import Settings, arguments_doc
+from gpukit.runtime.settings_checks import check_device_count, resolve_devices
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step import Stepper
-from gpukit.runtime.targets import with_target_check
-from gpukit.runtime.views import RuntimeViews
+from gpukit.runtime.step.loss_targets import with_target_check
+from gpukit.runtime.step.nonfinite import NonFiniteGuard
+from gpukit.runtime.step.precision import make_precision
+from gpukit.runtime.step.stepper import Stepper
+from gpukit.runtime.strategy_at_setup import AutoChoice
 from gpukit.strategies import ReduceOp, choose
 from gpukit.strategies.meta_init import MetaInit
 
@@ -189,7 +189,7 @@ class Runtime(
 
     def setup_loader(self, loader: DataLoader[Any]) -> DeviceLoader:
         """Shard, re-seed every epoch, and move batches to the device (see
-        ``gpukit.runtime.data``)."""
+        ``gpukit.runtime.data.loader``)."""
         self._ensure_ready()
         shards, shard = self.strategy.sampler_placement()
         wrapped = DeviceLoader(

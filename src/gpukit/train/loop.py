@@ -38,7 +38,7 @@ from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, RunComplete
-from gpukit.runtime.progress import DEFAULT_EVERY, Bar, ProgressLines, Quiet
+from gpukit.runtime.outputs.progress_displays import DEFAULT_EVERY, Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
 from gpukit.train.outdir import complete_message
@@ -60,7 +60,8 @@ from gpukit.workloads.base import load_workload
 # from gk.Runtime's, in gpukit.runtime.settings.
 RUNTIME_DEFAULTS: dict[str, Any] = train_defaults()
 DEFAULT_OOM: str = RUNTIME_DEFAULTS["oom"]
-# Seconds between progress lines when stdout is not a terminal (gpukit.runtime.progress).
+# Seconds between progress lines when stdout is not a terminal
+# (gpukit.runtime.outputs.progress_displays).
 DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from gpukit.devices import Device
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from gpukit.errors import ConfigError, LoggerError
 from gpukit.loggers.base import Logger, logger_name
 from gpukit.loggers.registry import make_loggers
-from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy

@@ -10,7 +10,7 @@
 - ``"auto"``: bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32 on the CPU
   (``gpukit train``'s default).
 
->>> from gpukit.runtime.precision import make_precision
+>>> from gpukit.runtime.step.precision import make_precision
 >>> import torch
 >>> make_precision("auto", torch.device("cpu")).name
 '32'

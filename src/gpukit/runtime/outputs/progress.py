@@ -21,8 +21,8 @@ from rich.console import Console
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
-from gpukit.runtime.metrics import Metrics
-from gpukit.runtime.progress import (
+from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.outputs.progress_displays import (
     DEFAULT_EVERY,
     Bar,
     History,

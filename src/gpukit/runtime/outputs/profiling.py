@@ -11,7 +11,7 @@ import os
 
 from gpukit.diagnostics.profiles import StepProfile
 from gpukit.runtime.state import TrainState
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpukit.runtime.compiling import Compiler
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 from gpukit.strategies.auto import fsdp_in_place_of, replaceable
 

@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from gpukit._util.tree import tensors
-from gpukit.runtime.sampling import Strided, shards_by_rank
+from gpukit.runtime.data.sampling import Strided, shards_by_rank
 
 
 @dataclass(frozen=True)
