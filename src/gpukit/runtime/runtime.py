@@ -24,14 +24,12 @@ import builtins
 import contextlib
 import functools
 import gc
-import inspect
-import random
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -42,12 +40,14 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch import DEFAULT_HANG_TIMEOUT
 from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
+from gpukit.lifecycle.checks import ResumePolicy
 from gpukit.lifecycle.faults import OomFault
+from gpukit.loggers.registry import LoggersSpec
 from gpukit.runtime import collectives, owned
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
-from gpukit.runtime.optimizer_adoption import adopt
+from gpukit.runtime.optimizer_adoption import adopt, parameters
 from gpukit.runtime.outputs.evaluation import Evaluation
 from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.outputs.profiling import Profiling
@@ -55,15 +55,22 @@ from gpukit.runtime.outputs.progress import Progressing
 from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.properties import RuntimeViews
-from gpukit.runtime.settings import Settings, arguments_doc
-from gpukit.runtime.settings_checks import check_device_count, resolve_devices
+from gpukit.runtime.schedulers import SchedulerSteps
+from gpukit.runtime.settings import ExportPolicy, Settings, arguments_doc
+from gpukit.runtime.settings_checks import (
+    DevicesSpec,
+    OomPolicy,
+    check_device_count,
+    resolve_devices,
+)
 from gpukit.runtime.state import TrainState, user_model
 from gpukit.runtime.step.loss_targets import with_target_check
-from gpukit.runtime.step.nonfinite import NonFiniteGuard
+from gpukit.runtime.step.nonfinite import NonFiniteGuard, NonFinitePolicy
 from gpukit.runtime.step.precision import make_precision
+from gpukit.runtime.step.snapshot import seed_everything
 from gpukit.runtime.step.stepper import Stepper
 from gpukit.runtime.strategy_at_setup import AutoChoice
-from gpukit.strategies import ReduceOp, choose
+from gpukit.strategies import ReduceOp, Strategy, choose
 from gpukit.strategies.meta_init import MetaInit
 
 
@@ -76,10 +83,30 @@ class Runtime(
     table: ``docs/settings.md``), each described below.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The same keywords, defaults and checks as Settings (see the signature set below).
-        self.config = settings = Settings(*args, **kwargs)
-        log_every = settings.log_every
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        precision: str = "32",
+        devices: DevicesSpec = "auto",
+        accumulate: int = 1,
+        clip: float | None = None,
+        seed: int | None = None,
+        log_every: int = 50,
+        oom: OomPolicy = "raise",
+        checkpoints: str | Path | None = None,
+        save_every: int | str | None = None,
+        keep: int = 3,
+        export: ExportPolicy = "every",
+        resume: ResumePolicy = None,
+        nonfinite: NonFinitePolicy | None = None,
+        scheduler_steps: SchedulerSteps = "per-sample",
+        loggers: LoggersSpec = None,
+        compile: bool | str = False,
+        init: Callable[[Any], Any] | None = None,
+    ) -> None:
+        # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
+        arguments = {name: value for name, value in locals().items() if name != "self"}
+        self.config = settings = Settings(**arguments)
         launched = _env.launched() is not None
         devices = resolve_devices(settings.devices, launched)
         self.strategy = choose(settings.strategy, devices, launched)
@@ -91,15 +118,16 @@ class Runtime(
         self.state = TrainState()
         guard = None
         if settings.nonfinite is not None:
-            guard = NonFiniteGuard(settings.nonfinite, log_every, self.precision.name)
+            guard = NonFiniteGuard(settings.nonfinite, settings.log_every, self.precision.name)
         self.lifecycle = Lifecycle(
             settings,
             self.rank,
             self.world_size,
-            log_every,
+            settings.log_every,
             save=self.save,
-            agree=self.strategy.any_rank,
-            store=_default_store,
+            # Asked through the strategy held now: strategy="auto" may replace it at rt.setup.
+            agree=lambda votes: self.strategy.any_rank(votes),
+            store=collectives.default_store,
             resume=self.resume,
             deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
@@ -112,7 +140,7 @@ class Runtime(
             boundaries=self.lifecycle,
             guard=guard,
         )
-        self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
+        self.metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
         self._init_loggers()
         self._ready = False
         if settings.seed is not None:
@@ -166,11 +194,7 @@ class Runtime(
         optimizers = owned.optimizers_in(objects)
         if module is None:
             self._auto_decide(user, objects)  # strategy="auto": fsdp where ddp cannot fit
-            before = (
-                dict(user.named_parameters(remove_duplicate=False))
-                if isinstance(user, nn.Module)
-                else {}  # refused by the strategy, with the reason
-            )
+            before = parameters(user)
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
             # compile=...: the strategy's result compiled in place (gpukit.runtime.compiling).
@@ -178,8 +202,7 @@ class Runtime(
             module = self.compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
-            after = dict(self.unwrap(module).named_parameters(remove_duplicate=False))
-            self.stepper.stale.note(adopt(before, after, optimizers))
+            self.stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
         self.state.optimizers += [
             o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
@@ -349,15 +372,8 @@ class Runtime(
         """
         self._ensure_ready()
         first = (self.local_rank if local else self.rank) == 0
-        if not first:
-            self.strategy.barrier()  # wait until the first has done it
-        try:
+        with collectives.first_then_others(self.strategy, first):
             yield
-        finally:
-            if first:
-                # Even when the block failed: the others go on (and meet the same problem)
-                # rather than wait in the barrier for the whole timeout.
-                self.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -366,11 +382,7 @@ class Runtime(
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        guard = self.stepper.guard
-        if guard is None:
-            return 0
-        guard.read(self.rank)
-        return guard.skipped
+        return self.stepper.skipped_steps()
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
@@ -380,7 +392,8 @@ class Runtime(
         self.lifecycle.close()
         self.state.clear()
         self.stepper.close()
-        if in_real_process_group() or torch.cuda.is_initialized():
+        # The ignore: torch declares cuda.is_initialized without annotations.
+        if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             gc.collect()
         self.strategy.teardown()
         # Last: a logger that fails to finalize must not leave the process group behind.
@@ -416,8 +429,7 @@ def teardown_open_runtimes() -> int:
     return len(left)
 
 
-# help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
-Runtime.__init__.__signature__ = inspect.signature(Settings.__init__)  # type: ignore[attr-defined]
+# help(gk.Runtime) shows each setting's text.
 Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 
@@ -434,15 +446,3 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     rt.lifecycle.finished(rt.global_step)
     rt._finish_logging("success")
     return result
-
-
-def _default_store() -> Any:
-    """The process group's key-value store (preemption's agreement runs through it)."""
-    return torch.distributed.distributed_c10d._get_default_store()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

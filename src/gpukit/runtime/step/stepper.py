@@ -160,7 +160,7 @@ class Stepper:
                 stepped = self.precision.step(optimizer)
             finally:
                 if skipping:
-                    guard.restore(optimizer, skipping)  # type: ignore[union-attr]
+                    guard.restore(optimizer, skipping)  # type: ignore[union-attr]  # set: skipping
         except Exception as err:
             # Not recoverable by smaller micro-batches: the optimizer state is what grew.
             if is_oom(err):
@@ -197,6 +197,13 @@ class Stepper:
             cached = (shape, ordered)
             self._clip_params[optimizer] = cached
         return cached[1]
+
+    def skipped_steps(self) -> int:
+        """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
+        if self.guard is None:
+            return 0
+        self.guard.read(self.strategy.rank)
+        return self.guard.skipped
 
     def sync_next_backward(self) -> None:
         """Tell the strategy whether the coming backward ends an accumulation window (only
@@ -362,6 +369,7 @@ class Stepper:
                 self.boundaries.beat("backward", self.state.global_step)
                 self.precision.backward(weighted)
             except Exception as err:
+                # The ignore: the error carries the micro-batch to the out-of-memory explanation.
                 err.gpukit_micro_batch = size  # type: ignore[attr-defined]
                 raise
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
