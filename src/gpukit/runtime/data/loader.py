@@ -400,6 +400,7 @@ def _check_has_batches(given: DataLoader[Any], sharded: DataLoader[Any], shards:
     """
     try:
         batches, mine = len(given), len(sharded)
+        # The ignore: a Dataset declares no __len__; one without it raises TypeError here.
         samples: int | None = len(given.dataset)  # type: ignore[arg-type]
     except TypeError:
         return

@@ -51,7 +51,7 @@ def trailing_padding(sampler: Any) -> int | None:
     """How many of the items ``sampler`` hands this rank each pass are padding (they are the
     last ones); None for a sampler that shards by rank in a way not known here."""
     if isinstance(sampler, DistributedSampler):
-        n = len(sampler.dataset)  # type: ignore[arg-type]
+        n = len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler needs a len
         replicas, rank, mine = sampler.num_replicas, sampler.rank, sampler.num_samples
     elif isinstance(sampler, Strided):
         n, replicas, rank, mine = (

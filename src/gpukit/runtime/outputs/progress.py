@@ -140,7 +140,7 @@ class Shown(Generic[T]):
         if self.total is not None:
             return self.total
         try:
-            return len(self.iterable)  # type: ignore[arg-type]
+            return len(self.iterable)  # type: ignore[arg-type]  # TypeError: no length
         except TypeError:  # an iterable dataset's loader, a generator
             return None
 

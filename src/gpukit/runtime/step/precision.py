@@ -240,6 +240,8 @@ class MixedPrecision(nn.Module):
                 raise
             return getattr(inner, name)
 
+    # The ignores below: a container model (nn.Sequential) indexes and iterates; others raise
+    # the same error they would raise unwrapped.
     def __getitem__(self, index: Any) -> Any:
         return self.module[index]  # type: ignore[index]
 
