@@ -23,7 +23,7 @@ class RuntimeViews:
 
     config: Settings
     state: TrainState
-    metrics: Metrics
+    _metrics: Metrics
     strategy: Strategy
 
     # -- settings and progress ---------------------------------------------------------------
@@ -100,7 +100,7 @@ class RuntimeViews:
         partial window is there at the end and any rank may read this alone); reading it never
         reads anything back itself, so a progress display may read it every step.
         ``rt.flush_logs()`` closes the window now."""
-        return self.metrics.history
+        return self._metrics.history
 
     # -- where this process sits ------------------------------------------------------------
     @property

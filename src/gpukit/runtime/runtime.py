@@ -114,7 +114,7 @@ class Runtime(
         check_device_count(settings.devices, devices, self.strategy)
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
-        self.compiler = Compiler(settings.compile, self.strategy)
+        self._compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
         guard = None
         if settings.nonfinite is not None:
@@ -131,7 +131,7 @@ class Runtime(
             resume=self.resume,
             deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
-        self.stepper = Stepper(
+        self._stepper = Stepper(
             settings,
             self.state,
             self.strategy,
@@ -140,7 +140,7 @@ class Runtime(
             boundaries=self.lifecycle,
             guard=guard,
         )
-        self.metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
+        self._metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
         self._init_loggers()
         self._ready = False
         if settings.seed is not None:
@@ -198,15 +198,15 @@ class Runtime(
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
             # compile=...: the strategy's result compiled in place (gpukit.runtime.compiling).
-            placed = self.compiler.before_strategy(self.precision.setup_module(user), user)
-            module = self.compiler.after_strategy(self.strategy.setup_module(placed))
+            placed = self._compiler.before_strategy(self.precision.setup_module(user), user)
+            module = self._compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
-            self.stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
+            self._stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
         self.state.optimizers += [
             o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
-        self.stepper.sync_next_backward()
+        self._stepper.sync_next_backward()
         out = owned.take_all(objects, self.state, self.setup_loader, self._scheduler)
         return (module, *out) if out else module
 
@@ -272,13 +272,13 @@ class Runtime(
         self._ensure_ready()
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        return self.stepper.train_step(optimizer, batch, compute_loss)
+        return self._stepper.train_step(optimizer, batch, compute_loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass in the run's precision, averaged over accumulated micro-batches."""
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        self.stepper.backward(loss)
+        self._stepper.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients once every ``accumulate`` calls.
@@ -286,38 +286,38 @@ class Runtime(
         Returns True when the optimizer stepped (False while accumulating, or when 16-mixed
         skipped a step whose gradients overflowed).
         """
-        return self.stepper.step(optimizer)
+        return self._stepper.step(optimizer)
 
     def out_of_memory(
         self, err: BaseException | str, micro_batch: int | None = None
     ) -> OutOfMemory:
         """The error to raise for an out-of-memory ``err``: its numbers, explained with what
         this run knows (weights and optimizer state, strategy, imbalance between devices)."""
-        return self.stepper.out_of_memory(err, micro_batch)
+        return self._stepper.out_of_memory(err, micro_batch)
 
     # -- metrics --------------------------------------------------------------------------------
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Accumulate metrics on the device; every ``log_every`` calls, average them over the
         calls and the ranks, read them back once, and append them to ``rt.history``."""
-        self.metrics.log(self.state.global_step, metrics)
+        self._metrics.log(self.state.global_step, metrics)
 
     def log_metrics(self, **metrics: torch.Tensor | float) -> dict[str, float]:
         """Record values the program computed itself (a validation loss, an accuracy) at the
         current step, as they are: appended to ``rt.history`` on this rank, no averaging over
         ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
         A tensor is read back once here. Returns the record."""
-        return self.metrics.record(self.state.global_step, metrics)
+        return self._metrics.record(self.state.global_step, metrics)
 
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""
         self._ensure_ready()
-        return self.metrics.flush(self.state.global_step)
+        return self._metrics.flush(self.state.global_step)
 
     def _close_window(self) -> None:
         """Read back what ``log`` has pending: only where every rank is (the end of a pass,
         a save, the end of the launched function), since it is collective."""
-        if self.metrics.pending:
-            self.metrics.flush(self.state.global_step)
+        if self._metrics.pending:
+            self._metrics.flush(self.state.global_step)
 
     def _end_of_pass(self, trained: bool) -> None:
         # Every rank ends the pass together: a logging window never spans two epochs, and a
@@ -382,7 +382,7 @@ class Runtime(
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        return self.stepper.skipped_steps()
+        return self._stepper.skipped_steps()
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
@@ -391,7 +391,7 @@ class Runtime(
         _OPEN.discard(self)
         self.lifecycle.close()
         self.state.clear()
-        self.stepper.close()
+        self._stepper.close()
         # The ignore: torch declares cuda.is_initialized without annotations.
         if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             gc.collect()

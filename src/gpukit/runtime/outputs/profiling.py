@@ -19,7 +19,7 @@ class Profiling:
     """The profile method of :class:`~gpukit.Runtime`."""
 
     state: TrainState
-    stepper: Stepper
+    _stepper: Stepper
     strategy: Strategy
 
     def profile(
@@ -60,7 +60,7 @@ class Profiling:
             active=active,
             repeat=repeat,
             steps="runtime",
-            owner=self.stepper,
+            owner=self._stepper,
             rank=self.strategy.rank,
             offset=self.state.global_step,
             record_shapes=record_shapes,

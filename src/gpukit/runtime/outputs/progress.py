@@ -43,7 +43,7 @@ def clock() -> float:
 class Progressing:
     """The :class:`~gpukit.Runtime` method that wraps a loop in a progress display."""
 
-    metrics: Metrics
+    _metrics: Metrics
     strategy: Strategy
 
     def progress(
@@ -78,7 +78,7 @@ class Progressing:
         return Shown(
             iterable,
             total,
-            _Display(console, desc, every, epochs, self.strategy.world_size, self.metrics.history),
+            _Display(console, desc, every, epochs, self.strategy.world_size, self._metrics.history),
         )
 
 
