@@ -50,7 +50,7 @@ def warn_user(message: str) -> None:
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
         _PACKAGE_DIR
     ):
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
         level += 1
     warnings.warn(message, UserWarning, stacklevel=level)
 

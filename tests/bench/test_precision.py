@@ -77,7 +77,7 @@ def test_faster_precisions_still_train_and_show_their_loss_difference(quick: Ben
 
 
 def test_the_same_seed_gives_the_same_final_loss() -> None:
-    s = experiment.Settings(warmup=1, steps=2, rounds=2, cpu_batch=None)
+    s = experiment.PrecisionTiming(warmup=1, steps=2, rounds=2, cpu_batch=None)
     first = experiment.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
     second = experiment.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
     assert first == second and math.isfinite(first)
@@ -97,7 +97,7 @@ def test_a_variant_that_fails_is_a_row_not_a_crash(monkeypatch, fails_after: int
         return forward
 
     monkeypatch.setattr(torch, "compile", compile_that_fails)
-    s = experiment.Settings(warmup=1, steps=2, rounds=2, cpu_batch=None)
+    s = experiment.PrecisionTiming(warmup=1, steps=2, rounds=2, cpu_batch=None)
     variant = experiment.Variant("compile", "32", compile=True)
     (base, _), (row, raw) = experiment.compare(CPU, "mlp", [experiment.BASELINE, variant], 8, s)
     assert base["status"] == "ran" and base["speedup"] == 1.0

@@ -182,7 +182,7 @@ def test_a_strategy_added_to_the_registry_joins_by_itself(monkeypatch) -> None:
 
 
 def test_a_configuration_that_fails_is_a_row_not_a_crash(monkeypatch) -> None:
-    def broken(p: experiment.Planned, s: experiment.Settings) -> None:
+    def broken(p: experiment.Planned, s: experiment.StrategySweep) -> None:
         raise RuntimeError("boom: the details")
 
     monkeypatch.setattr(strategy_runs, "measure_configuration", broken)
@@ -300,7 +300,7 @@ def test_the_prediction_matches_the_measurement_on_the_cpu(quick: BenchResult) -
 def test_a_prediction_that_fails_keeps_the_measurement(monkeypatch) -> None:
     seen = {}
 
-    def measured(p: experiment.Planned, s: experiment.Settings) -> tuple[Any, Any]:
+    def measured(p: experiment.Planned, s: experiment.StrategySweep) -> tuple[Any, Any]:
         memory = [{"device": "cpu", "peak": 9 * experiment.MiB, "peak_tensors": 3 * experiment.MiB}]
         last = {
             "micro_batch": 5,

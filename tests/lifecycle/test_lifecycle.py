@@ -27,7 +27,7 @@ from gpukit.launch import heartbeat
 from gpukit.launch.faults import FaultPlan, parse_faults
 from gpukit.lifecycle.checks import parse_save_every
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
-from gpukit.runtime.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
+from gpukit.runtime.step.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

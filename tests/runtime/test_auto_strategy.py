@@ -5,6 +5,7 @@ mocked: each device's ``total_memory`` is set in the ranks before setup)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import io
 from typing import Any
@@ -18,7 +19,7 @@ import gpukit as gk
 import gpukit.planning.auto as auto
 from gpukit.planning.closed_form import closed_form
 from gpukit.planning.facts import model_facts
-from gpukit.runtime.auto import Question
+from gpukit.runtime.strategy_at_setup import Question
 
 WIDTH, BLOCKS, BATCH, STEPS = 32, 4, 4, 4
 
@@ -182,7 +183,7 @@ def test_reading_the_example_leaves_every_random_generator_as_it_was() -> None:
 
     import numpy as np
 
-    from gpukit.runtime.auto import _data
+    from gpukit.runtime.strategy_at_setup import _data
 
     read, micro = _data((DataLoader(_Drawing(), batch_size=4),), accumulate=2)
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
@@ -219,3 +220,17 @@ def test_oom_recover_keeps_ddp_without_asking() -> None:
     rt = gk.Runtime(strategy="auto", devices=["cpu", "cpu"], log_every=2, oom="recover")
     got = rt.launch(_run, (needs["ddp"] + needs["fsdp"]) // 2)
     assert (got["strategy"], got["said"]) == ("ddp", "")
+
+
+def test_a_strategy_taken_at_setup_answers_the_lifecycles_agreements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The lifecycle agrees across ranks (when to save, where to stop) through the strategy:
+    # once "auto" takes another one at rt.setup, the one it replaced must not be asked.
+    rt = gk.Runtime(devices="cpu")
+    asked: list[list[bool]] = []
+    taken = copy.copy(rt.strategy)
+    monkeypatch.setattr(taken, "any_rank", lambda votes: asked.append(votes) or votes)
+    rt._use_strategy(taken)
+    assert rt.strategy is taken and rt.lifecycle._agree([True]) == [True]
+    assert asked == [[True]]

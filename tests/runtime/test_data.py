@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.data.loader import DeviceLoader
 
 CPU = torch.device("cpu")
 
@@ -175,7 +175,7 @@ def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
     """A batch copied on the side stream is used on the current one: the allocator must be
     told so for every tensor in it, or their memory could be reused while kernels read it.
     Dataclass and custom Mapping batches once went unrecorded."""
-    import gpukit.runtime.data as data_module
+    import gpukit.runtime.data.loader as data_module
 
     recorded: list[int] = []
 

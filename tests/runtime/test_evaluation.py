@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.padding import describe, trailing_padding
+from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.data.padding import describe, trailing_padding
 
 CPU = torch.device("cpu")
 SAMPLES = 513
@@ -79,7 +79,7 @@ def test_padding_of_batch_samplers_and_drop_last() -> None:
 def test_trailing_padding_of_each_sampler() -> None:
     from torch.utils.data import DistributedSampler
 
-    from gpukit.runtime.sampling import Strided
+    from gpukit.runtime.data.sampling import Strided
 
     def padded(n: int, ranks: int, **kw: Any) -> list[int | None]:
         return [

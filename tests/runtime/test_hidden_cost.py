@@ -115,10 +115,10 @@ def test_ddp_recovery_costs_one_read_per_step_and_says_so() -> None:
 
 
 def test_auto_recovers_in_one_process_and_raises_under_several() -> None:
-    assert gk.Runtime(devices="cpu", oom="auto").stepper.recover
-    assert not gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], oom="auto").stepper.recover
-    assert gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], oom="recover").stepper.recover
-    assert gk.Runtime(strategy="dp", devices=["cpu", "cpu"], oom="auto").stepper.recover
+    assert gk.Runtime(devices="cpu", oom="auto")._stepper.recover
+    assert not gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], oom="auto")._stepper.recover
+    assert gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], oom="recover")._stepper.recover
+    assert gk.Runtime(strategy="dp", devices=["cpu", "cpu"], oom="auto")._stepper.recover
 
 
 def test_recovery_copies_only_the_buffers_a_step_changes() -> None:
@@ -130,11 +130,11 @@ def test_recovery_copies_only_the_buffers_a_step_changes() -> None:
     batch = _batches(1)[0]
     loss = lambda b: nn.functional.cross_entropy(model(b[0]), b[1])  # noqa: E731
     rt.train_step(optimizer, batch, loss)
-    guard = rt.stepper.retry._guard
+    guard = rt._stepper.retry._guard
     assert guard is not None
     changing = {guard.names[i] for i in guard.changing or []}
     assert changing == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
-    saved, _ = rt.stepper.retry.save()
+    saved, _ = rt._stepper.retry.save()
     assert sum(t.numel() for _, t in saved.copies) == 16 + 16 + 1
     assert [guard.names[i] for i, _ in saved.versions] == ["table"]  # only watched by version
 
@@ -146,7 +146,7 @@ def test_clipping_lists_the_parameters_once() -> None:
     for _ in range(3):
         rt.backward(model(torch.ones(2, 4)).sum())
         rt.step(optimizer)
-    first = rt.stepper._params(optimizer)
-    assert rt.stepper._params(optimizer) is first
+    first = rt._stepper._params(optimizer)
+    assert rt._stepper._params(optimizer) is first
     optimizer.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
-    assert len(rt.stepper._params(optimizer)) == 3  # a new group is seen
+    assert len(rt._stepper._params(optimizer)) == 3  # a new group is seen

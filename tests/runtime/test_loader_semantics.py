@@ -19,7 +19,7 @@ from torch.utils.data import (
 )
 
 import gpukit as gk
-from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.data.loader import DeviceLoader
 
 CPU = torch.device("cpu")
 DATA = TensorDataset(torch.arange(20))

@@ -9,7 +9,7 @@ import torch
 
 import gpukit as gk
 from gpukit.errors import ConfigError
-from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
+from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
 
 W = torch.ones(4, requires_grad=True)
 

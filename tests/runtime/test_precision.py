@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.runtime.precision import FP16Mixed, make_precision
+from gpukit.runtime.step.precision import FP16Mixed, make_precision
 
 CPU = torch.device("cpu")
 

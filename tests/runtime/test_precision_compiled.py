@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpukit.runtime.precision import MixedPrecision
+from gpukit.runtime.step.precision import MixedPrecision
 
 DEVICES = [
     "cpu",

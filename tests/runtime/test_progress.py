@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import gpukit as gk
 from gpukit.errors import ConfigError
-from gpukit.runtime import progressing
+from gpukit.runtime.outputs import progress
 
 
 def _setup(log_every: int = 2, batches: int = 6) -> tuple[gk.Runtime, Any, Any, Any]:
@@ -38,7 +38,7 @@ def _train(rt: gk.Runtime, model: Any, optimizer: Any, batches: Any) -> None:
 
 def _fake_clock(monkeypatch: pytest.MonkeyPatch, ticks: list[float]) -> None:
     it = iter(ticks)
-    monkeypatch.setattr(progressing, "clock", lambda: next(it))
+    monkeypatch.setattr(progress, "clock", lambda: next(it))
 
 
 def test_off_a_terminal_a_line_every_n_seconds_with_the_last_loss_read_back(
@@ -66,7 +66,7 @@ def test_off_a_terminal_a_line_every_n_seconds_with_the_last_loss_read_back(
 
 def test_each_pass_of_a_loader_shows_its_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
     rt, model, optimizer, loader = _setup(batches=2)
-    monkeypatch.setattr(progressing, "clock", lambda: 0.0)
+    monkeypatch.setattr(progress, "clock", lambda: 0.0)
     out = io.StringIO()
     shown = rt.progress(loader, every=0, out=out, desc="fit")
     for _ in range(2):
@@ -93,7 +93,7 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
 def test_a_loader_without_len(total: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = gk.Runtime(devices="cpu", seed=0)
     loader = rt.setup_loader(DataLoader(_Stream(), batch_size=4))
-    monkeypatch.setattr(progressing, "clock", iter([0.0, 0.0, 1.0, 2.0, 4.0, 4.0]).__next__)
+    monkeypatch.setattr(progress, "clock", iter([0.0, 0.0, 1.0, 2.0, 4.0, 4.0]).__next__)
     out = io.StringIO()
     shown = rt.progress(loader, every=0, out=out, total=total)
     assert len(list(shown)) == 3
@@ -108,7 +108,7 @@ def test_a_loader_without_len(total: int | None, monkeypatch: pytest.MonkeyPatch
 
 def test_a_plain_iterable_shows_batches_per_second(monkeypatch: pytest.MonkeyPatch) -> None:
     rt = gk.Runtime(devices="cpu")
-    monkeypatch.setattr(progressing, "clock", iter([0.0, 0.0, 2.0, 4.0, 4.0]).__next__)
+    monkeypatch.setattr(progress, "clock", iter([0.0, 0.0, 2.0, 4.0, 4.0]).__next__)
     out = io.StringIO()
     assert list(rt.progress(iter("ab"), every=0, out=out, desc="eval")) == ["a", "b"]
     assert out.getvalue().splitlines() == [
@@ -130,7 +130,7 @@ def test_other_ranks_iterate_silently() -> None:
 
 def test_a_loop_breaking_early_ends_with_a_line(monkeypatch: pytest.MonkeyPatch) -> None:
     rt, _, _, loader = _setup()
-    monkeypatch.setattr(progressing, "clock", lambda: 0.0)
+    monkeypatch.setattr(progress, "clock", lambda: 0.0)
     out = io.StringIO()
     for i, _ in enumerate(rt.progress(loader, every=1000, out=out)):
         if i == 1:

@@ -271,7 +271,8 @@ def test_setup_returns_containers_in_their_shape_and_registers_what_they_hold() 
     data = DataLoader(_data(), batch_size=4)
     _, optimizers, parts = rt.setup(model, (a, b), {"train": data, "scaler": scaler})
     assert optimizers == (a, b) and rt.state.optimizers == [a, b]
-    assert isinstance(parts["train"], gk.runtime.data.DeviceLoader) and parts["scaler"] is scaler
+    assert isinstance(parts["train"], gk.runtime.data.loader.DeviceLoader)
+    assert parts["scaler"] is scaler
     assert rt.state.objects == [scaler]
 
 

@@ -317,7 +317,7 @@ def test_recovery_refuses_a_forward_that_talks_to_other_ranks() -> None:
     rt = gk.Runtime(devices="cpu", oom="recover")
     rt.setup(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))
     with pytest.raises(ConfigError, match=r"SyncBatchNorm at 1.*oom='raise'"):
-        rt.stepper.retry.refuse_collective_forward()
+        rt._stepper.retry.refuse_collective_forward()
 
 
 def test_the_split_found_is_kept_in_checkpoints(
@@ -351,16 +351,16 @@ def test_a_failed_attempts_graph_is_not_kept(monkeypatch: pytest.MonkeyPatch) ->
     net = nn.Linear(2, 1)
     model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     rt.train_step(optimizer, torch.ones(16, 2), lambda b: model(b).pow(2).mean())
-    assert rt.oom_split == 2 and rt.stepper._previous_loss is None
+    assert rt.oom_split == 2 and rt._stepper._previous_loss is None
     strict = gk.Runtime(devices="cpu")
     model, optimizer = strict.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     strict.train_step(optimizer, torch.ones(4, 2), lambda b: model(b).pow(2).mean())
-    assert strict.stepper._previous_loss is not None  # a good step's loss: as a plain loop
+    assert strict._stepper._previous_loss is not None  # a good step's loss: as a plain loop
     with pytest.raises(gk.OutOfMemory):
         strict.train_step(optimizer, torch.ones(16, 2), lambda b: model(b).pow(2).mean())
-    assert strict.stepper._previous_loss is None
+    assert strict._stepper._previous_loss is None
     strict.teardown()
-    assert strict.stepper._previous_loss is None and not strict.stepper._clip_params
+    assert strict._stepper._previous_loss is None and not strict._stepper._clip_params
 
 
 def test_a_split_brought_by_a_checkpoint_is_kept_without_recovery(
@@ -387,7 +387,7 @@ def test_a_buffer_changed_between_steps_does_not_block_recovery(
     rt.save(tmp_path)  # type: ignore[arg-type]
     rt.load(tmp_path)  # type: ignore[arg-type]  # writes every buffer in place
     monkeypatch.setenv("GPUKIT_FAULT_OOM_ABOVE", "4")
-    rt.stepper.fault = type(rt.stepper.fault).from_env()
+    rt._stepper.fault = type(rt._stepper.fault).from_env()
     rt.train_step(optimizer, torch.ones(8, 2), loss)
     assert rt.oom_split == 2
 
@@ -425,5 +425,5 @@ def test_clipping_follows_a_new_optimizer_even_at_a_reused_address() -> None:
         rt.step(optimizer)
         # Clipped to a norm of 0.01 with lr=1: no weight moves by more than that.
         assert (net.weight - before).abs().max() <= 0.01 + 1e-6
-        assert rt.stepper._params(optimizer)[0] is net.weight
+        assert rt._stepper._params(optimizer)[0] is net.weight
         del optimizer, model

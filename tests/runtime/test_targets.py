@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpukit.errors import ConfigError
-from gpukit.runtime.targets import check_targets
+from gpukit.runtime.step.loss_targets import check_targets
 from gpukit.strategies import PerDevice
 
 

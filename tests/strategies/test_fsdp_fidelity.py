@@ -98,7 +98,7 @@ def _train(rt: gk.Runtime, name: str, steps: int, fused: bool = False) -> dict[s
         "global": sum(p.numel() for p in params),
         "tied": isinstance(user, TiedLM) and user.head.weight is user.emb.weight,
         "printed": out.getvalue(),
-        "skipped": rt.stepper.guard.skipped if rt.stepper.guard is not None else None,
+        "skipped": rt._stepper.guard.skipped if rt._stepper.guard is not None else None,
     }
 
 

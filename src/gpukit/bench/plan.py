@@ -70,7 +70,7 @@ COLUMNS = (
 
 
 @dataclass(frozen=True)
-class Settings:
+class PlanMeasurements:
     """What one run measures."""
 
     workloads: tuple[str, ...]
@@ -79,13 +79,13 @@ class Settings:
     simulated_only: tuple[int, ...] = SIMULATED_ONLY
 
 
-def settings(quick: bool = False) -> Settings:
+def settings(quick: bool = False) -> PlanMeasurements:
     """Every built-in workload, 3 runs per case; ``quick``: the mlp alone, once per case, fewer
     cases measured and fewer simulated (each measured case starts processes, too slow on a
     2-core machine for more)."""
     if quick:
-        return Settings(("mlp",), 1, QUICK_CASES, SIMULATED_ONLY[:1])
-    return Settings(("mlp", "cnn", "gpt"), 3)
+        return PlanMeasurements(("mlp",), 1, QUICK_CASES, SIMULATED_ONLY[:1])
+    return PlanMeasurements(("mlp", "cnn", "gpt"), 3)
 
 
 def run(quick: bool = False) -> BenchResult:

@@ -93,7 +93,7 @@ def variants(image: bool) -> list[Variant]:
 
 
 @dataclass(frozen=True)
-class Settings:
+class PrecisionTiming:
     """Untimed and timed steps, timed blocks, and the batch on a CPU (None: the workload's)."""
 
     warmup: int
@@ -102,15 +102,15 @@ class Settings:
     cpu_batch: int | None
 
 
-def settings(quick: bool) -> Settings:
+def settings(quick: bool) -> PrecisionTiming:
     """Quick: a few steps; full: enough for a stable median.
 
     >>> settings(quick=True).rounds
     2
     """
     if quick:
-        return Settings(warmup=2, steps=4, rounds=2, cpu_batch=8)
-    return Settings(warmup=5, steps=20, rounds=5, cpu_batch=None)
+        return PrecisionTiming(warmup=2, steps=4, rounds=2, cpu_batch=8)
+    return PrecisionTiming(warmup=5, steps=20, rounds=5, cpu_batch=None)
 
 
 def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> BenchResult:
@@ -145,7 +145,7 @@ def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> B
     )
 
 
-def _batch(default: int, dev: torch.device, s: Settings) -> int:
+def _batch(default: int, dev: torch.device, s: PrecisionTiming) -> int:
     if dev.type == "cuda":
         return default * GPU_BATCH_FACTOR
     return s.cpu_batch or default
@@ -159,13 +159,13 @@ def compare(
     workload: str,
     chosen: Sequence[Variant],
     batch: int,
-    s: Settings,
+    s: PrecisionTiming,
     skip_cpu_compile: bool = False,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The row and raw figures of each variant of ``workload`` on ``dev``, timed together in
     rotated rounds; what stops a variant becomes its status.
 
-    >>> s = Settings(warmup=1, steps=2, rounds=2, cpu_batch=None)
+    >>> s = PrecisionTiming(warmup=1, steps=2, rounds=2, cpu_batch=None)
     >>> found = compare(torch.device("cpu"), "mlp", [BASELINE], 8, s)
     >>> [(row["variant"], row["speedup"], row["loss_delta"]) for row, _ in found]
     [('fp32', 1.0, 0.0)]
@@ -229,12 +229,13 @@ def compare(
 
 
 def train(
-    dev: torch.device, workload: str, variant: Variant, batch: int, s: Settings
+    dev: torch.device, workload: str, variant: Variant, batch: int, s: PrecisionTiming
 ) -> tuple[list[float], float]:
     """Train ``workload`` in ``variant`` alone on ``dev``: the seconds per step of each timed
     block, and the final loss (the mean over the last block's steps, read once).
 
-    >>> seconds, loss = train(torch.device("cpu"), "mlp", BASELINE, 8, Settings(1, 2, 2, None))
+    >>> timing = PrecisionTiming(1, 2, 2, None)
+    >>> seconds, loss = train(torch.device("cpu"), "mlp", BASELINE, 8, timing)
     >>> len(seconds), loss > 0
     (2, True)
     """
@@ -379,7 +380,7 @@ def _notes() -> list[str]:
     ]
 
 
-def _parameters(quick: bool, s: Settings, devices: list[torch.device]) -> dict[str, Any]:
+def _parameters(quick: bool, s: PrecisionTiming, devices: list[torch.device]) -> dict[str, Any]:
     return {
         "quick": quick,
         "devices": [device_name(d) for d in devices],

@@ -57,7 +57,7 @@ from gpukit.bench.result import BenchResult, Column
 from gpukit.bench.strategy_configs import (
     WORKLOADS,
     Planned,
-    Settings,
+    StrategySweep,
     default_batch,
     kind,
     plan,
@@ -114,7 +114,7 @@ def run(quick: bool = False, devices: Sequence[torch.device] | None = None) -> B
     )
 
 
-def _configuration(p: Planned, s: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+def _configuration(p: Planned, s: StrategySweep) -> tuple[dict[str, Any], dict[str, Any]]:
     """The table row and the raw figures of one configuration; failures become its status."""
     row: dict[str, Any] = {"workload": p.workload, "strategy": p.strategy, "devices": p.count}
     raw: dict[str, Any] = {**row, "device_list": list(p.devices or [])}
@@ -226,7 +226,7 @@ def _notes(gpus: bool) -> list[str]:
     return notes
 
 
-def _parameters(quick: bool, s: Settings, gpus: list[torch.device]) -> dict[str, Any]:
+def _parameters(quick: bool, s: StrategySweep, gpus: list[torch.device]) -> dict[str, Any]:
     skipped = ", ".join(w for w in WORKLOADS if w not in s.workloads)
     return {
         "quick": quick,

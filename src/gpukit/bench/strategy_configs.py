@@ -26,7 +26,7 @@ CPU_ONLY_REASON = "needs 2+ CUDA GPUs"
 
 
 @dataclass(frozen=True)
-class Settings:
+class StrategySweep:
     """What each configuration runs: per-device batch (None: the workload's), untimed and
     timed steps, and rounds (the median is reported)."""
 
@@ -38,7 +38,7 @@ class Settings:
     rounds: int
 
 
-def settings(quick: bool, gpus: int) -> Settings:
+def settings(quick: bool, gpus: int) -> StrategySweep:
     """What ``run`` measures with ``gpus`` GPUs: 1..N devices (1 and 2 in quick mode, and on
     CPUs, where "devices" are processes sharing the same cores).
 
@@ -46,9 +46,9 @@ def settings(quick: bool, gpus: int) -> Settings:
     ((1, 2, 3, 4), (1, 2))
     """
     if quick:
-        return Settings(QUICK_WORKLOADS, (1, 2), batch=16, warmup=1, steps=6, rounds=1)
+        return StrategySweep(QUICK_WORKLOADS, (1, 2), batch=16, warmup=1, steps=6, rounds=1)
     counts = tuple(range(1, max(gpus, 2) + 1))
-    return Settings(WORKLOADS, counts, batch=None, warmup=5, steps=40, rounds=2)
+    return StrategySweep(WORKLOADS, counts, batch=None, warmup=5, steps=40, rounds=2)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gpukit.bench.strategy_configs import Planned, Settings, default_batch
+from gpukit.bench.strategy_configs import Planned, StrategySweep, default_batch
 from gpukit.devices import hw as _hw
 from gpukit.devices.utilization import UtilizationSampler
 from gpukit.diagnostics.memory import reset_peaks
@@ -24,7 +24,9 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.train.loop import RUNTIME_DEFAULTS, TrainConfig, fit
 
 
-def measure_configuration(p: Planned, s: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure_configuration(
+    p: Planned, s: StrategySweep
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rounds of (``warmup`` steps, ``warmup + steps`` steps) runs: their samples/s, and the
     last longer run's memory and utilisation."""
     settings_rt = {**RUNTIME_DEFAULTS, "strategy": p.strategy, "devices": list(p.devices or [])}

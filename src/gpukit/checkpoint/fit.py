@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from gpukit.checkpoint import finite
-from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 
 

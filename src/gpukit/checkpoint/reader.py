@@ -27,9 +27,9 @@ from gpukit.checkpoint.fit import (
     weights_name,
 )
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.precision import Precision
+from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.state import TrainState
+from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 
 _KEYS = ("format", "epoch", "step", "micro_step", "loaders", "optimizers", "precision", "rng")

@@ -33,8 +33,8 @@ from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
 from gpukit.checkpoint import finite
 from gpukit.errors import ConfigError
-from gpukit.runtime.precision import Precision
 from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies.fsdp import is_sharded

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy as copy_module
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -64,7 +64,8 @@ def move_to(
 ) -> T:
     """``to()`` for a target already resolved: what loops call per batch, without re-checking
     the device every time."""
-    return _Mover(target, copy, non_blocking).move(obj)
+    # The mover gives back the structure it was given, each leaf moved.
+    return cast(T, _Mover(target, copy, non_blocking).move(obj))
 
 
 class _Mover:

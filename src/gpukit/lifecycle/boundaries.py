@@ -32,7 +32,7 @@ from gpukit.launch.faults import FaultPlan
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
 from gpukit.lifecycle.preemption import Preemption
-from gpukit.runtime.step_hooks import StepBoundaries
+from gpukit.runtime.step.boundaries import StepBoundaries
 
 
 class Lifecycle(StepBoundaries):

@@ -1,16 +1,16 @@
 """The planner's answer to ``strategy="auto"``: does ddp fit each device, else does fsdp?
 
-Asked once, at the first ``rt.setup`` of a Runtime whose ``"auto"`` chose ddp over several
-devices (see ``gpukit.runtime.auto``), and answered by the closed form alone (no simulation):
+Asked once, at the first ``rt.setup`` of a Runtime whose ``"auto"`` chose ddp over several devices
+(see ``gpukit.runtime.strategy_at_setup``), and answered by the closed form alone (no simulation):
 one evaluation for ddp, and one for fsdp only when ddp does not fit. Its facts come from the
 parameters' shapes (weights, gradients, AdamW's state, the fsdp groups); the activations are
-measured (one forward over fake tensors at 1 and 2 samples, as ``gk.plan`` does) only where
-they can decide, when the model's states alone take more than half a device, and only from
-an item of a DataLoader given to ``rt.setup``. On a GPU the CUDA context and the allocator's
-reserve are added, as in a plan.
+measured (one forward over fake tensors at 1 and 2 samples, as ``gk.plan`` does) only where they can
+decide, when the model's states alone take more than half a device, and only from an item of a
+DataLoader given to ``rt.setup``. On a GPU the CUDA context and the allocator's reserve are added,
+as in a plan.
 
 >>> import torch
->>> from gpukit.runtime.auto import Question
+>>> from gpukit.runtime.strategy_at_setup import Question
 >>> small = Question(torch.nn.Linear(4, 4), 2, 2**30, "cpu", 8, 1, "32")
 >>> answer(small).shard
 False
@@ -29,7 +29,7 @@ from gpukit.errors import GpukitError
 from gpukit.planning.closed_form import closed_form
 from gpukit.planning.facts import PRECISIONS, ModelFacts, model_facts
 from gpukit.planning.targets import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
-from gpukit.runtime.auto import Answer, Question, use_estimator
+from gpukit.runtime.strategy_at_setup import Answer, Question, use_estimator
 from gpukit.strategies._groups import find_groups
 from gpukit.strategies.auto import REPLICATED, SHARDED
 

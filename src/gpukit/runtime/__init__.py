@@ -1,15 +1,16 @@
 """The training runtime: the one small object a training loop talks to, and its parts.
 
-``runtime`` (the thin :class:`~gpukit.runtime.runtime.Runtime`, ``gk.Runtime``), ``settings``
-(every setting, declared once), ``config`` (the settings' checks and the devices they name),
-``state`` (what a run has: models, optimizers, loaders, counters), ``step`` (one optimizer
-step, in micro-batches) with ``retry`` (what a step retried after running out of memory needs),
-``checkpointing`` (``rt.save``, ``rt.load``, ``rt.resume``), ``metrics`` (values kept on the
-device, read back once per flush), ``precision``, ``data`` (the device-aware loader),
-``collectives``, ``targets`` (loss-target checks), ``step_hooks`` (what the step calls at its
-boundaries), and, until they move to a launch package of their own, the process starters
-``launch`` and ``agent``. Checkpoints themselves are :mod:`gpukit.checkpoint`; the run's
-boundaries, :mod:`gpukit.lifecycle`.
+At the top: ``runtime`` (the :class:`~gpukit.runtime.runtime.Runtime`, ``gk.Runtime``),
+``settings`` (every setting, declared once) with ``settings_checks`` (their checks and the
+devices they name) and ``settings_doc``, ``state`` (what a run has: models, optimizers, loaders,
+counters), ``owned`` (what ``rt.setup`` and ``rt.track`` are given besides the model),
+``checkpointing`` (``rt.save``, ``rt.load``, ``rt.resume``), ``properties`` (what a Runtime
+shows about itself), ``strategy_at_setup`` (``strategy="auto"``'s choice at ``rt.setup``),
+``optimizer_adoption``, ``schedulers``, ``compiling`` and ``collectives``. Its rooms:
+``step/`` (one optimizer step: the stepper, its retry, the non-finite guard, precision, loss
+checks), ``data/`` (the device-aware loader, sampling, padding) and ``outputs/`` (metrics,
+evaluation, progress, reporting, profiling). Checkpoints themselves are
+:mod:`gpukit.checkpoint`; the run's boundaries, :mod:`gpukit.lifecycle`.
 
 This package's ``__init__`` imports nothing: its modules (the settings, the state) are imported
 by the checkpoint and lifecycle packages, which the Runtime imports in turn.

@@ -18,10 +18,10 @@ from gpukit import checkpoint
 from gpukit.checkpoint import pretrained
 from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
-from gpukit.runtime.precision import Precision
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.precision import Precision
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 
@@ -33,7 +33,7 @@ class Checkpointing:
     strategy: Strategy
     precision: Precision
     lifecycle: Lifecycle
-    stepper: Stepper
+    _stepper: Stepper
     _ensure_ready: Callable[[], None]
     _close_window: Callable[[], None]
     print: Callable[..., None]
@@ -82,7 +82,7 @@ class Checkpointing:
         progress = checkpoint.load(
             folder, self.state, self.strategy, self.precision, self.config.accumulate
         )
-        self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
+        self._stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.saved(self.state.global_step)
         return progress

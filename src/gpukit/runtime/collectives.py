@@ -16,7 +16,8 @@ Tensors whose first dimension differs between ranks (a last evaluation batch) ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
 import torch
@@ -194,3 +195,23 @@ def _on_device(
         f"rt.{name} got {described(value)}: give a tensor (on any device) or a Python "
         "number; for a dict or list of them, call it once per value (or stack them in one tensor)"
     )
+
+
+@contextlib.contextmanager
+def first_then_others(strategy: Strategy, first: bool) -> Iterator[None]:
+    """The block run where ``first`` is true first, then on the other ranks
+    (``rt.main_process_first``)."""
+    if not first:
+        strategy.barrier()  # wait until the first has done it
+    try:
+        yield
+    finally:
+        if first:
+            # Even when the block failed: the others go on (and meet the same problem)
+            # rather than wait in the barrier for the whole timeout.
+            strategy.barrier()
+
+
+def default_store() -> Any:
+    """The process group's key-value store (preemption's agreement runs through it)."""
+    return torch.distributed.distributed_c10d._get_default_store()

@@ -7,7 +7,7 @@ What is compiled, and in which order, follows torch's advice for each case:
   (DDPOptimizer), keeping the all-reduce of each bucket behind the backward; a compiled
   module inside DDP would all-reduce only after the whole backward. Mixed precision's
   autocast wrapper sits inside and is compiled with the model (autocast in the graph, outputs
-  cast to float32 without a recompile per step, see ``gpukit.runtime.precision``). At float32,
+  cast to float32 without a recompile per step, see ``gpukit.runtime.step.precision``). At float32,
   where nothing wraps the user's model, a thin wrapper of the same kind takes its place, so the
   user's own module is never compiled: ``rt.unwrap(model)`` is the plain module (a generation
   loop over it does not recompile), and ``rt.teardown`` leaves it as it was given.
@@ -36,7 +36,7 @@ from torch import nn
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
-from gpukit.runtime.precision import MixedPrecision
+from gpukit.runtime.step.precision import MixedPrecision
 from gpukit.strategies import Strategy
 
 

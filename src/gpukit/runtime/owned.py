@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from gpukit._util.text import described, type_name
 from gpukit.errors import ConfigError
-from gpukit.runtime.data import DeviceLoader
+from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler, is_scheduler
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState

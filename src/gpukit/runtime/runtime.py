@@ -24,14 +24,12 @@ import builtins
 import contextlib
 import functools
 import gc
-import inspect
-import random
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -43,27 +41,36 @@ from gpukit.launch import DEFAULT_HANG_TIMEOUT
 from gpukit.launch.faults import OomFault
 from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
+from gpukit.lifecycle.checks import ResumePolicy
+from gpukit.loggers.registry import LoggersSpec
 from gpukit.runtime import collectives, owned
-from gpukit.runtime.adopt import adopt
-from gpukit.runtime.auto import AutoChoice
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
-from gpukit.runtime.config import check_device_count, resolve_devices
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.evaluation import Evaluation
-from gpukit.runtime.metrics import Metrics
-from gpukit.runtime.nonfinite import NonFiniteGuard
+from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.optimizer_adoption import adopt, parameters
+from gpukit.runtime.outputs.evaluation import Evaluation
+from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.outputs.profiling import Profiling
+from gpukit.runtime.outputs.progress import Progressing
+from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.owned import Registry
-from gpukit.runtime.precision import make_precision
-from gpukit.runtime.profiling import Profiling
-from gpukit.runtime.progressing import Progressing
-from gpukit.runtime.reporting import Reporting
-from gpukit.runtime.settings import Settings, arguments_doc
+from gpukit.runtime.properties import RuntimeViews
+from gpukit.runtime.schedulers import SchedulerSteps
+from gpukit.runtime.settings import ExportPolicy, Settings, arguments_doc
+from gpukit.runtime.settings_checks import (
+    DevicesSpec,
+    OomPolicy,
+    check_device_count,
+    resolve_devices,
+)
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step import Stepper
-from gpukit.runtime.targets import with_target_check
-from gpukit.runtime.views import RuntimeViews
-from gpukit.strategies import ReduceOp, choose
+from gpukit.runtime.step.loss_targets import with_target_check
+from gpukit.runtime.step.nonfinite import NonFiniteGuard, NonFinitePolicy
+from gpukit.runtime.step.precision import make_precision
+from gpukit.runtime.step.snapshot import seed_everything
+from gpukit.runtime.step.stepper import Stepper
+from gpukit.runtime.strategy_at_setup import AutoChoice
+from gpukit.strategies import ReduceOp, Strategy, choose
 from gpukit.strategies.meta_init import MetaInit
 
 
@@ -76,10 +83,30 @@ class Runtime(
     table: ``docs/settings.md``), each described below.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The same keywords, defaults and checks as Settings (see the signature set below).
-        self.config = settings = Settings(*args, **kwargs)
-        log_every = settings.log_every
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        precision: str = "32",
+        devices: DevicesSpec = "auto",
+        accumulate: int = 1,
+        clip: float | None = None,
+        seed: int | None = None,
+        log_every: int = 50,
+        oom: OomPolicy = "raise",
+        checkpoints: str | Path | None = None,
+        save_every: int | str | None = None,
+        keep: int = 3,
+        export: ExportPolicy = "every",
+        resume: ResumePolicy = None,
+        nonfinite: NonFinitePolicy | None = None,
+        scheduler_steps: SchedulerSteps = "per-sample",
+        loggers: LoggersSpec = None,
+        compile: bool | str = False,
+        init: Callable[[Any], Any] | None = None,
+    ) -> None:
+        # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
+        arguments = {name: value for name, value in locals().items() if name != "self"}
+        self.config = settings = Settings(**arguments)
         launched = _env.launched() is not None
         devices = resolve_devices(settings.devices, launched)
         self.strategy = choose(settings.strategy, devices, launched)
@@ -87,23 +114,24 @@ class Runtime(
         check_device_count(settings.devices, devices, self.strategy)
         self.precision = make_precision(settings.precision, self.strategy.device.torch)
         self.strategy.check_precision(self.precision.name)
-        self.compiler = Compiler(settings.compile, self.strategy)
+        self._compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
         guard = None
         if settings.nonfinite is not None:
-            guard = NonFiniteGuard(settings.nonfinite, log_every, self.precision.name)
+            guard = NonFiniteGuard(settings.nonfinite, settings.log_every, self.precision.name)
         self.lifecycle = Lifecycle(
             settings,
             self.rank,
             self.world_size,
-            log_every,
+            settings.log_every,
             save=self.save,
-            agree=self.strategy.any_rank,
-            store=_default_store,
+            # Asked through the strategy held now: strategy="auto" may replace it at rt.setup.
+            agree=lambda votes: self.strategy.any_rank(votes),
+            store=collectives.default_store,
             resume=self.resume,
             deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
-        self.stepper = Stepper(
+        self._stepper = Stepper(
             settings,
             self.state,
             self.strategy,
@@ -112,7 +140,7 @@ class Runtime(
             boundaries=self.lifecycle,
             guard=guard,
         )
-        self.metrics = Metrics(self.strategy.device.torch, log_every, self.strategy)
+        self._metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
         self._init_loggers()
         self._ready = False
         if settings.seed is not None:
@@ -166,30 +194,25 @@ class Runtime(
         optimizers = owned.optimizers_in(objects)
         if module is None:
             self._auto_decide(user, objects)  # strategy="auto": fsdp where ddp cannot fit
-            before = (
-                dict(user.named_parameters(remove_duplicate=False))
-                if isinstance(user, nn.Module)
-                else {}  # refused by the strategy, with the reason
-            )
+            before = parameters(user)
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
             # compile=...: the strategy's result compiled in place (gpukit.runtime.compiling).
-            placed = self.compiler.before_strategy(self.precision.setup_module(user), user)
-            module = self.compiler.after_strategy(self.strategy.setup_module(placed))
+            placed = self._compiler.before_strategy(self.precision.setup_module(user), user)
+            module = self._compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
-            after = dict(self.unwrap(module).named_parameters(remove_duplicate=False))
-            self.stepper.stale.note(adopt(before, after, optimizers))
+            self._stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
         self.state.optimizers += [
             o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
-        self.stepper.sync_next_backward()
+        self._stepper.sync_next_backward()
         out = owned.take_all(objects, self.state, self.setup_loader, self._scheduler)
         return (module, *out) if out else module
 
     def setup_loader(self, loader: DataLoader[Any]) -> DeviceLoader:
         """Shard, re-seed every epoch, and move batches to the device (see
-        ``gpukit.runtime.data``)."""
+        ``gpukit.runtime.data.loader``)."""
         self._ensure_ready()
         shards, shard = self.strategy.sampler_placement()
         wrapped = DeviceLoader(
@@ -249,13 +272,13 @@ class Runtime(
         self._ensure_ready()
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        return self.stepper.train_step(optimizer, batch, compute_loss)
+        return self._stepper.train_step(optimizer, batch, compute_loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass in the run's precision, averaged over accumulated micro-batches."""
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        self.stepper.backward(loss)
+        self._stepper.backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, clip, step and zero the gradients once every ``accumulate`` calls.
@@ -263,38 +286,38 @@ class Runtime(
         Returns True when the optimizer stepped (False while accumulating, or when 16-mixed
         skipped a step whose gradients overflowed).
         """
-        return self.stepper.step(optimizer)
+        return self._stepper.step(optimizer)
 
     def out_of_memory(
         self, err: BaseException | str, micro_batch: int | None = None
     ) -> OutOfMemory:
         """The error to raise for an out-of-memory ``err``: its numbers, explained with what
         this run knows (weights and optimizer state, strategy, imbalance between devices)."""
-        return self.stepper.out_of_memory(err, micro_batch)
+        return self._stepper.out_of_memory(err, micro_batch)
 
     # -- metrics --------------------------------------------------------------------------------
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Accumulate metrics on the device; every ``log_every`` calls, average them over the
         calls and the ranks, read them back once, and append them to ``rt.history``."""
-        self.metrics.log(self.state.global_step, metrics)
+        self._metrics.log(self.state.global_step, metrics)
 
     def log_metrics(self, **metrics: torch.Tensor | float) -> dict[str, float]:
         """Record values the program computed itself (a validation loss, an accuracy) at the
         current step, as they are: appended to ``rt.history`` on this rank, no averaging over
         ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
         A tensor is read back once here. Returns the record."""
-        return self.metrics.record(self.state.global_step, metrics)
+        return self._metrics.record(self.state.global_step, metrics)
 
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""
         self._ensure_ready()
-        return self.metrics.flush(self.state.global_step)
+        return self._metrics.flush(self.state.global_step)
 
     def _close_window(self) -> None:
         """Read back what ``log`` has pending: only where every rank is (the end of a pass,
         a save, the end of the launched function), since it is collective."""
-        if self.metrics.pending:
-            self.metrics.flush(self.state.global_step)
+        if self._metrics.pending:
+            self._metrics.flush(self.state.global_step)
 
     def _end_of_pass(self, trained: bool) -> None:
         # Every rank ends the pass together: a logging window never spans two epochs, and a
@@ -349,15 +372,8 @@ class Runtime(
         """
         self._ensure_ready()
         first = (self.local_rank if local else self.rank) == 0
-        if not first:
-            self.strategy.barrier()  # wait until the first has done it
-        try:
+        with collectives.first_then_others(self.strategy, first):
             yield
-        finally:
-            if first:
-                # Even when the block failed: the others go on (and meet the same problem)
-                # rather than wait in the barrier for the whole timeout.
-                self.strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -366,11 +382,7 @@ class Runtime(
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        guard = self.stepper.guard
-        if guard is None:
-            return 0
-        guard.read(self.rank)
-        return guard.skipped
+        return self._stepper.skipped_steps()
 
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
@@ -379,8 +391,9 @@ class Runtime(
         _OPEN.discard(self)
         self.lifecycle.close()
         self.state.clear()
-        self.stepper.close()
-        if in_real_process_group() or torch.cuda.is_initialized():
+        self._stepper.close()
+        # The ignore: torch declares cuda.is_initialized without annotations.
+        if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             gc.collect()
         self.strategy.teardown()
         # Last: a logger that fails to finalize must not leave the process group behind.
@@ -416,8 +429,7 @@ def teardown_open_runtimes() -> int:
     return len(left)
 
 
-# help(gk.Runtime) and inspect show the settings' keywords and defaults, and their text.
-Runtime.__init__.__signature__ = inspect.signature(Settings.__init__)  # type: ignore[attr-defined]
+# help(gk.Runtime) shows each setting's text.
 Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
 
 
@@ -434,15 +446,3 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     rt.lifecycle.finished(rt.global_step)
     rt._finish_logging("success")
     return result
-
-
-def _default_store() -> Any:
-    """The process group's key-value store (preemption's agreement runs through it)."""
-    return torch.distributed.distributed_c10d._get_default_store()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

@@ -39,7 +39,8 @@ from gpukit.lifecycle.checks import (
 )
 from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.compiling import check_compile
-from gpukit.runtime.config import (
+from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
+from gpukit.runtime.settings_checks import (
     DevicesSpec,
     OomPolicy,
     check_clip,
@@ -47,8 +48,7 @@ from gpukit.runtime.config import (
     check_oom,
     check_seed,
 )
-from gpukit.runtime.nonfinite import NonFinitePolicy, check_policy
-from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
+from gpukit.runtime.step.nonfinite import NonFinitePolicy, check_policy
 from gpukit.strategies import Strategy
 
 SAME: Any = object()  # gpukit train's default is the API's
@@ -132,7 +132,7 @@ class Settings:
         "32",
         help="the number format of the step: auto, 32, bf16-mixed or 16-mixed",
         allowed="32, bf16-mixed, 16-mixed, auto",
-        doc='"32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.precision).',
+        doc='"32" (default), "bf16-mixed", "16-mixed" or "auto" (gpukit.runtime.step.precision).',
         train_default="auto",
         why="a command runs as fast as the device allows (auto: bf16-mixed or 16-mixed on a GPU "
         "that has it, 32 on a CPU); a program keeps 32 so that it computes what it did before",
@@ -196,7 +196,7 @@ class Settings:
         "batch into more micro-batches and redo the step; under several processes this costs "
         'DDP its overlap of communication with the backward and one read per step), or "auto" '
         "(recover in one process, where it costs nothing per step; raise under several). See "
-        "``gpukit.runtime.step``.",
+        "``gpukit.runtime.step.stepper``.",
         check=check_oom,
         choices=("auto", "recover", "raise"),
         train_default="auto",
@@ -260,7 +260,7 @@ class Settings:
         allowed="skip, raise, None",
         doc='None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs an '
         'optimizer built with ``fused=True``) or "raise" (stop naming the step); both read back '
-        "only once per ``log_every`` steps (see ``gpukit.runtime.nonfinite``).",
+        "only once per ``log_every`` steps (see ``gpukit.runtime.step.nonfinite``).",
         check=_nonfinite,
         choices=("skip", "raise"),
     )

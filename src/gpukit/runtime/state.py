@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.precision import Precision
+from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler
+from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 
 

@@ -3,7 +3,7 @@
 The two share their processes: fsdp is ddp's subclass (the same ranks, process group, data
 sharding and collectives); only the model's placement differs. So an ``"auto"`` ddp whose model
 turns out too large becomes an fsdp with its defaults over the same devices, taking over the
-process group the ddp joined (see ``gpukit.runtime.auto``).
+process group the ddp joined (see ``gpukit.runtime.strategy_at_setup``).
 
 >>> from gpukit.devices import device
 >>> ddp = DDP()

@@ -37,7 +37,7 @@ from gpukit.diagnostics.memory import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, RunComplete
-from gpukit.runtime.progress import Bar, ProgressLines, Quiet
+from gpukit.runtime.outputs.progress_displays import Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
 from gpukit.train import options

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpukit.runtime.progress import DEFAULT_EVERY
+from gpukit.runtime.outputs.progress_displays import DEFAULT_EVERY
 
-# Seconds between progress lines when stdout is not a terminal (gpukit.runtime.progress).
+# Seconds between progress lines when stdout is not a terminal
+# (gpukit.runtime.outputs.progress_displays).
 DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
 
 Reader = Literal["loop", "runtime", "launcher", "command"]

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from gpukit._util.text import described, safe_repr, type_name
 from gpukit._util.tree import children
 from gpukit.errors import ConfigError, GpukitError
-from gpukit.runtime.config import SEED_RANGE
+from gpukit.runtime.settings_checks import SEED_RANGE
 
 WorkloadName = Literal["mlp", "cnn", "gpt"]
 WORKLOADS: tuple[WorkloadName, ...] = ("mlp", "cnn", "gpt")

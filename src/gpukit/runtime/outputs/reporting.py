@@ -31,7 +31,7 @@ from typing import Any, Literal
 from gpukit.errors import ConfigError, LoggerError
 from gpukit.loggers.base import Logger, logger_name
 from gpukit.loggers.registry import make_loggers
-from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
@@ -43,7 +43,7 @@ class Reporting:
     """``rt.loggers`` and ``rt.log_hyperparams`` (a mixin of ``gk.Runtime``)."""
 
     config: Settings
-    metrics: Metrics
+    _metrics: Metrics
     strategy: Strategy
     state: TrainState
 
@@ -54,7 +54,7 @@ class Reporting:
         )
         self._logging: Literal["idle", "started", "finished"] = "idle"
         if self.loggers:
-            self.metrics.on_record = self._to_loggers
+            self._metrics.on_record = self._to_loggers
 
     def log_hyperparams(self, params: dict[str, Any] | None = None, **more: Any) -> None:
         """Send hyper-parameters of the program's own (``params`` and keywords: numbers,

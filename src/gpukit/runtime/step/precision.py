@@ -10,7 +10,7 @@
 - ``"auto"``: bf16-mixed on GPUs that support it, 16-mixed on older GPUs, 32 on the CPU
   (``gpukit train``'s default).
 
->>> from gpukit.runtime.precision import make_precision
+>>> from gpukit.runtime.step.precision import make_precision
 >>> import torch
 >>> make_precision("auto", torch.device("cpu")).name
 '32'
@@ -240,6 +240,8 @@ class MixedPrecision(nn.Module):
                 raise
             return getattr(inner, name)
 
+    # The ignores below: a container model (nn.Sequential) indexes and iterates; others raise
+    # the same error they would raise unwrapped.
     def __getitem__(self, index: Any) -> Any:
         return self.module[index]  # type: ignore[index]
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpukit.runtime.compiling import Compiler
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 from gpukit.strategies.auto import fsdp_in_place_of, replaceable
 
@@ -76,9 +76,9 @@ class AutoChoice:
     config: Any
     precision: Any
     state: Any
-    stepper: Stepper
-    compiler: Compiler
-    metrics: Any
+    _stepper: Stepper
+    _compiler: Compiler
+    _metrics: Any
     _ready: bool
 
     def _auto_pending(self) -> bool:
@@ -132,9 +132,9 @@ class AutoChoice:
         the parts that hold the strategy are made again for it."""
         strategy.check_precision(self.precision.name)
         self.strategy = strategy
-        self.compiler = Compiler(self.config.compile, strategy)
-        old = self.stepper
-        self.stepper = Stepper(
+        self._compiler = Compiler(self.config.compile, strategy)
+        old = self._stepper
+        self._stepper = Stepper(
             self.config,
             self.state,
             strategy,
@@ -143,7 +143,7 @@ class AutoChoice:
             boundaries=old.boundaries,
             guard=old.guard,
         )
-        self.metrics.strategy = strategy
+        self._metrics.strategy = strategy
 
 
 def _data(objects: tuple[Any, ...], accumulate: int) -> tuple[Callable[[], Any], int]:

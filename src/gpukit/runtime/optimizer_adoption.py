@@ -27,6 +27,14 @@ from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import is_dtensor
 
 
+def parameters(module: object) -> dict[str, torch.Tensor]:
+    """``module``'s parameters by name, shared ones under each name (none for what is not a
+    module: the strategy refuses it, with the reason)."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
 def adopt(
     before: Mapping[str, torch.Tensor],
     after: Mapping[str, torch.Tensor],
@@ -64,6 +72,7 @@ def _laid_out(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
     if is_dtensor(new):
         from torch.distributed.tensor import distribute_tensor
 
+        # The ignore: is_dtensor(new) holds, but Tensor's stubs do not know DTensor's fields.
         mesh, placements = new.device_mesh, new.placements  # type: ignore[attr-defined]
         return distribute_tensor(value.to(new.device), mesh, placements)
     return value.to(new.device)

@@ -2,7 +2,7 @@
 and ``with rt.evaluating(model):``.
 
 Split over N ranks, a loader's pass hands every rank as many samples, so its sampler repeats a
-few samples when N does not divide the dataset (see :mod:`gpukit.runtime.padding`): 513
+few samples when N does not divide the dataset (see :mod:`gpukit.runtime.data.padding`): 513
 samples on 2 ranks are 514 in the pass. ``rt.gather_for_metrics(x)`` joins every rank's rows of
 ``x`` on the first dimension and leaves those repeats out, so every sample counts exactly once
 and a metric equals the one-process program's. It knows where the repeats are from the loader
@@ -35,8 +35,9 @@ from gpukit._util.text import described, type_name
 from gpukit._util.tree import is_dataclass_instance, leaves, map_tensors
 from gpukit.errors import ConfigError, warn_user
 from gpukit.lifecycle.boundaries import Lifecycle
-from gpukit.runtime import collectives, padding
-from gpukit.runtime.padding import BatchRows
+from gpukit.runtime import collectives
+from gpukit.runtime.data import padding
+from gpukit.runtime.data.padding import BatchRows
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 

@@ -8,6 +8,7 @@ not a device-side assert that leaves CUDA unusable.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,7 +102,9 @@ _CLASS_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
 _CLASS_FUNCTIONS = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 
 
-def with_target_check(loss: Any, criterion: Any) -> Any:
+def with_target_check(
+    loss: object, criterion: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
     """``criterion`` (what the strategy made of ``loss``) with a check of the targets on its
     first call, when ``loss`` is a class-index loss: ``nn.CrossEntropyLoss``/``nn.NLLLoss``
     or ``F.cross_entropy``/``F.nll_loss``, also through ``functools.partial``. A loss module

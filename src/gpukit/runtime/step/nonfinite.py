@@ -96,7 +96,7 @@ class NonFiniteGuard:
             # Sharded gradients (fsdp): each rank's norm covers its shards only. The full norm
             # (one small all-reduce, no read) makes every rank skip the same steps, and gives
             # fused optimizers the plain tensor they take as ``found_inf``.
-            norm = norm.full_tensor()  # type: ignore[union-attr]
+            norm = norm.full_tensor()  # type: ignore[union-attr]  # a DTensor here
         self._flag = (~torch.isfinite(norm)).to(torch.float32)
         return self._flag
 
@@ -105,6 +105,7 @@ class NonFiniteGuard:
         if self.policy != "skip" or self._flag is None:
             return {}
         saved = {k: getattr(optimizer, k, None) for k in ("found_inf", "grad_scale")}
+        # The ignores: fused optimizers read these attributes, which Optimizer does not declare.
         optimizer.found_inf = self._flag  # type: ignore[attr-defined]
         optimizer.grad_scale = None  # type: ignore[attr-defined]
         return saved

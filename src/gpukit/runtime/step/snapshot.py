@@ -27,10 +27,12 @@ the step began, so both are saved before each attempt and restored after a failu
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -143,3 +145,10 @@ class RngState:
         torch.set_rng_state(self.cpu)
         for index, state in self.cuda:
             torch.cuda.set_rng_state(state, index)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

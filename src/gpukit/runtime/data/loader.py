@@ -6,7 +6,7 @@ global random generator when it starts as a ``DataLoader`` does (the workers' ba
 (``next(iter(loader))``) or a ``break`` never changes what the next ``for`` loop sees;
 ``len``, ``dataset``, ``batch_size``, ``sampler`` and the loader's other attributes are there.
 
-What it adds: it shards the data across ranks (see ``gpukit.runtime.sampling``), calls the
+What it adds: it shards the data across ranks (see ``gpukit.runtime.data.sampling``), calls the
 sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
 SIGINT to the main process in its workers (``MainStops``: a preemption then saves), hands out
 batches already on the device (on CUDA from pinned memory, the next batch copied on a side
@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from gpukit._util.tree import tensors
 from gpukit.devices.move import move_to
 from gpukit.errors import ConfigError
-from gpukit.runtime import sampling
-from gpukit.runtime.sampling import PassSampler
+from gpukit.runtime.data import sampling
+from gpukit.runtime.data.sampling import PassSampler
 
 # The DataLoader arguments carried over when the loader is rebuilt around a new sampler.
 _CARRIED = (
@@ -400,6 +400,7 @@ def _check_has_batches(given: DataLoader[Any], sharded: DataLoader[Any], shards:
     """
     try:
         batches, mine = len(given), len(sharded)
+        # The ignore: a Dataset declares no __len__; one without it raises TypeError here.
         samples: int | None = len(given.dataset)  # type: ignore[arg-type]
     except TypeError:
         return

@@ -21,8 +21,8 @@ from rich.console import Console
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
-from gpukit.runtime.metrics import Metrics
-from gpukit.runtime.progress import (
+from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.outputs.progress_displays import (
     DEFAULT_EVERY,
     Bar,
     History,
@@ -43,7 +43,7 @@ def clock() -> float:
 class Progressing:
     """The :class:`~gpukit.Runtime` method that wraps a loop in a progress display."""
 
-    metrics: Metrics
+    _metrics: Metrics
     strategy: Strategy
 
     def progress(
@@ -78,7 +78,7 @@ class Progressing:
         return Shown(
             iterable,
             total,
-            _Display(console, desc, every, epochs, self.strategy.world_size, self.metrics.history),
+            _Display(console, desc, every, epochs, self.strategy.world_size, self._metrics.history),
         )
 
 
@@ -140,7 +140,7 @@ class Shown(Generic[T]):
         if self.total is not None:
             return self.total
         try:
-            return len(self.iterable)  # type: ignore[arg-type]
+            return len(self.iterable)  # type: ignore[arg-type]  # TypeError: no length
         except TypeError:  # an iterable dataset's loader, a generator
             return None
 

@@ -11,7 +11,7 @@ import os
 
 from gpukit.diagnostics.profiles import StepProfile
 from gpukit.runtime.state import TrainState
-from gpukit.runtime.step import Stepper
+from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 
@@ -19,7 +19,7 @@ class Profiling:
     """The profile method of :class:`~gpukit.Runtime`."""
 
     state: TrainState
-    stepper: Stepper
+    _stepper: Stepper
     strategy: Strategy
 
     def profile(
@@ -60,7 +60,7 @@ class Profiling:
             active=active,
             repeat=repeat,
             steps="runtime",
-            owner=self.stepper,
+            owner=self._stepper,
             rank=self.strategy.rank,
             offset=self.state.global_step,
             record_shapes=record_shapes,

@@ -1,10 +1,10 @@
 """What retrying a step after running out of memory needs, beside the step itself.
 
 Before each try of a step that may be retried, the buffers a forward changes (BatchNorm's
-running statistics) and the random generators are saved (see :mod:`gpukit.runtime.snapshot`);
+running statistics) and the random generators are saved (see :mod:`gpukit.runtime.step.snapshot`);
 after a try, the ranks agree on whether any of them failed; after a failure, the saved state is
 put back, the memory released, and the batch cut into twice as many micro-batches, with a
-warning on rank 0. The step itself (:mod:`gpukit.runtime.step`) decides when each happens.
+warning on rank 0. The step itself (:mod:`gpukit.runtime.step.stepper`) decides when each happens.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 from gpukit._util.batch import chunk_sizes
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
-from gpukit.runtime.precision import Precision
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.step.precision import Precision
+from gpukit.runtime.step.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")

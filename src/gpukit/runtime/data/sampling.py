@@ -76,7 +76,7 @@ def check_rank_sampler(sampler: Any, num_shards: int, shard: int) -> None:
 
 def distributed(loader: DataLoader[Any], num_shards: int, shard: int, seed: int) -> Sampler[int]:
     """The DistributedSampler that replaces a plain shuffle under several processes."""
-    dataset_size = len(loader.dataset)  # type: ignore[arg-type]
+    dataset_size = len(loader.dataset)  # type: ignore[arg-type]  # map-style: it has a len
     if dataset_size < num_shards:
         raise ConfigError(
             f"the dataset has {dataset_size} samples, fewer than the {num_shards} ranks: "

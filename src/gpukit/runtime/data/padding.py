@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from gpukit._util.tree import tensors
-from gpukit.runtime.sampling import Strided, shards_by_rank
+from gpukit.runtime.data.sampling import Strided, shards_by_rank
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def trailing_padding(sampler: Any) -> int | None:
     """How many of the items ``sampler`` hands this rank each pass are padding (they are the
     last ones); None for a sampler that shards by rank in a way not known here."""
     if isinstance(sampler, DistributedSampler):
-        n = len(sampler.dataset)  # type: ignore[arg-type]
+        n = len(sampler.dataset)  # type: ignore[arg-type]  # DistributedSampler needs a len
         replicas, rank, mine = sampler.num_replicas, sampler.rank, sampler.num_samples
     elif isinstance(sampler, Strided):
         n, replicas, rank, mine = (

@@ -10,7 +10,7 @@ runs forward and backward on each with the loss weighted by its share of the bat
 gradient is exactly that of the whole batch), and steps. When out-of-memory recovery is on, an
 out-of-memory error inside the forward or backward does not end the run: the step's gradients
 and memory are released, its buffers and random generators restored, the batch cut into twice as
-many micro-batches (all of it :mod:`gpukit.runtime.retry`), and the step started again. The
+many micro-batches (all of it :mod:`gpukit.runtime.step.retry`), and the step started again. The
 effective batch stays the same, and so does the result for models whose samples do not interact
 (BatchNorm's statistics do depend on the micro-batch). Under several processes every rank trains
 its micro-batches without gradient synchronisation, the ranks agree on whether anyone failed
@@ -40,14 +40,14 @@ from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch.faults import OomFault
-from gpukit.runtime.adopt import StaleOptimizers
-from gpukit.runtime.loss_checks import check_loss, checked_loss_fn
-from gpukit.runtime.nonfinite import NonFiniteGuard
-from gpukit.runtime.precision import Precision
-from gpukit.runtime.retry import Attempt, Retry
+from gpukit.runtime.optimizer_adoption import StaleOptimizers
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step_hooks import StepBoundaries
+from gpukit.runtime.step.boundaries import StepBoundaries
+from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
+from gpukit.runtime.step.nonfinite import NonFiniteGuard
+from gpukit.runtime.step.precision import Precision
+from gpukit.runtime.step.retry import Attempt, Retry
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")
@@ -160,7 +160,7 @@ class Stepper:
                 stepped = self.precision.step(optimizer)
             finally:
                 if skipping:
-                    guard.restore(optimizer, skipping)  # type: ignore[union-attr]
+                    guard.restore(optimizer, skipping)  # type: ignore[union-attr]  # set: skipping
         except Exception as err:
             # Not recoverable by smaller micro-batches: the optimizer state is what grew.
             if is_oom(err):
@@ -197,6 +197,13 @@ class Stepper:
             cached = (shape, ordered)
             self._clip_params[optimizer] = cached
         return cached[1]
+
+    def skipped_steps(self) -> int:
+        """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
+        if self.guard is None:
+            return 0
+        self.guard.read(self.strategy.rank)
+        return self.guard.skipped
 
     def sync_next_backward(self) -> None:
         """Tell the strategy whether the coming backward ends an accumulation window (only
@@ -362,6 +369,7 @@ class Stepper:
                 self.boundaries.beat("backward", self.state.global_step)
                 self.precision.backward(weighted)
             except Exception as err:
+                # The ignore: the error carries the micro-batch to the out-of-memory explanation.
                 err.gpukit_micro_batch = size  # type: ignore[attr-defined]
                 raise
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from gpukit.devices import Device
-from gpukit.runtime.data import DeviceLoader
-from gpukit.runtime.metrics import Metrics
+from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
@@ -23,7 +23,7 @@ class RuntimeViews:
 
     config: Settings
     state: TrainState
-    metrics: Metrics
+    _metrics: Metrics
     strategy: Strategy
 
     # -- settings and progress ---------------------------------------------------------------
@@ -100,7 +100,7 @@ class RuntimeViews:
         partial window is there at the end and any rank may read this alone); reading it never
         reads anything back itself, so a progress display may read it every step.
         ``rt.flush_logs()`` closes the window now."""
-        return self.metrics.history
+        return self._metrics.history
 
     # -- where this process sits ------------------------------------------------------------
     @property
