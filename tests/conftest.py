@@ -7,7 +7,9 @@ import functools
 import multiprocessing.process
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from gpukit.devices import hw as _hw
+from gpukit.launch import warm_client
 
 GiB = 1024**3
 
@@ -48,6 +51,8 @@ class ProcessGuard:
         for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
             if hasattr(os, name):
                 self._wrap(os, name, f"os.{name}")
+        # A rank forked by the warm-start server is started by this process all the same.
+        self._wrap(warm_client, "start_rank", "a rank, forked by the warm-start server")
 
     def _wrap(self, owner: object, name: str, what: str) -> None:
         original: Callable[..., object] = getattr(owner, name)
@@ -90,10 +95,44 @@ class ProcessGuard:
         return report
 
 
+class WarmStart:
+    """One warm-start server per test process (each pytest-xdist worker), exported as
+    ``GPUKIT_WARM_START`` for every test: the ranks that launchers start, in this process or in
+    the ``gpukit launch`` and ``gpukit train`` processes tests start, are forked from it rather
+    than importing torch afresh (seconds each). Started once the tests are known, only when
+    some start processes, before any runs (the process guard is not armed yet). Tests marked
+    ``cold_start`` run without it; ``-p no:gpukit-warm-start`` runs the whole session cold."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen[bytes] | None = None
+        self.folder: str | None = None
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        starts = any(item.get_closest_marker("processes") for item in session.items)
+        if not starts or self.server is not None or os.environ.get("GPUKIT_WARM_START"):
+            return
+        # A short path: a Unix socket's path holds about 100 bytes.
+        self.folder = tempfile.mkdtemp(prefix="gpukit-warm-")
+        path = os.path.join(self.folder, "socket")
+        self.server = warm_client.start_server(path)
+        os.environ["GPUKIT_WARM_START"] = path
+
+    def pytest_sessionfinish(self) -> None:
+        if self.server is not None:
+            os.environ.pop("GPUKIT_WARM_START", None)
+            self.server.terminate()
+            self.server.wait(timeout=30)
+            self.server = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A plugin rather than this conftest's own hooks: those would not see the doctests in src/.
     if not config.pluginmanager.has_plugin("gpukit-process-guard"):
         config.pluginmanager.register(ProcessGuard(), "gpukit-process-guard")
+    if not config.pluginmanager.has_plugin("gpukit-warm-start"):
+        config.pluginmanager.register(WarmStart(), "gpukit-warm-start")
 
 
 # The examples in src/ that start processes (a docstring cannot carry a mark).
@@ -132,6 +171,14 @@ def clean_environment(
         if name.startswith(("SLURM_", "PET_")) or name in CLUSTER_VARIABLES:
             monkeypatch.delenv(name)
     monkeypatch.setenv("GPUKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "gpukit-cache"))
+
+
+@pytest.fixture(autouse=True)
+def cold_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests marked ``cold_start`` start their ranks as fresh interpreters: what they check
+    (ranks that die with their launcher by ``PR_SET_PDEATHSIG``) is the cold start's own."""
+    if request.node.get_closest_marker("cold_start") is not None:
+        monkeypatch.delenv("GPUKIT_WARM_START", raising=False)
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,9 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_STARTUP_TIMEOUT``: seconds a rank of a job under gpukit's launcher may take from its
   start to its first heartbeat (imports, rendezvous, data) before the job is stopped as stuck
   in start-up, once another rank has beaten (default 900; 0: never).
+- ``GPUKIT_WARM_START``: the socket of a warm-start server (``python -m gpukit.launch.warm
+  SOCKET``): gpukit's launcher then forks each rank from that server, which has imported torch
+  and gpukit already, instead of starting a fresh interpreter (see ``gpukit.launch.warm``).
 - ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
   join the process group before it fails saying who waited where (default 120).
 - ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
@@ -120,6 +123,11 @@ def startup_timeout() -> float:
         "how long a launched rank may take to its first heartbeat; 0: never",
         zero=True,
     )
+
+
+def warm_start() -> str | None:
+    """``GPUKIT_WARM_START``: the warm-start server's socket path, or None to start ranks cold."""
+    return os.environ.get("GPUKIT_WARM_START", "").strip() or None
 
 
 def _seconds(name: str, default: float, meaning: str, zero: bool = False) -> float:

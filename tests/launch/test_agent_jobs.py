@@ -409,6 +409,7 @@ def test_sigterm_reaches_every_rank_which_saves_and_the_launcher_exits_143(
     assert "gpukit launch: stopped on request (exit 143)" in output
 
 
+@pytest.mark.cold_start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_die_with_the_launcher_even_when_it_is_sigkilled(tmp_path: Path) -> None:
     job, pids = start_waiting_job(tmp_path)

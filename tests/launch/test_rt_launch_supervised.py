@@ -167,6 +167,7 @@ def _gone(pids: list[int]) -> bool:
 
 
 @pytest.mark.processes
+@pytest.mark.cold_start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_ranks_die_with_the_calling_process(tmp_path: Path) -> None:
     parent, pids = _start_waiting(tmp_path)

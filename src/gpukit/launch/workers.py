@@ -36,6 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpukit import _env
+from gpukit.launch import warm_client
+
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
@@ -105,12 +108,18 @@ def start_worker(
     """Start ``command`` as rank ``rank`` with exactly ``env``; ``events`` receives ``rank`` the
     moment it ends. Call from a thread that lives as long as the job (see the module doc)."""
     started = time.time()
-    proc = subprocess.Popen(
-        command,
-        env=dict(env),
-        start_new_session=True,
-        preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None,
-    )
+    server = _env.warm_start()
+    args = warm_client.runner_args(command) if server is not None else None
+    if server is not None and args is not None:
+        # Forked by the warm-start server (``gpukit.launch.warm``), which has imported torch.
+        proc: Process = warm_client.start_rank(server, args, env)
+    else:
+        proc = subprocess.Popen(
+            command,
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()) if _PRCTL is not None else None,
+        )
     return watch_worker(rank, proc, started, events)
 
 

@@ -1,0 +1,228 @@
+"""Ranks forked by the warm-start server behave as ranks started cold: the environment,
+arguments and folder they get, their exit codes, their death with the launcher, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpukit
+from gpukit.errors import LaunchError
+from gpukit.launch import RUNNER, run_job, warm_client
+from gpukit.launch.workers import Worker, start_worker
+
+pytestmark = pytest.mark.processes
+
+SRC = str(Path(gpukit.__file__).resolve().parents[1])
+
+REPORT = """
+import json, os, sys
+print("to stdout", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+with open(os.environ["OUT"], "w") as file:
+    json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(),
+               "path0": sys.path[0], "main": __name__}, file)
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The session's warm-start server, or one of this module's own (a session run cold)."""
+    path = os.environ.get("GPUKIT_WARM_START")
+    if path:
+        yield path
+        return
+    path = str(tmp_path_factory.mktemp("warm") / "socket")
+    started = warm_client.start_server(path)
+    yield path
+    started.terminate()
+    started.wait(timeout=30)
+
+
+def start(
+    monkeypatch: pytest.MonkeyPatch, socket: str | None, args: list[str], env: dict[str, str]
+) -> Worker:
+    """``RUNNER args`` as rank 0, from the warm-start server at ``socket`` (None: cold)."""
+    if socket is None:
+        monkeypatch.delenv("GPUKIT_WARM_START", raising=False)
+    else:
+        monkeypatch.setenv("GPUKIT_WARM_START", socket)
+    worker = start_worker(0, [sys.executable, str(RUNNER), *args], env, queue.SimpleQueue())
+    assert worker.wait(120), "the rank did not end"
+    return worker
+
+
+@pytest.mark.parametrize("lang", ["C.UTF-8", None])  # None: Python coerces the C locale
+def test_a_warm_rank_gets_exactly_what_a_cold_one_gets(
+    server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    lang: str | None,
+) -> None:
+    (tmp_path / "report.py").write_text(REPORT)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    given = {"PATH": os.environ["PATH"], "PYTHONPATH": SRC, **({"LANG": lang} if lang else {})}
+    seen = {}
+    for how, socket in (("cold", None), ("warm", server)):
+        worker = start(
+            monkeypatch, socket, ["../report.py", "--flag", "a b"], {**given, "OUT": how}
+        )
+        assert worker.returncode == 0
+        seen[how] = json.loads((work / how).read_text())
+        seen[how]["env"].pop("OUT")
+        out, err = capfd.readouterr()
+        assert (out, err) == ("to stdout\n", "to stderr\n"), how
+    assert seen["warm"] == seen["cold"]
+    assert seen["warm"]["argv"] == ["../report.py", "--flag", "a b"]
+    assert seen["warm"]["cwd"] == str(work)
+    assert seen["warm"]["path0"] == str(tmp_path)
+    assert seen["warm"]["main"] == "__main__"
+    if lang is not None:
+        assert seen["warm"]["env"] == given
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("raise ValueError('no')", 1),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
+        ("print('done')", 0),
+    ],
+)
+def test_exit_codes_and_deaths_by_signal_read_as_popen_reports_them(
+    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, code: int
+) -> None:
+    (tmp_path / "end.py").write_text(body)
+    env = {"PYTHONPATH": SRC}
+    assert start(monkeypatch, server, [str(tmp_path / "end.py")], env).returncode == code
+    assert start(monkeypatch, None, [str(tmp_path / "end.py")], env).returncode == code
+
+
+# A launcher that starts one warm rank, which starts a process of its own (in its group).
+LAUNCHER = """
+import os, queue, sys, time
+from gpukit.launch import RUNNER
+from gpukit.launch.workers import start_worker
+start_worker(0, [sys.executable, str(RUNNER), sys.argv[1], sys.argv[2]], dict(os.environ),
+             queue.SimpleQueue())
+time.sleep(600)
+"""
+RANK = """
+import os, subprocess, sys, time
+child = subprocess.Popen(["sleep", "600"])
+with open(sys.argv[1] + ".tmp", "w") as file:
+    file.write(f"{os.getpid()} {child.pid} {os.getppid()}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (ended, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_ranks_group_dies_when_its_launcher_is_sigkilled(server: str, tmp_path: Path) -> None:
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "rank.py").write_text(RANK)
+    pids = tmp_path / "pids"
+    env = {**os.environ, "PYTHONPATH": SRC, "GPUKIT_WARM_START": server}
+    launcher = subprocess.Popen(
+        [sys.executable, "launcher.py", "rank.py", str(pids)], cwd=tmp_path, env=env
+    )
+    deadline = time.monotonic() + 120
+    while not pids.exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, "the rank did not start"
+        time.sleep(0.05)
+    rank, child, parent = map(int, pids.read_text().split())
+    assert parent != launcher.pid  # forked by the server indeed
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while (_alive(rank) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in (rank, child) if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+TRAIN = """
+import os, sys
+import torch, torch.distributed as dist
+from gpukit.lifecycle.heartbeat import Heartbeat
+
+beats = Heartbeat.from_env()
+beats.beat("start", 0)
+attempt = int(os.environ["GPUKIT_ATTEMPT"])
+dist.init_process_group("gloo")
+for step in range(3):
+    beats.beat("forward", step)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    beats.beat("optimizer", step)
+    if step == 1 and attempt == 0 and dist.get_rank() == 1:
+        raise ValueError("bad batch")
+with open(os.path.join(sys.argv[1], f"done-{dist.get_rank()}-{attempt}"), "w") as file:
+    file.write(f"{total.item():g} {os.getppid()}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_two_rank_job_restarts_and_succeeds_under_the_server(
+    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUKIT_WARM_START", server)
+    monkeypatch.setenv("PYTHONPATH", SRC)
+    (tmp_path / "train.py").write_text(TRAIN)
+    command = [sys.executable, str(RUNNER), str(tmp_path / "train.py"), str(tmp_path)]
+    code = run_job(command, 2, max_restarts=1, job_dir=tmp_path / "job")
+    assert code == 0
+    done = sorted(p.name for p in tmp_path.glob("done-*"))
+    assert done == ["done-0-1", "done-1-1"]
+    for name in done:
+        total, parent = (tmp_path / name).read_text().split()
+        assert total == "2" and int(parent) != os.getpid()  # forked by the server
+
+
+def test_a_socket_nobody_serves_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "nobody")
+    monkeypatch.setenv("GPUKIT_WARM_START", path)
+    with pytest.raises(LaunchError, match=r"GPUKIT_WARM_START=.*nobody: no warm-start server"):
+        start_worker(0, [sys.executable, str(RUNNER), "x.py"], {}, queue.SimpleQueue())
+
+
+def test_a_second_server_on_a_served_socket_is_refused(server: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit.launch.warm", server],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert done.returncode == 1
+    assert f"{server} is served already" in done.stderr
+    assert os.path.exists(server)  # the first server's socket stays
