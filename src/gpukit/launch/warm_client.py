@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -96,12 +97,14 @@ class WarmProcess:
         self._lock = threading.Lock()
 
     def wait(self) -> int:
-        with self._lock:
-            if self.returncode is None:
-                self._conn.settimeout(None)
-                self._ended(self._conn.recv(64))
-            assert self.returncode is not None  # set by _ended
-            return self.returncode
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            # Outside the lock, so poll() answers at once meanwhile; a poll that read the
+            # status closes the socket, which ends this select too.
+            with contextlib.suppress(OSError, ValueError):
+                select.select([self._conn], [], [])
 
     def poll(self) -> int | None:
         with self._lock:
@@ -145,9 +148,10 @@ def start_rank(path: str, args: list[str], env: Mapping[str, str]) -> WarmProces
     kind, _, value = data.decode(errors="replace").partition(" ")
     if kind != PID:
         conn.close()
+        why = f"it ended before the runner started (exit {value})" if kind == EXIT else "no pid"
         raise LaunchError(
-            f"GPUKIT_WARM_START={path}: the warm-start server refused the rank (it is "
-            "another program, or ended); unset GPUKIT_WARM_START to start ranks cold"
+            f"GPUKIT_WARM_START={path}: the warm-start server did not start the rank ({why}: "
+            "see its error above); unset GPUKIT_WARM_START to start ranks cold"
         )
     return WarmProcess(conn, int(value))
 
