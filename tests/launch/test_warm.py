@@ -170,7 +170,7 @@ def test_the_ranks_group_dies_when_its_launcher_is_sigkilled(server: str, tmp_pa
 TRAIN = """
 import os, sys
 import torch, torch.distributed as dist
-from gpukit.lifecycle.heartbeat import Heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 
 beats = Heartbeat.from_env()
 beats.beat("start", 0)
