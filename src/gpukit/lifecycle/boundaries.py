@@ -32,11 +32,11 @@ from gpukit.launch.faults import FaultPlan
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
 from gpukit.lifecycle.preemption import Preemption
-from gpukit.runtime.step.boundaries import StepBoundaries
 
 
-class Lifecycle(StepBoundaries):
-    """The boundaries of one rank's run (see the module docstring).
+class Lifecycle:
+    """The boundaries of one rank's run (see the module docstring); it has the hooks the step
+    calls at its boundaries (``gpukit.runtime.step.boundaries.StepBoundaries``).
 
     ``save`` writes a checkpoint (every rank calls it at the same step); ``agree`` returns,
     for a list of flags, whether any rank set each (a collective); ``store`` gives the

@@ -43,7 +43,7 @@ from gpukit.launch.faults import OomFault
 from gpukit.runtime.optimizer_adoption import StaleOptimizers
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step.boundaries import StepBoundaries
+from gpukit.runtime.step.boundaries import NoBoundaries, StepBoundaries
 from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.step.nonfinite import NonFiniteGuard
 from gpukit.runtime.step.precision import Precision
@@ -68,7 +68,7 @@ class Stepper:
         guard: NonFiniteGuard | None = None,
     ) -> None:
         self.config = config
-        self.boundaries = boundaries or StepBoundaries()
+        self.boundaries = boundaries or NoBoundaries()
         self.guard = guard
         self.state = state
         self.strategy = strategy
