@@ -217,8 +217,8 @@ LAYERS = [
     {"devices"},
     {"strategies"},
     {"diagnostics"},
-    {"runtime", "checkpoint", "lifecycle", "loggers", "launch"},  # the training core: the step,
-    # its saves, its run, where its metrics go, the processes that run it
+    {"launch", "loggers"},  # the processes that run a job, where its metrics go
+    {"runtime", "checkpoint", "lifecycle"},  # the training core: the step, its saves, its run
     {"workloads"},
     {"planning"},
     {"train"},
