@@ -26,7 +26,7 @@ import errno as errnos
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def reason(code: int | None) -> tuple[str, str]:
     )
 
 
-def needed_bytes(models: list[Any], optimizers: list[Any]) -> int:
+def needed_bytes(models: list[Any], optimizers: Sequence[Any]) -> int:
     """About what a checkpoint of ``models`` and ``optimizers`` takes on disk: the bytes of
     their weights, buffers and optimizer state (read locally: no collective, even sharded).
 

@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from gpukit.checkpoint import finite
-from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step.precision import Precision
-from gpukit.strategies import Strategy
+from gpukit.checkpoint.live import Precision, RunState, Unwraps, user_model
 
 
-def user_models(state: TrainState, strategy: Strategy, precision: Precision) -> list[nn.Module]:
+def user_models(state: RunState, strategy: Unwraps, precision: Unwraps) -> list[nn.Module]:
     """The user's own models inside what setup returned: their keys are the checkpoint's."""
     return [user_model(m, strategy, precision) for m in state.modules]
 

@@ -6,9 +6,9 @@ A load checks that the checkpoint holds exactly what the run has (the same class
 names) before anything changes, and a checkpoint written before these entries existed loads
 only into a run that has none of them (then nothing is missing).
 
->>> import torch
->>> from gpukit.runtime.state import TrainState
->>> state = TrainState(tracked={"stats": {"best": 1.0}})
+>>> import types
+>>> state = types.SimpleNamespace(optimizers=[], schedulers=[], objects=[])
+>>> state.tracked = {"stats": {"best": 1.0}}
 >>> saved = entries(state)
 >>> saved["tracked"]
 {'stats': {'type': 'builtins.dict', 'state': {'best': 1.0}}}
@@ -18,19 +18,20 @@ only into a run that has none of them (then nothing is missing).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from gpukit._util.tree import tensors
+from gpukit.checkpoint.live import RunState
+from gpukit.checkpoint.plain import not_plain, saved_state
 from gpukit.errors import ConfigError
-from gpukit.runtime.owned import not_plain, saved_state
-from gpukit.runtime.state import TrainState
 
 _KINDS = ("schedulers", "objects")
 
 
-def entries(state: TrainState) -> dict[str, Any]:
+def entries(state: RunState) -> dict[str, Any]:
     """The entries of ``state.pt`` for ``state`` (every rank computes them: a problem is
     raised on every rank alike, before a file is written)."""
     saved: dict[str, Any] = {
@@ -62,7 +63,7 @@ def entries(state: TrainState) -> dict[str, Any]:
     return saved
 
 
-def mismatches(saved: dict[str, Any], state: TrainState) -> list[str]:
+def mismatches(saved: dict[str, Any], state: RunState) -> list[str]:
     """Whether the checkpoint's entries are what ``state`` has: one line per difference."""
     found = _optimizer_mismatches(saved, state.optimizers)
     live = {
@@ -92,7 +93,7 @@ def mismatches(saved: dict[str, Any], state: TrainState) -> list[str]:
     return found
 
 
-def restore(saved: dict[str, Any], state: TrainState) -> None:
+def restore(saved: dict[str, Any], state: RunState) -> None:
     """Load the entries into ``state``'s objects (after the optimizers: a scheduler's owed
     steps set their learning rates)."""
     for scheduler, entry in zip(state.schedulers, saved.get("schedulers", []), strict=False):
@@ -109,7 +110,7 @@ def restore(saved: dict[str, Any], state: TrainState) -> None:
         scheduler.settle(int(entry.get("owed", 0)), entry.get("per_step"))
 
 
-def _optimizer_mismatches(saved: dict[str, Any], optimizers: list[Any]) -> list[str]:
+def _optimizer_mismatches(saved: dict[str, Any], optimizers: Sequence[Any]) -> list[str]:
     types = saved.get("optimizer_types")
     groups = saved.get("optimizer_groups")
     if groups is None:  # written before the keys were kept: the full layout has them
@@ -144,7 +145,7 @@ def _optimizer_mismatches(saved: dict[str, Any], optimizers: list[Any]) -> list[
     return found
 
 
-def _list_mismatches(kind: str, kept: Any, live: list[Any]) -> list[str]:
+def _list_mismatches(kind: str, kept: Any, live: Sequence[Any]) -> list[str]:
     what = kind[:-1]  # "scheduler", "object"
     if kept is None:
         if not live:

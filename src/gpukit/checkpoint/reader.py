@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,10 +27,8 @@ from gpukit.checkpoint.fit import (
     user_models,
     weights_name,
 )
+from gpukit.checkpoint.live import Loader, Precision, RunState
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.data.loader import DeviceLoader
-from gpukit.runtime.state import TrainState
-from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 
 _KEYS = ("format", "epoch", "step", "micro_step", "loaders", "optimizers", "precision", "rng")
@@ -40,7 +39,7 @@ _TORCH_ADVICE = ("weights_only", "re-running", "weightsunpickler", "file an issu
 
 def load(
     directory: Path,
-    state: TrainState,
+    state: RunState,
     strategy: Strategy,
     precision: Precision,
     accumulate: int = 1,
@@ -126,7 +125,7 @@ def _check(
     saved: dict[str, Any],
     weights: list[dict[str, torch.Tensor]],
     models: list[torch.nn.Module],
-    state: TrainState,
+    state: RunState,
     precision: Precision,
 ) -> None:
     """ConfigError unless the checkpoint fits the live objects and holds only finite values."""
@@ -158,10 +157,10 @@ def _refuse(path: Path, mismatches: list[str]) -> None:
 def _resumes(
     path: Path,
     saved: dict[str, Any],
-    loaders: list[DeviceLoader],
+    loaders: Sequence[Loader],
     rng: dict[str, Any],
     same_ranks: bool,
-) -> list[tuple[DeviceLoader, int, int, dict[str, Any] | None]]:
+) -> list[tuple[Loader, int, int, dict[str, Any] | None]]:
     """Each loader with the epoch, position and starting random state it resumes from."""
     starts = rng.get("loaders", [])
     resumes = []
@@ -175,11 +174,11 @@ def _resumes(
 
 def _commit(
     saved: dict[str, Any],
-    state: TrainState,
+    state: RunState,
     precision: Precision,
     strategy: Strategy,
     rng: dict[str, Any],
-    resumes: list[tuple[DeviceLoader, int, int, dict[str, Any] | None]],
+    resumes: list[tuple[Loader, int, int, dict[str, Any] | None]],
     accumulate: int,
 ) -> None:
     """Change the live progress (after the models and optimizers), in the order least likely
@@ -251,7 +250,7 @@ def _mismatches(
     saved: dict[str, Any],
     weights: list[dict[str, torch.Tensor]],
     models: list[torch.nn.Module],
-    state: TrainState,
+    state: RunState,
     precision: Precision,
 ) -> list[str]:
     kept = saved["optimizers"]
@@ -295,7 +294,7 @@ def _progress_mismatches(saved: dict[str, Any]) -> list[str]:
     return found
 
 
-def _position(loader: DeviceLoader, saved: dict[str, Any], path: Path) -> int:
+def _position(loader: Loader, saved: dict[str, Any], path: Path) -> int:
     """The saved position in this run's batches: a run resumed with another batch size goes on
     from the same sample, not from the same batch number."""
     before, now = saved.get("batch_size"), loader.batch_size

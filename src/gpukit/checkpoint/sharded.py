@@ -22,7 +22,7 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -32,9 +32,8 @@ from torch import nn
 from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
 from gpukit.checkpoint import finite
+from gpukit.checkpoint.live import Precision, RunState, user_model
 from gpukit.errors import ConfigError
-from gpukit.runtime.state import TrainState, user_model
-from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies.fsdp import is_sharded
@@ -67,7 +66,7 @@ def agreed(strategy: Strategy, fn: Callable[[], _T]) -> _T:
 
 
 def full_state_dict(
-    model: Any, state: TrainState, strategy: Strategy, precision: Precision
+    model: Any, state: RunState, strategy: Strategy, precision: Precision
 ) -> dict[str, torch.Tensor]:
     """What ``rt.full_state_dict(model)`` returns: ``model`` (None: the one model of
     ``state``) checked, then its :func:`full_weights`."""
@@ -125,7 +124,7 @@ def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor
 def save(
     folder: Path,
     models: list[nn.Module],
-    optimizers: list[torch.optim.Optimizer],
+    optimizers: Sequence[torch.optim.Optimizer],
     strategy: Strategy,
 ) -> list[str]:
     """Write every rank's shards of the models and optimizers into ``folder/sharded``
@@ -146,7 +145,10 @@ def written_by(folder: Path, rank: int) -> list[Path]:
 
 
 def prepare(
-    path: Path, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], strategy: Strategy
+    path: Path,
+    models: list[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    strategy: Strategy,
 ) -> Callable[[], None]:
     """Read the shards this rank needs from the checkpoint ``path`` into new tensors, check
     them (collective: every rank agrees), and return what puts them into the live models and
@@ -217,7 +219,7 @@ def layout_mismatch(path: Path, saved: dict[str, Any], live_sharded: bool) -> st
 
 
 def _state_dicts(
-    models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+    models: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The models' and optimizers' state dicts as DCP lays them out: weights by name, each
     optimizer state by its parameter's name, shards as DTensors."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,16 +33,14 @@ from gpukit.checkpoint.fit import (
     user_models,
     weights_name,
 )
+from gpukit.checkpoint.live import Loader, Precision, RunState
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime.data.loader import DeviceLoader
-from gpukit.runtime.state import TrainState
-from gpukit.runtime.step.precision import Precision
 from gpukit.strategies import Strategy
 
 
 def save(
     directory: Path,
-    state: TrainState,
+    state: RunState,
     strategy: Strategy,
     precision: Precision,
     *,
@@ -209,7 +208,7 @@ def _keep_bad(directory: Path, tmp: Path, final: Path, bad: list[str]) -> None:
     )
 
 
-def _entries(models: list[Any], state: TrainState, progress: dict[str, Any]) -> list[finite.Entry]:
+def _entries(models: list[Any], state: RunState, progress: dict[str, Any]) -> list[finite.Entry]:
     entries: list[finite.Entry] = []
     for i, model in enumerate(models):
         entries += finite.model_entries(weights_name(i, len(models)), model.state_dict(), model)
@@ -223,7 +222,7 @@ def _entries(models: list[Any], state: TrainState, progress: dict[str, Any]) -> 
 
 
 def _progress(
-    state: TrainState,
+    state: RunState,
     strategy: Strategy,
     precision: Precision,
     rng: list[dict[str, Any]],
@@ -250,7 +249,7 @@ def _progress(
     }
 
 
-def _rng_state(device: torch.device, loaders: list[DeviceLoader]) -> dict[str, Any]:
+def _rng_state(device: torch.device, loaders: Sequence[Loader]) -> dict[str, Any]:
     # Plain lists and tensors only: they load under weights_only=True.
     numpy_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     kind, keys, pos, has_gauss, cached = numpy_state

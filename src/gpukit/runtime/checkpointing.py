@@ -16,10 +16,11 @@ from torch import nn
 
 from gpukit import checkpoint
 from gpukit.checkpoint import pretrained
+from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.precision import Precision
 from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy

@@ -9,7 +9,8 @@ program's own state: objects with ``state_dict``/``load_state_dict``, or dicts o
 strings, lists and tensors, which a load fills in place.
 
 What is saved must read back as plain data (``state.pt`` is loaded with ``weights_only=True``,
-so a checkpoint never runs code): :func:`not_plain` finds what would not.
+so a checkpoint never runs code): :func:`~gpukit.checkpoint.plain.not_plain` finds what would
+not.
 
 >>> not_plain({"best": 0.5, "history": [1, 2]}), not_plain({"fn": len})
 (None, "['fn'] is a builtin_function_or_method")
@@ -17,7 +18,6 @@ so a checkpoint never runs code): :func:`not_plain` finds what would not.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -26,16 +26,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gpukit._util.text import described, type_name
+from gpukit.checkpoint.plain import not_plain, saved_state
 from gpukit.errors import ConfigError
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler, is_scheduler
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
-
-# What torch.load(weights_only=True) reads back besides containers.
-_LEAVES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, torch.Tensor)
-_LEAVES += (torch.Size, torch.dtype, torch.device)
 
 
 class Registry:
@@ -179,17 +176,6 @@ def track(state: TrainState, objects: dict[str, Any]) -> None:
         state.tracked[name] = obj
 
 
-def saved_state(obj: Any) -> Any:
-    """``obj.state_dict()`` without the object's own bound methods (older torch keeps
-    OneCycleLR's ``anneal_func`` in it): the constructor makes them again, so they are not
-    state."""
-    state = obj.state_dict()
-    if isinstance(state, dict):
-        own = [k for k, v in state.items() if getattr(v, "__self__", None) is obj]
-        state = {k: v for k, v in state.items() if k not in own} if own else state
-    return state
-
-
 def check_saveable(where: str, obj: Any) -> None:
     """ConfigError unless ``obj.state_dict()`` is plain data."""
     try:
@@ -208,37 +194,6 @@ def check_saveable(where: str, obj: Any) -> None:
             "with plain functions saves none of them; one with callable objects saves "
             "their attributes)"
         )
-
-
-def not_plain(value: Any, path: str = "") -> str | None:
-    """Where ``value`` holds something ``torch.load(weights_only=True)`` refuses, or None.
-    Plain data only: dicts with plain keys, lists and tuples (no namedtuples or dataclasses),
-    and leaves; a container met twice (shared, or a cycle) is looked at once.
-
-    >>> not_plain({"best": 0.5, "history": [1, 2]}) is None
-    True
-    >>> not_plain({"fn": print})
-    "['fn'] is a builtin_function_or_method"
-    """
-    pending: list[tuple[str, Any]] = [(path, value)]
-    seen: set[int] = set()
-    while pending:
-        where, item = pending.pop()
-        if isinstance(item, (dict, OrderedDict)) or type(item) in (list, tuple):
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
-            pairs = list(item.items()) if isinstance(item, dict) else list(enumerate(item))
-            for key, _ in pairs:
-                if isinstance(item, dict) and not isinstance(key, _KEYS):
-                    return f"key {key!r} at {where or 'the top'} is a {type_name(key)}"
-            pending.extend(reversed([(f"{where}[{key!r}]", v) for key, v in pairs]))
-        elif not isinstance(item, _LEAVES):
-            return f"{where or 'value'} is a {type_name(item)}"
-    return None
-
-
-_KEYS = (str, int, float, bool, type(None), tuple)
 
 
 def _stateful(obj: Any) -> bool:

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from gpukit import _env
 from gpukit._util.fake import in_real_process_group
+from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch import DEFAULT_HANG_TIMEOUT
 from gpukit.launch.faults import OomFault
@@ -63,7 +64,7 @@ from gpukit.runtime.settings_checks import (
     check_device_count,
     resolve_devices,
 )
-from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
 from gpukit.runtime.step.nonfinite import NonFiniteGuard, NonFinitePolicy
 from gpukit.runtime.step.precision import make_precision

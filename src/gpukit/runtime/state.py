@@ -18,8 +18,6 @@ from torch import nn
 
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler
-from gpukit.runtime.step.precision import Precision
-from gpukit.strategies import Strategy
 
 
 @dataclass
@@ -58,9 +56,3 @@ class TrainState:
         self.schedulers.clear()
         self.objects.clear()
         self.tracked.clear()
-
-
-def user_model(module: nn.Module, strategy: Strategy, precision: Precision) -> nn.Module:
-    """The user's own model inside what ``setup`` returned: the strategy's wrapper (DDP, dp)
-    holds the precision's (autocast), which holds the model."""
-    return precision.unwrap(strategy.unwrap(module))

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from gpukit._util.batch import chunk_sizes
+from gpukit.checkpoint.live import user_model
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.precision import Precision
 from gpukit.runtime.step.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.strategies import Strategy

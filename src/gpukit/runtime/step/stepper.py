@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from gpukit._util.batch import batch_size, chunk_sizes, split
+from gpukit.checkpoint.live import user_model
 from gpukit.diagnostics import profiles
 from gpukit.diagnostics.memory import breakdown, report
 from gpukit.diagnostics.oom import explain
@@ -42,7 +43,7 @@ from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch.faults import OomFault
 from gpukit.runtime.optimizer_adoption import StaleOptimizers
 from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState, user_model
+from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.boundaries import NoBoundaries, StepBoundaries
 from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.step.nonfinite import NonFiniteGuard
