@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.runtime import resolve_devices
+from gpukit.runtime.settings_checks import resolve_devices
 from gpukit.strategies.ddp import DDP
 
 
