@@ -234,3 +234,22 @@ def test_a_strategy_taken_at_setup_answers_the_lifecycles_agreements(
     rt._use_strategy(taken)
     assert rt.strategy is taken and rt.lifecycle._agree([True]) == [True]
     assert asked == [[True]]
+
+
+def test_a_strategy_taken_at_setup_reaches_every_part_that_holds_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The Runtime's parts (its metrics, evaluation, collectives, progress, profile, loggers)
+    # each hold the strategy: once "auto" takes another one at rt.setup, none keeps the old.
+    rt = gk.Runtime(devices="cpu")
+    old = rt.strategy
+    taken = copy.copy(old)
+    rt._use_strategy(taken)
+    taken.rank = 1  # as rank 1 sees itself, where the replaced strategy still says rank 0
+    rt.print("rank 0 only")
+    assert capsys.readouterr().out == ""
+    assert rt.progress(range(2), out=io.StringIO()).display is None  # nothing shown
+    parts = (rt._metrics, rt._evaluation, rt._processes, rt._progress, rt._profiling)
+    assert all(part.strategy is taken for part in (*parts, rt._reporting))
+    assert rt._profiling.stepper is rt._stepper and rt._stepper.strategy is taken
+    assert old.rank == 0

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.runtime import resolve_devices
+from gpukit.runtime.properties import Delegate
+from gpukit.runtime.settings_checks import resolve_devices
 from gpukit.strategies.ddp import DDP
 
 
@@ -314,3 +315,14 @@ def test_log_metrics_refuses_what_it_cannot_record(kwargs, needle):
     with pytest.raises(gk.GpukitError, match=re.escape(needle)):
         rt.log_metrics(**kwargs)
     assert rt.history == []
+
+
+def test_every_method_a_part_does_is_that_parts_own_method() -> None:
+    # A Delegate names its part by attribute: a misspelt one fails here, not at a user's call.
+    rt = gk.Runtime(devices="cpu")
+    delegates = {n: d for n, d in vars(gk.Runtime).items() if isinstance(d, Delegate)}
+    assert {"gather_for_metrics", "progress", "profile", "track", "barrier"} <= set(delegates)
+    for name, delegate in delegates.items():
+        bound = getattr(rt, name)
+        assert bound.__func__ is delegate.method and bound.__self__ is getattr(rt, delegate.part)
+        assert bound.__name__ == name and bound.__doc__ == getattr(gk.Runtime, name).__doc__

@@ -32,17 +32,16 @@ from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler, is_scheduler
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
-from gpukit.strategies import Strategy
 
 
 class Registry:
-    """The Runtime's ``track``, and the wrapper its ``setup`` gives a scheduler."""
+    """The Runtime's ``rt.track``, and the wrapper its ``setup`` gives a scheduler: what it
+    registers goes into ``state``; ``settings`` say how schedulers step."""
 
-    state: TrainState
-    strategy: Strategy
-    config: Settings
+    def __init__(self, settings: Settings, state: TrainState) -> None:
+        self.settings, self.state = settings, state
 
-    def track(self, **objects: Any) -> None:
+    def track(self, /, **objects: Any) -> None:
         """Save the program's own state in every checkpoint, with the rest of it (atomically),
         and restore it in place on load: objects with ``state_dict``/``load_state_dict``, or
         dicts of numbers, strings, lists and tensors. What a checkpoint cannot hold is refused
@@ -55,15 +54,15 @@ class Registry:
         """
         track(self.state, objects)
 
-    def _scheduler(self, scheduler: Any) -> Scheduler:
-        # Ranks that split the batches each see 1/shards of them per optimizer step.
-        shards, _ = self.strategy.sampler_placement()
-        per_sample = self.config.scheduler_steps == "per-sample"
+    def scheduler(self, scheduler: Any, shards: int) -> Scheduler:
+        """``scheduler`` as ``rt.setup`` returns it, for ranks that split the batches in
+        ``shards`` (each sees 1/shards of them per optimizer step)."""
+        per_sample = self.settings.scheduler_steps == "per-sample"
         return Scheduler(scheduler, shards if per_sample else 1, self._mid_window)
 
     def _mid_window(self) -> bool:
         """Whether gradients are accumulating (the optimizer steps at the window's end)."""
-        return self.state.micro_step % self.config.accumulate != 0
+        return self.state.micro_step % self.settings.accumulate != 0
 
 
 def optimizers_in(objects: tuple[Any, ...]) -> list[torch.optim.Optimizer]:

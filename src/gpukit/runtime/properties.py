@@ -1,132 +1,119 @@
 """What a Runtime shows about itself: its settings, its progress and where this process sits.
 
-Read-only views (the step counters can also be set, as a resumed loop may) over the Runtime's
-frozen settings (``config``), its :class:`TrainState`, its metrics and its strategy.
+Each view reads one of the Runtime's public parts when it is read: its frozen settings
+(``config``), its :class:`TrainState` (``state``) or its strategy (``strategy``, which
+``strategy="auto"`` may replace at ``rt.setup``: a view never keeps the old one). Views only
+read, but the step counters, which a resumed loop may set. A method whose work one of the
+Runtime's private parts does (``rt.gather_for_metrics``, ``rt.progress``, ...) is a
+:class:`Delegate`: that part's method, bound to the part.
+
+>>> import gpukit as gk
+>>> rt = gk.Runtime(devices="cpu", accumulate=2)
+>>> rt.accumulate, rt.global_step, rt.rank
+(2, 0, 0)
+>>> rt.global_step = 5
+>>> rt.state.global_step
+5
 """
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from collections.abc import Callable
+from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
-import torch
-
-from gpukit.devices import Device
-from gpukit.runtime.data.loader import DeviceLoader
-from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
+T = TypeVar("T")
+C = TypeVar("C")
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class RuntimeViews:
-    """The properties of :class:`~gpukit.Runtime` that only read (or set a counter)."""
+
+class Parts(Protocol):
+    """What a view reads from: the Runtime's public parts."""
 
     config: Settings
     state: TrainState
-    _metrics: Metrics
     strategy: Strategy
 
-    # -- settings and progress ---------------------------------------------------------------
-    @property
-    def accumulate(self) -> int:
-        return self.config.accumulate
 
-    @property
-    def clip(self) -> float | None:
-        return self.config.clip
+class View(Generic[T]):
+    """A read-only attribute, ``read`` from the Runtime's parts each time it is read (with
+    ``doc`` for ``help``): ``accumulate = View(lambda rt: rt.config.accumulate)``."""
 
-    @property
-    def seed(self) -> int | None:
-        return self.config.seed
+    def __init__(self, read: Callable[[Parts], T], doc: str | None = None) -> None:
+        self.read = read
+        self.__doc__ = doc
+        self.name = ""
 
-    @property
-    def log_every(self) -> int:
-        return self.config.log_every
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-    @property
-    def oom(self) -> str:
-        return self.config.oom
+    @overload
+    def __get__(self, rt: None, owner: type | None = None) -> View[T]: ...
 
-    @property
-    def nonfinite(self) -> str | None:
-        return self.config.nonfinite
+    @overload
+    def __get__(self, rt: Parts, owner: type | None = None) -> T: ...
 
-    @property
-    def settings(self) -> Settings:
-        """Every setting this Runtime was made with (``gpukit.runtime.settings``)."""
-        return self.config
+    def __get__(self, rt: Parts | None, owner: type | None = None) -> View[T] | T:
+        return self if rt is None else self.read(rt)
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken."""
-        return self.state.global_step
+    def __set__(self, rt: Parts, value: object) -> None:
+        # As a property without a setter: an assignment is refused, never kept beside it.
+        raise AttributeError(f"property {self.name!r} of {type(rt).__name__!r} has no setter")
 
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self.state.global_step = value
 
-    @property
-    def micro_step(self) -> int:
-        """Backward passes taken."""
-        return self.state.micro_step
+class Counter:
+    """One of the step counters of the Runtime's ``state`` (the field of the same name): read
+    there, and set there, as a loop that resumes by itself may do."""
 
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self.state.micro_step = value
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
 
-    @property
-    def oom_split(self) -> int:
-        """Micro-batches per accumulation step, raised by out-of-memory recovery."""
-        return self.state.oom_split
+    def __set_name__(self, owner: type, name: str) -> None:
+        if not isinstance(getattr(TrainState(), name, None), int):
+            raise TypeError(f"TrainState has no counter {name!r}")
+        self.name = name
 
-    @oom_split.setter
-    def oom_split(self, value: int) -> None:
-        self.state.oom_split = value
+    @overload
+    def __get__(self, rt: None, owner: type | None = None) -> Counter: ...
 
-    @property
-    def oom_events(self) -> list[dict[str, Any]]:
-        """One record per out-of-memory recovery: step, micro-batch before and after."""
-        return self.state.oom_events
+    @overload
+    def __get__(self, rt: Parts, owner: type | None = None) -> int: ...
 
-    @property
-    def loaders(self) -> list[DeviceLoader]:
-        return self.state.loaders
+    def __get__(self, rt: Parts | None, owner: type | None = None) -> Counter | int:
+        if rt is None:
+            return self
+        value: int = getattr(rt.state, self.name)
+        return value
 
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """What ``rt.log`` read back, one record per window. A window closes every
-        ``log_every`` calls, when a loader's pass runs to its end, at ``rt.save``, and when the
-        function ``rt.launch`` runs returns (points every rank reaches together, so the last
-        partial window is there at the end and any rank may read this alone); reading it never
-        reads anything back itself, so a progress display may read it every step.
-        ``rt.flush_logs()`` closes the window now."""
-        return self._metrics.history
+    def __set__(self, rt: Parts, value: int) -> None:
+        setattr(rt.state, self.name, value)
 
-    # -- where this process sits ------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """The device this process trains on, as a ``torch.device``: ``x.to(rt.device)`` and
-        ``torch.zeros(2, device=rt.device)`` work as they do with plain PyTorch."""
-        return self.strategy.device.torch
 
-    @property
-    def device_info(self) -> Device:
-        """gpukit's :class:`Device` for ``rt.device``: its name, memory and compute
-        capability."""
-        return self.strategy.device
+class Delegate(Generic[C, P, R]):
+    """A method of the Runtime that is ``method`` of the part it holds in its attribute
+    ``part``: ``rt.progress`` is ``rt._progress.progress``, with the signature and docstring
+    written beside the work (the Runtime's class shows ``method`` itself)."""
 
-    @property
-    def rank(self) -> int:
-        return self.strategy.rank
+    def __init__(self, part: str, method: Callable[Concatenate[C, P], R]) -> None:
+        self.part, self.method = part, method
+        self.__doc__ = method.__doc__
 
-    @property
-    def local_rank(self) -> int:
-        return self.strategy.local_rank
+    @overload
+    def __get__(self, rt: None, owner: type | None = None) -> Callable[Concatenate[C, P], R]: ...
 
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
+    @overload
+    def __get__(self, rt: Parts, owner: type | None = None) -> Callable[P, R]: ...
 
-    @property
-    def is_global_zero(self) -> bool:
-        return self.rank == 0
+    def __get__(
+        self, rt: Parts | None, owner: type | None = None
+    ) -> Callable[Concatenate[C, P], R] | Callable[P, R]:
+        if rt is None:
+            return self.method
+        bound: Callable[P, R] = types.MethodType(self.method, getattr(rt, self.part))
+        return bound

@@ -20,13 +20,10 @@ loop runs on one CPU, one GPU, or one process per device under DDP.
 
 from __future__ import annotations
 
-import builtins
-import contextlib
 import functools
 import gc
 import sys
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,45 +36,38 @@ from gpukit._util.fake import in_real_process_group
 from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch import DEFAULT_HANG_TIMEOUT
-from gpukit.launch.faults import OomFault
 from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.checks import ResumePolicy
 from gpukit.loggers.registry import LoggersSpec
 from gpukit.runtime import collectives, owned
+from gpukit.runtime.assembly import make_stepper, strategy_and_precision
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.open_runtimes import OPEN
+from gpukit.runtime.open_runtimes import teardown_open_runtimes as teardown_open_runtimes
 from gpukit.runtime.optimizer_adoption import adopt, parameters
 from gpukit.runtime.outputs.evaluation import Evaluation
 from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.outputs.profiling import Profiling
-from gpukit.runtime.outputs.progress import Progressing
+from gpukit.runtime.outputs.progress import Progress
 from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.owned import Registry
-from gpukit.runtime.properties import RuntimeViews
+from gpukit.runtime.processes import Processes
+from gpukit.runtime.properties import Counter, Delegate, View
 from gpukit.runtime.schedulers import SchedulerSteps
 from gpukit.runtime.settings import ExportPolicy, Settings, arguments_doc
-from gpukit.runtime.settings_checks import (
-    DevicesSpec,
-    OomPolicy,
-    check_device_count,
-    resolve_devices,
-)
+from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
-from gpukit.runtime.step.nonfinite import NonFiniteGuard, NonFinitePolicy
-from gpukit.runtime.step.precision import make_precision
+from gpukit.runtime.step.nonfinite import NonFinitePolicy
 from gpukit.runtime.step.snapshot import seed_everything
-from gpukit.runtime.step.stepper import Stepper
-from gpukit.runtime.strategy_at_setup import AutoChoice
-from gpukit.strategies import ReduceOp, Strategy, choose
-from gpukit.strategies.meta_init import MetaInit
+from gpukit.runtime.strategy_at_setup import AutoChoice, stepper_for
+from gpukit.strategies import Strategy
 
 
-class Runtime(
-    RuntimeViews, Registry, Checkpointing, Evaluation, Reporting, Progressing, Profiling, AutoChoice
-):
+class Runtime(Checkpointing):
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -109,17 +99,9 @@ class Runtime(
         arguments = {name: value for name, value in locals().items() if name != "self"}
         self.config = settings = Settings(**arguments)
         launched = _env.launched() is not None
-        devices = resolve_devices(settings.devices, launched)
-        self.strategy = choose(settings.strategy, devices, launched)
-        self.strategy.meta_init = MetaInit(settings.init, settings.seed)  # a meta model's init
-        check_device_count(settings.devices, devices, self.strategy)
-        self.precision = make_precision(settings.precision, self.strategy.device.torch)
-        self.strategy.check_precision(self.precision.name)
+        self.strategy, self.precision = strategy_and_precision(settings, launched)
         self._compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
-        guard = None
-        if settings.nonfinite is not None:
-            guard = NonFiniteGuard(settings.nonfinite, settings.log_every, self.precision.name)
         self.lifecycle = Lifecycle(
             settings,
             self.rank,
@@ -132,17 +114,21 @@ class Runtime(
             resume=self.resume,
             deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
         )
-        self._stepper = Stepper(
-            settings,
-            self.state,
-            self.strategy,
-            self.precision,
-            OomFault.from_env(self.strategy.device.torch),
-            boundaries=self.lifecycle,
-            guard=guard,
+        self._stepper = make_stepper(
+            settings, self.state, self.strategy, self.precision, self.lifecycle
         )
         self._metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
-        self._init_loggers()
+        # The parts behind the methods below that hand them their work (``Delegate``).
+        self._registry = Registry(settings, self.state)
+        self._processes = Processes(self.strategy, self._before_collective, self._ensure_ready)
+        self._evaluation = Evaluation(self.strategy, self._before_collective)
+        self._progress = Progress(self.strategy, self._metrics.history)
+        self._profiling = Profiling(self._stepper, self.strategy, self.state)
+        self._reporting = Reporting(settings, self.state, self.strategy)
+        self.loggers = self._reporting.loggers
+        if self.loggers:
+            self._metrics.on_record = self._reporting.record
+        self._auto = AutoChoice(settings)  # strategy="auto": fsdp where ddp cannot fit
         self._ready = False
         if settings.seed is not None:
             seed_everything(settings.seed)
@@ -151,6 +137,65 @@ class Runtime(
             # constructor does: what the program builds before rt.setup (a
             # DistributedSampler, a barrier around a download) needs it.
             self._ensure_ready()
+
+    # -- views: read from the settings, the progress and the strategy when read --------------
+    accumulate = View(lambda rt: rt.config.accumulate)
+    clip = View(lambda rt: rt.config.clip)
+    seed = View(lambda rt: rt.config.seed)
+    log_every = View(lambda rt: rt.config.log_every)
+    oom = View(lambda rt: rt.config.oom)
+    nonfinite = View(lambda rt: rt.config.nonfinite)
+    settings = View(
+        lambda rt: rt.config,
+        "Every setting this Runtime was made with (``gpukit.runtime.settings``).",
+    )
+    global_step = Counter("Optimizer steps taken.")
+    micro_step = Counter("Backward passes taken.")
+    oom_split = Counter("Micro-batches per accumulation step, raised by out-of-memory recovery.")
+    oom_events = View(
+        lambda rt: rt.state.oom_events,
+        "One record per out-of-memory recovery: step, micro-batch before and after.",
+    )
+    loaders = View(lambda rt: rt.state.loaders)
+    device = View(
+        lambda rt: rt.strategy.device.torch,
+        """The device this process trains on, as a ``torch.device``: ``x.to(rt.device)`` and
+        ``torch.zeros(2, device=rt.device)`` work as they do with plain PyTorch.""",
+    )
+    device_info = View(
+        lambda rt: rt.strategy.device,
+        """gpukit's :class:`Device` for ``rt.device``: its name, memory and compute
+        capability.""",
+    )
+    rank = View(lambda rt: rt.strategy.rank)
+    local_rank = View(lambda rt: rt.strategy.local_rank)
+    world_size = View(lambda rt: rt.strategy.world_size)
+    is_global_zero = View(lambda rt: rt.strategy.rank == 0)
+
+    # -- what the Runtime's parts do: each method is the part's own (signature, docstring) ---
+    track = Delegate("_registry", Registry.track)
+    gather_for_metrics = Delegate("_evaluation", Evaluation.gather_for_metrics)
+    pad_across_processes = Delegate("_evaluation", Evaluation.pad_across_processes)
+    evaluating = Delegate("_evaluation", Evaluation.evaluating)
+    progress = Delegate("_progress", Progress.progress)
+    profile = Delegate("_profiling", Profiling.profile)
+    log_hyperparams = Delegate("_reporting", Reporting.log_hyperparams)
+    barrier = Delegate("_processes", Processes.barrier)
+    all_reduce = Delegate("_processes", Processes.all_reduce)
+    all_gather = Delegate("_processes", Processes.all_gather)
+    broadcast = Delegate("_processes", Processes.broadcast)
+    main_process_first = Delegate("_processes", Processes.main_process_first)
+    print = Delegate("_processes", Processes.print)
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """What ``rt.log`` read back, one record per window. A window closes every
+        ``log_every`` calls, when a loader's pass runs to its end, at ``rt.save``, and when the
+        function ``rt.launch`` runs returns (points every rank reaches together, so the last
+        partial window is there at the end and any rank may read this alone); reading it never
+        reads anything back itself, so a progress display may read it every step.
+        ``rt.flush_logs()`` closes the window now."""
+        return self._metrics.history
 
     # -- setup ----------------------------------------------------------------------------------
     def launch(
@@ -194,7 +239,11 @@ class Runtime(
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         optimizers = owned.optimizers_in(objects)
         if module is None:
-            self._auto_decide(user, objects)  # strategy="auto": fsdp where ddp cannot fit
+            taken = self._auto.decide(
+                self.strategy, self.precision.name, self._ready, user, objects
+            )
+            if taken is not None:
+                self._use_strategy(taken)
             before = parameters(user)
             # Autocast inside the strategy's wrapper: DDP calls it as it would call the model,
             # and DDP's own switches (no_sync, buffer broadcast) stay on the outermost module.
@@ -208,7 +257,9 @@ class Runtime(
             o for o in optimizers if not any(o is k for k in self.state.optimizers)
         ]
         self._stepper.sync_next_backward()
-        out = owned.take_all(objects, self.state, self.setup_loader, self._scheduler)
+        shards, _ = self.strategy.sampler_placement()
+        wrap = functools.partial(self._registry.scheduler, shards=shards)
+        out = owned.take_all(objects, self.state, self.setup_loader, wrap)
         return (module, *out) if out else module
 
     def setup_loader(self, loader: DataLoader[Any]) -> DeviceLoader:
@@ -226,7 +277,7 @@ class Runtime(
             on_pass_end=self._end_of_pass,
             on_pass_start=self.lifecycle.before_first_pass,
             on_batch=self.lifecycle.at_boundary,
-            on_handed=self._batch_handed,
+            on_handed=self._evaluation.batch_handed,
         )
         self.state.loaders.append(wrapped)
         return wrapped
@@ -296,6 +347,10 @@ class Runtime(
         this run knows (weights and optimizer state, strategy, imbalance between devices)."""
         return self._stepper.out_of_memory(err, micro_batch)
 
+    def skipped_steps(self) -> int:
+        """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
+        return self._stepper.skipped_steps()
+
     # -- metrics --------------------------------------------------------------------------------
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Accumulate metrics on the device; every ``log_every`` calls, average them over the
@@ -330,66 +385,12 @@ class Runtime(
         for scheduler in self.state.schedulers:
             scheduler.loader_pass_ended()
 
-    # -- processes ------------------------------------------------------------------------------
-    def barrier(self) -> None:
-        """Wait for every rank."""
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
-        self.strategy.barrier()
-
-    def all_reduce(self, value: torch.Tensor | float, op: ReduceOp = "mean") -> Any:
-        """``value`` combined over the ranks by "mean", "sum", "max" or "min": a tensor on any
-        device (the result comes back on that device) or a Python number (a number back)."""
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
-        return collectives.all_reduce(self.strategy, value, op)
-
-    def all_gather(self, value: torch.Tensor | float) -> Any:
-        """Every rank's ``value`` in rank order: tensors (the same shape and dtype on every
-        rank) stacked on a new first dimension, on the tensor's device; numbers as a list.
-        Under several processes the ranks first exchange the shapes (one small object
-        exchange): tensors that differ are a ConfigError on every rank (for rows that differ,
-        as in a last evaluation batch, use ``rt.gather_for_metrics``)."""
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
-        return collectives.all_gather(self.strategy, value)
-
-    def broadcast(self, value: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``value`` on every rank: a tensor (same shape and dtype on every
-        rank; the result on the tensor's device) or any picklable object."""
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
-        return collectives.broadcast(self.strategy, value, src)
-
-    @contextlib.contextmanager
-    def main_process_first(self, local: bool = False) -> Iterator[None]:
-        """Run the block on rank 0 first (``local=True``: on each machine's local rank 0),
-        then on the others: one download or cache build, which the others then read.
-
-        >>> import gpukit as gk
-        >>> rt = gk.Runtime(devices="cpu")
-        >>> with rt.main_process_first():
-        ...     pass  # download the dataset here
-        """
-        self._ensure_ready()
-        first = (self.local_rank if local else self.rank) == 0
-        with collectives.first_then_others(self.strategy, first):
-            yield
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
-        if self.is_global_zero:
-            builtins.print(*args, **kwargs)
-
-    def skipped_steps(self) -> int:
-        """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        return self._stepper.skipped_steps()
-
+    # -- the end --------------------------------------------------------------------------------
     def teardown(self) -> None:
         """Drop the wrapped models, then leave the process group this Runtime joined."""
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
-        _OPEN.discard(self)
+        OPEN.discard(self)
         self.lifecycle.close()
         self.state.clear()
         self._stepper.close()
@@ -398,7 +399,7 @@ class Runtime(
             gc.collect()
         self.strategy.teardown()
         # Last: a logger that fails to finalize must not leave the process group behind.
-        self._finish_logging("failed" if sys.exc_info()[0] else "success")  # if not before
+        self._reporting.finish("failed" if sys.exc_info()[0] else "success")  # if not before
 
     def _ensure_ready(self) -> None:
         if self._ready:
@@ -411,23 +412,22 @@ class Runtime(
             )
         self.strategy.setup_environment()
         self._ready = True
-        _OPEN.add(self)
-        self._start_loggers()
+        OPEN.add(self)
+        self._reporting.start()
 
+    def _before_collective(self) -> None:
+        self._ensure_ready()
+        self.lifecycle.beat("collective", self.state.global_step)
 
-# Runtimes set up and not yet torn down, for the launcher's runner to close (see below).
-_OPEN: weakref.WeakSet[Runtime] = weakref.WeakSet()
-
-
-def teardown_open_runtimes() -> int:
-    """Tear down every Runtime this process set up and left open; how many there were. A
-    script run by gpukit's launcher often ends without ``rt.teardown()``: the runner calls this
-    when the script returns, so the ranks leave their process group in order (the models'
-    reducers first) before the interpreter shuts down, where gloo's threads would abort it."""
-    left = list(_OPEN)
-    for rt in left:
-        rt.teardown()
-    return len(left)
+    def _use_strategy(self, strategy: Strategy) -> None:
+        """Train with ``strategy`` from now on (before any model is placed or step taken):
+        each part that holds the strategy is made again for it, or given it."""
+        strategy.check_precision(self.precision.name)
+        self.strategy = strategy
+        self._compiler = Compiler(self.config.compile, strategy)
+        self._stepper = self._profiling.stepper = stepper_for(strategy, self._stepper)
+        self._metrics.strategy = self._evaluation.strategy = self._processes.strategy = strategy
+        self._progress.strategy = self._profiling.strategy = self._reporting.strategy = strategy
 
 
 # help(gk.Runtime) shows each setting's text.
@@ -442,8 +442,8 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
         result = fn(rt, *args)
         rt._close_window()
     except BaseException:
-        rt._finish_logging("failed")
+        rt._reporting.finish("failed")
         raise
     rt.lifecycle.finished(rt.global_step)
-    rt._finish_logging("success")
+    rt._reporting.finish("success")
     return result

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from gpukit.runtime.compiling import Compiler
+from gpukit.runtime.settings import Settings
 from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 from gpukit.strategies.auto import fsdp_in_place_of, replaceable
@@ -70,45 +70,49 @@ def use_estimator(estimator: Estimator) -> None:
 
 
 class AutoChoice:
-    """The Runtime's part in ``strategy="auto"`` (a mixin; see the module doc)."""
+    """The Runtime's part in ``strategy="auto"`` (see the module doc): whether it has asked
+    the planner yet, under its ``settings``. It holds no strategy: it is given the one the
+    Runtime holds, and says which to take instead."""
 
-    strategy: Strategy
-    config: Any
-    precision: Any
-    state: Any
-    _stepper: Stepper
-    _compiler: Compiler
-    _metrics: Any
-    _ready: bool
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.asked = False
 
-    def _auto_pending(self) -> bool:
+    def pending(self, strategy: Strategy) -> bool:
         return (
-            self.config.strategy == "auto"
+            self.settings.strategy == "auto"
             # oom="recover" over several ranks is ddp's alone (fsdp refuses it): ddp stays.
-            and self.config.oom != "recover"
-            and not getattr(self, "_auto_asked", False)
-            and replaceable(self.strategy)
+            and self.settings.oom != "recover"
+            and not self.asked
+            and replaceable(strategy)
             and bool(_ESTIMATOR)
         )
 
-    def _auto_decide(self, model: nn.Module, objects: tuple[Any, ...]) -> None:
-        """At the first ``rt.setup``: fsdp instead of ddp when ddp does not fit (module doc)."""
-        if not self._auto_pending():
-            return
-        self._auto_asked = True
-        strategy = self.strategy
+    def decide(
+        self,
+        strategy: Strategy,
+        precision: str,
+        ready: bool,
+        model: nn.Module,
+        objects: tuple[Any, ...],
+    ) -> Strategy | None:
+        """At the first ``rt.setup``: fsdp in place of ``strategy`` (ddp) when ddp does not
+        fit (module doc), else None. ``ready``: the process group is up, so the ranks agree."""
+        if not self.pending(strategy):
+            return None
+        self.asked = True
         capacities = [d.total_memory for d in strategy.devices]
         if not capacities or not all(capacities) or not isinstance(model, nn.Module):
-            return  # a device of unknown size: nothing to decide by
-        example, micro = _data(objects, self.config.accumulate)
+            return None  # a device of unknown size: nothing to decide by
+        example, micro = _data(objects, self.settings.accumulate)
         question = Question(
             model=model,
             devices=strategy.world_size,
             capacity=min(int(c) for c in capacities if c),
             kind=strategy.device.type,
             micro_batch=micro,
-            accumulate=self.config.accumulate,
-            precision=self.precision.name,
+            accumulate=self.settings.accumulate,
+            precision=precision,
             example=example,
         )
         try:
@@ -117,33 +121,27 @@ class AutoChoice:
             answer = Answer(shard=False)
         switch = answer.shard
         # Every rank decides alike: another node's devices may be smaller than this one's.
-        if strategy.world_size > 1 and self._ready:
+        if strategy.world_size > 1 and ready:
             switch = strategy.any_rank([switch])[0]
         said = answer.said
         if switch and not answer.shard:
             said = "auto: another rank's devices cannot hold ddp's training: using fsdp"
         if strategy.rank == 0 and said:
             print(said, flush=True)
-        if switch:
-            self._use_strategy(fsdp_in_place_of(strategy, ready=self._ready))
+        return fsdp_in_place_of(strategy, ready=ready) if switch else None
 
-    def _use_strategy(self, strategy: Strategy) -> None:
-        """Train with ``strategy`` from now on (before any model is placed or step taken):
-        the parts that hold the strategy are made again for it."""
-        strategy.check_precision(self.precision.name)
-        self.strategy = strategy
-        self._compiler = Compiler(self.config.compile, strategy)
-        old = self._stepper
-        self._stepper = Stepper(
-            self.config,
-            self.state,
-            strategy,
-            self.precision,
-            old.fault,
-            boundaries=old.boundaries,
-            guard=old.guard,
-        )
-        self._metrics.strategy = strategy
+
+def stepper_for(strategy: Strategy, old: Stepper) -> Stepper:
+    """A stepper like ``old`` (no step taken yet) that steps under ``strategy``."""
+    return Stepper(
+        old.config,
+        old.state,
+        strategy,
+        old.precision,
+        old.fault,
+        boundaries=old.boundaries,
+        guard=old.guard,
+    )
 
 
 def _data(objects: tuple[Any, ...], accumulate: int) -> tuple[Callable[[], Any], int]:

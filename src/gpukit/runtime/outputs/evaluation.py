@@ -34,11 +34,9 @@ from torch import nn
 from gpukit._util.text import described, type_name
 from gpukit._util.tree import is_dataclass_instance, leaves, map_tensors
 from gpukit.errors import ConfigError, warn_user
-from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime import collectives
 from gpukit.runtime.data import padding
 from gpukit.runtime.data.padding import BatchRows
-from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
 
@@ -58,20 +56,20 @@ _LEAVES = _Leaf
 
 
 class Evaluation:
-    """The evaluation methods of :class:`~gpukit.Runtime`."""
+    """The Runtime's ``rt.gather_for_metrics``, ``rt.pad_across_processes`` and
+    ``rt.evaluating``: collectives over ``strategy`` (the Runtime gives it the new one when
+    ``strategy="auto"`` replaces it), each after ``before_collective`` (the Runtime joins its
+    process group and says where it is), and which rows of the batch each loader handed out
+    last are the sampler's repeats (noted as they are handed out)."""
 
-    strategy: Strategy
-    state: TrainState
-    lifecycle: Lifecycle
-    _ensure_ready: Callable[[], None]
-    _latest: BatchRows | None = None  # the batch a loader of this Runtime handed out last
-    _per_loader: dict[int, BatchRows] | None = None
+    def __init__(self, strategy: Strategy, before_collective: Callable[[], None]) -> None:
+        self.strategy, self.before_collective = strategy, before_collective
+        self.latest: BatchRows | None = None  # the batch a loader of this Runtime handed out last
+        self.per_loader: dict[int, BatchRows] = {}
 
-    def _batch_handed(self, loader: Any, position: int, batch: Any) -> None:
+    def batch_handed(self, loader: Any, position: int, batch: Any) -> None:
         """A loader handed out the ``position``-th batch of its pass (called by the loader)."""
-        if self._per_loader is None:
-            self._per_loader = {}
-        before = self._per_loader.get(id(loader)) if position > 1 else None
+        before = self.per_loader.get(id(loader)) if position > 1 else None
         earlier = 0 if position == 1 else (before.pass_rows if before is not None else None)
         try:
             rows = padding.describe(loader, position, batch, earlier)
@@ -79,7 +77,7 @@ class Evaluation:
             # A sampler or dataset whose length fails: bookkeeping never stops the loop, and
             # gathering then says it cannot tell the repeats.
             rows = BatchRows(None, None, 0, False, known=False)
-        self._latest = self._per_loader[id(loader)] = rows
+        self.latest = self.per_loader[id(loader)] = rows
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Every rank's ``data`` joined, each sample once: tensors (alone, or in dicts, lists,
@@ -103,16 +101,16 @@ class Evaluation:
         >>> out["pred"].shape, out["n"]
         (torch.Size([3]), [3])
         """
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
+        self.before_collective()
+        strategy = self.strategy
         found = leaves(data, _LEAVES)
-        batch = self._latest
+        batch = self.latest
         mine: dict[str, Any] = {
-            "shard": self.strategy.sampler_placement()[1],
+            "shard": strategy.sampler_placement()[1],
             "batch": None if batch is None else tuple(vars(batch).values()),
             "leaves": [_describe(path, value) for path, value in found],
         }
-        metas = self.strategy.all_gather_object(mine) if self.strategy.distributed else [mine]
+        metas = strategy.all_gather_object(mine) if strategy.distributed else [mine]
         # Every verdict below is drawn from what all ranks sent: they raise together.
         _check_leaves(metas)
         keep = _first_of_each_shard(metas)
@@ -129,14 +127,14 @@ class Evaluation:
                 if any(repeats):
                     _warn_per_rank(path)
             elif value.dim() == 0:
-                parts = collectives.gather_rows(self.strategy, value.reshape(1), [1] * len(metas))
+                parts = collectives.gather_rows(strategy, value.reshape(1), [1] * len(metas))
                 results.append(torch.cat([parts[r] for r in keep]))
                 if any(repeats):
                     _warn_per_rank(path)
             else:
                 rows = [m["leaves"][i][3][0] for m in metas]
                 _check_rows(path, rows, rows_of, keep)
-                parts = collectives.gather_rows(self.strategy, value, rows)
+                parts = collectives.gather_rows(strategy, value, rows)
                 results.append(_joined([parts[r] for r in keep], [rows_of[r] for r in keep]))
         answers = iter(results)
         return map_tensors(data, lambda _: next(answers), leaf=_LEAVES, alias=False)
@@ -157,8 +155,7 @@ class Evaluation:
         >>> gk.Runtime(devices="cpu").pad_across_processes(torch.ones(2, 3), dim=1).shape
         torch.Size([2, 3])
         """
-        self._ensure_ready()
-        self.lifecycle.beat("collective", self.state.global_step)
+        self.before_collective()
         return collectives.pad_across(self.strategy, tensor, dim, pad_index, pad_first)
 
     @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """``rt.profile``: ``torch.profiler``'s trace of a window of the Runtime's own steps.
 
 The Runtime counts its optimizer steps itself (``rt.step`` calls that stepped, and
-``rt.train_step``), so the loop inside ``with rt.profile(...):`` stays as it was: no
-``prof.step()`` to add. How the window is written and read: :mod:`gpukit.diagnostics.profiles`.
+``rt.train_step``), so the loop inside ``with rt.profile(...):`` stays as it was, with no
+``prof.step()`` to add: :class:`Profiling` follows the steps of the Runtime's stepper. How
+the window is written and read: :mod:`gpukit.diagnostics.profiles`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from gpukit.strategies import Strategy
 
 
 class Profiling:
-    """The profile method of :class:`~gpukit.Runtime`."""
+    """The Runtime's ``rt.profile``: the steps of ``stepper`` on ``strategy``'s rank (the
+    Runtime gives it new ones when ``strategy="auto"`` replaces the strategy), named by
+    ``state``'s step."""
 
-    state: TrainState
-    _stepper: Stepper
-    strategy: Strategy
+    def __init__(self, stepper: Stepper, strategy: Strategy, state: TrainState) -> None:
+        self.stepper, self.strategy, self.state = stepper, strategy, state
 
     def profile(
         self,
@@ -60,7 +62,7 @@ class Profiling:
             active=active,
             repeat=repeat,
             steps="runtime",
-            owner=self._stepper,
+            owner=self.stepper,
             rank=self.strategy.rank,
             offset=self.state.global_step,
             record_shapes=record_shapes,

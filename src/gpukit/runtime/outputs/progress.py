@@ -21,7 +21,6 @@ from rich.console import Console
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
-from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.outputs.progress_displays import (
     DEFAULT_EVERY,
     Bar,
@@ -40,11 +39,13 @@ def clock() -> float:
     return time.monotonic()
 
 
-class Progressing:
-    """The :class:`~gpukit.Runtime` method that wraps a loop in a progress display."""
+class Progress:
+    """The Runtime's ``rt.progress``: shown on rank 0 of ``strategy``'s ranks (the Runtime
+    gives it the new one when ``strategy="auto"`` replaces it), with the last values of
+    ``history`` (``rt.history``, read as it grows)."""
 
-    _metrics: Metrics
-    strategy: Strategy
+    def __init__(self, strategy: Strategy, history: History) -> None:
+        self.strategy, self.history = strategy, history
 
     def progress(
         self,
@@ -75,11 +76,8 @@ class Progressing:
         if self.strategy.rank != 0:
             return Shown(iterable, total, None)
         console = out if isinstance(out, Console) else Console(file=out)
-        return Shown(
-            iterable,
-            total,
-            _Display(console, desc, every, epochs, self.strategy.world_size, self._metrics.history),
-        )
+        display = _Display(console, desc, every, epochs, self.strategy.world_size, self.history)
+        return Shown(iterable, total, display)
 
 
 class _Display:

@@ -1,5 +1,5 @@
 """What the Runtime tells its loggers (``gk.Runtime(loggers=[...])``; see
-:mod:`gpukit.loggers`): the mixin behind ``rt.loggers`` and ``rt.log_hyperparams``.
+:mod:`gpukit.loggers`): the part behind ``rt.loggers`` and ``rt.log_hyperparams``.
 
 Rank 0 alone talks to the loggers. When the run is ready (its first ``rt.setup``, step or
 collective) they get the Runtime's settings as hyper-parameters, under ``runtime/``; then each
@@ -31,7 +31,6 @@ from typing import Any, Literal
 from gpukit.errors import ConfigError, LoggerError
 from gpukit.loggers.base import Logger, logger_name
 from gpukit.loggers.registry import make_loggers
-from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
@@ -40,23 +39,20 @@ _log = logging.getLogger("gpukit")
 
 
 class Reporting:
-    """``rt.loggers`` and ``rt.log_hyperparams`` (a mixin of ``gk.Runtime``)."""
+    """The Runtime's loggers (``rt.loggers``) and what they have been told: made from the
+    ``settings``, spoken to from rank 0 of ``strategy`` alone (the Runtime gives it the new
+    one when ``strategy="auto"`` replaces it, so the settings name the strategy trained with);
+    ``state`` gives the step a failure names."""
 
-    config: Settings
-    _metrics: Metrics
-    strategy: Strategy
-    state: TrainState
-
-    def _init_loggers(self) -> None:
-        """Make the loggers the settings name (a missing package is refused here)."""
+    def __init__(self, settings: Settings, state: TrainState, strategy: Strategy) -> None:
+        # A missing package is refused here, when the Runtime is made.
         self.loggers: list[Logger] = make_loggers(
-            self.config.loggers, run_folder(self.config.checkpoints)
+            settings.loggers, run_folder(settings.checkpoints)
         )
-        self._logging: Literal["idle", "started", "finished"] = "idle"
-        if self.loggers:
-            self._metrics.on_record = self._to_loggers
+        self.settings, self.state, self.strategy = settings, state, strategy
+        self.stage: Literal["idle", "started", "finished"] = "idle"
 
-    def log_hyperparams(self, params: dict[str, Any] | None = None, **more: Any) -> None:
+    def log_hyperparams(self, /, params: dict[str, Any] | None = None, **more: Any) -> None:
         """Send hyper-parameters of the program's own (``params`` and keywords: numbers,
         text, bools) to the loggers, from rank 0; the Runtime's settings go there by
         themselves.
@@ -70,29 +66,30 @@ class Reporting:
                 "rt.log_hyperparams() got nothing: pass a dict or keywords, e.g. "
                 "rt.log_hyperparams(lr=0.1)"
             )
-        if self._logging_here():
-            self._start_loggers()
+        if self._here():
+            self.start()
             self._each("log_hyperparams", values)
 
-    def _logging_here(self) -> bool:
-        return bool(self.loggers) and self._logging != "finished" and self.strategy.rank == 0
+    def _here(self) -> bool:
+        return bool(self.loggers) and self.stage != "finished" and self.strategy.rank == 0
 
-    def _start_loggers(self) -> None:
+    def start(self) -> None:
         """Rank 0, once: the settings as the first hyper-parameters."""
-        if self._logging == "idle" and self._logging_here():
-            self._logging = "started"
-            settings = record(self.config, strategy=self.strategy.name)
+        if self.stage == "idle" and self._here():
+            self.stage = "started"
+            settings = record(self.settings, strategy=self.strategy.name)
             self._each("log_hyperparams", {f"runtime/{k}": v for k, v in settings.items()})
 
-    def _to_loggers(self, rec: dict[str, float]) -> None:
-        if self._logging_here():
-            self._start_loggers()
+    def record(self, rec: dict[str, float]) -> None:
+        """A record ``rt.history`` gained, for the loggers."""
+        if self._here():
+            self.start()
             metrics = {k: v for k, v in rec.items() if k != "step"}
             self._each("log_metrics", metrics, int(rec["step"]))
 
-    def _finish_logging(self, status: Literal["success", "failed"]) -> None:
+    def finish(self, status: Literal["success", "failed"]) -> None:
         """Finalize every started logger once; while failing, their errors are only logged."""
-        started, self._logging = self._logging == "started", "finished"
+        started, self.stage = self.stage == "started", "finished"
         if not started:
             return
         if status == "success":

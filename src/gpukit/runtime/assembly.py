@@ -1,0 +1,55 @@
+"""How a Runtime's parts are made from its settings, before any model exists: the strategy
+for the devices named and the precision it trains in (each checked against the other), and
+the stepper, with the non-finite guard it keeps.
+
+>>> from gpukit.runtime.settings import Settings
+>>> strategy, precision = strategy_and_precision(Settings(devices="cpu"), launched=False)
+>>> strategy.name, precision.name, nonfinite_guard(Settings(), precision)
+('single', '32', None)
+"""
+
+from __future__ import annotations
+
+from gpukit.launch.faults import OomFault
+from gpukit.runtime.settings import Settings
+from gpukit.runtime.settings_checks import check_device_count, resolve_devices
+from gpukit.runtime.state import TrainState
+from gpukit.runtime.step.boundaries import StepBoundaries
+from gpukit.runtime.step.nonfinite import NonFiniteGuard
+from gpukit.runtime.step.precision import Precision, make_precision
+from gpukit.runtime.step.stepper import Stepper
+from gpukit.strategies import Strategy, choose
+from gpukit.strategies.meta_init import MetaInit
+
+
+def strategy_and_precision(settings: Settings, launched: bool) -> tuple[Strategy, Precision]:
+    """The strategy ``settings`` name for their devices (``launched``: this process is one
+    rank of a launched job), with a meta model's init, and the precision it trains in."""
+    devices = resolve_devices(settings.devices, launched)
+    strategy = choose(settings.strategy, devices, launched)
+    strategy.meta_init = MetaInit(settings.init, settings.seed)  # a meta model's init
+    check_device_count(settings.devices, devices, strategy)
+    precision = make_precision(settings.precision, strategy.device.torch)
+    strategy.check_precision(precision.name)
+    return strategy, precision
+
+
+def nonfinite_guard(settings: Settings, precision: Precision) -> NonFiniteGuard | None:
+    """The step's guard against non-finite losses and gradients, when ``nonfinite`` asks."""
+    if settings.nonfinite is None:
+        return None
+    return NonFiniteGuard(settings.nonfinite, settings.log_every, precision.name)
+
+
+def make_stepper(
+    settings: Settings,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    boundaries: StepBoundaries,
+) -> Stepper:
+    """The step under ``strategy``, with the out-of-memory fault a test may inject through the
+    environment and the non-finite guard the settings ask for, telling ``boundaries``."""
+    fault = OomFault.from_env(strategy.device.torch)
+    guard = nonfinite_guard(settings, precision)
+    return Stepper(settings, state, strategy, precision, fault, boundaries=boundaries, guard=guard)
