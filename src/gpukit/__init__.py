@@ -8,7 +8,8 @@
 from gpukit import loggers, strategies
 from gpukit.devices.device import Device, cpu, device, devices, gpu, on
 from gpukit.devices.move import to
-from gpukit.diagnostics.memory import MemoryBreakdown, MemoryReport, memory
+from gpukit.diagnostics.memory import MemoryReport, memory
+from gpukit.diagnostics.memory_breakdown import MemoryBreakdown
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oplog import PlacementLog, log_placement
 from gpukit.diagnostics.placement import PlacementReport, placement

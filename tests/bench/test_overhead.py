@@ -17,8 +17,9 @@ from torch.optim import Optimizer
 
 from gpukit._util.text import render_plain
 from gpukit.bench import overhead_loops as loops
-from gpukit.bench.overhead import as_result, run_overhead
+from gpukit.bench.overhead import run_overhead
 from gpukit.bench.overhead_loops import make_batches, make_model_and_optimizer
+from gpukit.bench.overhead_result import as_result
 from gpukit.bench.timing import torch_threads
 from gpukit.cli import bench
 from gpukit.errors import ConfigError

@@ -14,6 +14,7 @@ import torch
 
 from gpukit._util.text import render_plain
 from gpukit.bench import precision as experiment
+from gpukit.bench import precision_trainer
 from gpukit.bench.result import BenchResult
 from gpukit.errors import ConfigError
 from gpukit.workloads import load_workload
@@ -78,8 +79,8 @@ def test_faster_precisions_still_train_and_show_their_loss_difference(quick: Ben
 
 def test_the_same_seed_gives_the_same_final_loss() -> None:
     s = experiment.PrecisionTiming(warmup=1, steps=2, rounds=2, cpu_batch=None)
-    first = experiment.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
-    second = experiment.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
+    first = precision_trainer.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
+    second = precision_trainer.train(CPU, "cnn", experiment.BASELINE, 8, s)[1]
     assert first == second and math.isfinite(first)
 
 

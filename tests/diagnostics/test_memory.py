@@ -17,7 +17,8 @@ from torch import nn
 
 from gpukit.devices import hw as _hw
 from gpukit.devices import nvml as _nvml
-from gpukit.diagnostics.memory import DeviceMemory, MemoryReport, breakdown, memory, report
+from gpukit.diagnostics.memory import DeviceMemory, MemoryReport, memory, report
+from gpukit.diagnostics.memory_breakdown import CATEGORIES, breakdown
 from gpukit.errors import ConfigError, DeviceError
 from gpukit.launch.ports import free_port
 from tests.fakes import GiB, NVMLError_LibraryNotFound, fake_pynvml, install_pynvml
@@ -402,7 +403,7 @@ def test_breakdown_of_an_fsdp_model_counts_this_ranks_shards_and_the_full_size(
     ranks = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (0, 1)]
     for got, text in ranks:
         # The full size is what one process holds without sharding...
-        assert got["unsharded"] == {c: getattr(plain, c) for c in mem.CATEGORIES}
+        assert got["unsharded"] == {c: getattr(plain, c) for c in CATEGORIES}
         # ...and each rank holds less: its shards (and a scalar step per parameter).
         assert got["parameters"] < plain.parameters
         assert "this rank" in text and "unsharded (full size)" in text

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from gpukit.launch import node_messages
+from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import ErrorRecord, RankEnd, headline
 from gpukit.launch.node_channel import tcp_peers
 from gpukit.launch.node_messages import settle
 from gpukit.launch.ports import free_port
 from gpukit.launch.restarts import Progress
-from gpukit.launch.supervisor import Outcome
 
 
 def _outcome(end: RankEnd, status: str) -> Outcome:

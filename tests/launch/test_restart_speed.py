@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from gpukit.launch import RUNNER, run_job
+from gpukit.launch.attempt_watch import AttemptWatch
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.launch.restarts import ATTEMPTS_FILE, Progress
+from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter
-from gpukit.launch.supervisor import Attempt, Settings, Signals, _Watch
+from gpukit.launch.supervisor import Attempt, Settings
 
 GRACE = 1.5
 
@@ -49,7 +51,7 @@ class FakeWorker:
         pass
 
 
-def watch_of(folder: Path, workers: list[FakeWorker]) -> _Watch:
+def watch_of(folder: Path, workers: list[FakeWorker]) -> AttemptWatch:
     settings = Settings(
         ranks=CommandStarter(["x"]),
         nproc=len(workers),
@@ -64,7 +66,7 @@ def watch_of(folder: Path, workers: list[FakeWorker]) -> _Watch:
     )
     attempt = Attempt(settings, 0, 0, Signals.__new__(Signals))
     attempt.workers = workers  # type: ignore[assignment]
-    return _Watch(attempt, Progress(0.0, len(workers)))
+    return AttemptWatch(attempt, Progress(0.0, len(workers)))
 
 
 def beats(folder: Path, rank: int, *phases: str) -> None:

@@ -175,7 +175,7 @@ def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
     """A batch copied on the side stream is used on the current one: the allocator must be
     told so for every tensor in it, or their memory could be reused while kernels read it.
     Dataclass and custom Mapping batches once went unrecorded."""
-    import gpukit.runtime.data.loader as data_module
+    import gpukit.runtime.data.prefetch as prefetch
 
     recorded: list[int] = []
 
@@ -190,5 +190,5 @@ def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
     for t in tensors:
         t.record_stream = lambda stream, t=t: recorded.append(id(t))  # type: ignore[method-assign]
     batch = [_Batch(tensors[0], _Frozen({"a": tensors[1], "b": tensors[2]})), "label"]
-    assert data_module._ready(batch, Stream()) is batch  # type: ignore[arg-type]
+    assert prefetch._ready(batch, Stream()) is batch  # type: ignore[arg-type]
     assert sorted(recorded) == sorted(id(t) for t in tensors)

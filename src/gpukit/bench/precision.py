@@ -27,28 +27,32 @@ end. It shows that the faster variant still trains: compare it with fp32's (``Δ
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import check_devices, device_name, tf32_matmul
 from gpukit.bench.plotting import bar_labels, figure
+from gpukit.bench.precision_trainer import (
+    POOL,
+    SEED,
+    PrecisionTiming,
+    Trainer,
+    Variant,
+    batch_pool,
+    free,
+    guarded,
+)
 from gpukit.bench.result import BenchResult, Column
 from gpukit.bench.timing import synchronizer, time_rounds
 from gpukit.errors import ConfigError
-from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import load_workload
 
 TITLE = "fp32 vs bf16-mixed vs 16-mixed, channels_last and torch.compile: speed and final loss"
 WORKLOADS = ("cnn", "gpt")
-SEED = 0
-POOL = 16  # distinct batches, cycled: enough to train on, small enough to sit on the device
 # On a GPU these workloads' own batches leave it idle between kernel launches, where no
 # precision can help: a larger batch makes the step the GPU's work.
 GPU_BATCH_FACTOR = 32
@@ -63,16 +67,6 @@ COLUMNS = (
     Column("loss_delta", "Δ loss vs fp32", "", 4),
     Column("status"),
 )
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to train: a Runtime precision, channels_last or not, compiled or not."""
-
-    name: str
-    precision: str
-    channels_last: bool = False
-    compile: bool = False
 
 
 BASELINE = Variant("fp32", "32")
@@ -90,16 +84,6 @@ VARIANTS = (
 def variants(image: bool) -> list[Variant]:
     """The variants for a workload; channels_last only where inputs are images (N, C, H, W)."""
     return [v for v in VARIANTS if image or not v.channels_last]
-
-
-@dataclass(frozen=True)
-class PrecisionTiming:
-    """Untimed and timed steps, timed blocks, and the batch on a CPU (None: the workload's)."""
-
-    warmup: int
-    steps: int
-    rounds: int
-    cpu_batch: int | None
 
 
 def settings(quick: bool) -> PrecisionTiming:
@@ -170,7 +154,7 @@ def compare(
     >>> [(row["variant"], row["speedup"], row["loss_delta"]) for row, _ in found]
     [('fp32', 1.0, 0.0)]
     """
-    trainers: dict[str, _Trainer] = {}
+    trainers: dict[str, Trainer] = {}
     status: dict[str, tuple[str, str]] = {}  # variant -> (short status, whole reason)
     pools: dict[bool, list[Any]] = {}  # by channels_last: one copy of the batches each
     try:
@@ -184,15 +168,15 @@ def compare(
                 continue
             try:
                 if v.channels_last not in pools:
-                    pools[v.channels_last] = _pool(workload, batch, dev, v.channels_last)
-                trainer = _Trainer(dev, workload, v, pools[v.channels_last])
+                    pools[v.channels_last] = batch_pool(workload, batch, dev, v.channels_last)
+                trainer = Trainer(dev, workload, v, pools[v.channels_last])
                 trainers[v.name] = trainer
                 trainer.run(s.warmup)  # torch.compile compiles here
             except Exception as err:
                 status[v.name] = _why(err)
                 trainers.pop(v.name, None)
         timings = time_rounds(
-            {name: _guarded(t, s.steps) for name, t in trainers.items()},
+            {name: guarded(t, s.steps) for name, t in trainers.items()},
             s.rounds,
             per=s.steps,
             warmup=0,
@@ -203,7 +187,7 @@ def compare(
         for t in trainers.values():
             t.close()
         pools.clear()
-        _free(any(v.compile for v in chosen))
+        free(any(v.compile for v in chosen))
     found = []
     base = BASELINE.name if BASELINE.name in losses else None
     for v in chosen:
@@ -228,88 +212,6 @@ def compare(
     return found
 
 
-def train(
-    dev: torch.device, workload: str, variant: Variant, batch: int, s: PrecisionTiming
-) -> tuple[list[float], float]:
-    """Train ``workload`` in ``variant`` alone on ``dev``: the seconds per step of each timed
-    block, and the final loss (the mean over the last block's steps, read once).
-
-    >>> timing = PrecisionTiming(1, 2, 2, None)
-    >>> seconds, loss = train(torch.device("cpu"), "mlp", BASELINE, 8, timing)
-    >>> len(seconds), loss > 0
-    (2, True)
-    """
-    trainer = _Trainer(dev, workload, variant, _pool(workload, batch, dev, variant.channels_last))
-    try:
-        trainer.run(s.warmup)
-        timings = time_rounds(
-            {"one": _guarded(trainer, s.steps)},
-            s.rounds,
-            per=s.steps,
-            warmup=0,
-            synchronize=synchronizer(dev),
-        )
-        if trainer.error is not None:
-            raise trainer.error
-        return list(timings.seconds["one"]), trainer.final_loss()
-    finally:
-        trainer.close()
-        _free(variant.compile)
-
-
-class _Trainer:
-    """One variant's training: a one-device Runtime, the seeded model, AdamW, and the pool
-    of batches it steps through in order."""
-
-    def __init__(self, dev: torch.device, workload: str, variant: Variant, pool: list[Any]) -> None:
-        spec = load_workload(workload, seed=SEED)
-        self.rt = Runtime("single", precision=variant.precision, devices=[str(dev)], seed=SEED)
-        model = spec.model
-        if variant.channels_last:
-            # Module.to takes memory_format (its 4-D weights turn NHWC); the stubs omit it.
-            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-        model, self.optimizer = self.rt.setup(model, optimizer)
-        # Compiled around the Runtime's wrapper, so its autocast is compiled too.
-        forward: Any = torch.compile(model) if variant.compile else model
-        criterion = self.rt.setup_criterion(spec.loss)
-        self.compute_loss = lambda b: criterion(forward(b[0]), b[1])
-        self.pool = pool
-        self.step = 0
-        self.losses: list[torch.Tensor] = []
-        self.error: Exception | None = None
-
-    def run(self, steps: int) -> None:
-        """``steps`` optimizer steps; their losses stay on the device."""
-        self.losses = []
-        for _ in range(steps):
-            batch = self.pool[self.step % POOL]
-            self.losses.append(self.rt.train_step(self.optimizer, batch, self.compute_loss))
-            self.step += 1
-
-    def final_loss(self) -> float:
-        """The mean loss of the last ``run``'s steps: the one read-back."""
-        return float(torch.stack(self.losses).float().mean())
-
-    def close(self) -> None:
-        self.rt.teardown()
-        self.pool, self.losses = [], []  # the pool is shared: only this reference goes
-
-
-def _guarded(trainer: _Trainer, steps: int) -> Callable[[], None]:
-    """A timed block of ``trainer``; an error (out of memory, a compile that fails late) is
-    kept on the trainer and ends its blocks, not the others'."""
-
-    def block() -> None:
-        if trainer.error is None:
-            try:
-                trainer.run(steps)
-            except Exception as err:
-                trainer.error = err
-
-    return block
-
-
 def _why(err: Exception) -> tuple[str, str]:
     """(status, whole reason) for an error: the Runtime's refusal by its first clause, any
     other failure by its type and first line."""
@@ -317,31 +219,6 @@ def _why(err: Exception) -> tuple[str, str]:
         return str(err).split(": ", 1)[0], str(err)
     text = f"{type(err).__name__}: {err}".strip()
     return f"failed: {text.splitlines()[0][:100]}", text[:2000]
-
-
-def _pool(workload: str, batch: int, dev: torch.device, channels_last: bool) -> list[Any]:
-    """``POOL`` batches of ``batch`` samples of ``workload``, the same for every variant,
-    on ``dev``."""
-    dataset: Any = load_workload(workload, seed=SEED).dataset
-    gen = torch.Generator().manual_seed(SEED)
-    found = []
-    for _ in range(POOL):
-        picks = torch.randint(len(dataset), (batch,), generator=gen).tolist()
-        x, y = default_collate([dataset[i] for i in picks])
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        found.append((x.to(dev), y.to(dev)))
-    return found
-
-
-def _free(compiled: bool) -> None:
-    if compiled:
-        # Compiled code is cached per function: without a reset, later models would pile up
-        # recompilations until dynamo gives up and runs them uncompiled.
-        torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 # -- the result ----------------------------------------------------------------------------

@@ -45,11 +45,12 @@ import torch
 from gpukit import _env, errors
 from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, INTERRUPTED_EXIT, RUNNER, _launched_script, run_job
+from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import PREEMPTED_EXIT, RankEnd, failures, headline, rank_lines
 from gpukit.launch.hang_reports import REPORT_FILE
 from gpukit.launch.start_methods import start_method
 from gpukit.launch.starters import CommandStarter, RankStarter
-from gpukit.launch.supervisor import Attempt, Outcome, fresh_job_dir
+from gpukit.launch.supervisor import Attempt, fresh_job_dir
 from gpukit.launch.workers import Worker, die_with, watch_worker
 
 NAME = "rt.launch"

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from gpukit import _env
 from gpukit.errors import ConfigError
+from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import (
     BAD_INPUT_EXIT,
     PREEMPTED_EXIT,
@@ -32,14 +33,9 @@ from gpukit.launch.restarts import (
     stop_reason,
     summary,
 )
+from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter, RankStarter
-from gpukit.launch.supervisor import (
-    Attempt,
-    Outcome,
-    Settings,
-    Signals,
-    fresh_job_dir,
-)
+from gpukit.launch.supervisor import Attempt, Settings, fresh_job_dir
 from gpukit.launch.workers import kill_leftovers
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:

@@ -30,25 +30,24 @@ import contextlib
 import copy
 import dataclasses
 import io
-import random
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpukit import _env
 from gpukit._util.fake import real_tensors
-from gpukit._util.tree import map_tensors
 from gpukit.diagnostics.live_tensors import LiveTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import GpukitError, SimulationUnsupported
 from gpukit.planning import registered
+from gpukit.planning.fake_world import fake_mode, fake_store, fake_world, preserved_random_state
 from gpukit.planning.result import DevicePeak
+from gpukit.planning.simulated_data import FakeCollate, Repeated, SameBatches, rank_batches
 from gpukit.strategies.registry import STRATEGIES
 from gpukit.workloads.base import Workload, load_workload
 
@@ -96,16 +95,18 @@ def simulate(
     _check_supported(case)
     # The strategies print what they set up (fsdp's plan): planning is not setting up.
     quiet = contextlib.redirect_stdout(io.StringIO())
+    # A fake process group only for a strategy with a process per device.
+    ranks = devices if registered.traits(strategy).process_per_device else None
     with (
         quiet,
         _env.apart_from_this_run(),
         warnings.catch_warnings(),  # the simulated setup's warnings are not the user's
-        _preserved_random_state(),
-        _fake_world(case),
+        preserved_random_state(),
+        fake_world(ranks),
         untraced(),  # the simulation's reads are not the program's (under gk.trace)
         torch.inference_mode(False),
         torch.enable_grad(),  # a plan made under no_grad still trains
-        _fake_mode() as mode,
+        fake_mode() as mode,
     ):
         warnings.simplefilter("ignore")
         built = _fake_workload(workload, mode, seed)
@@ -137,67 +138,10 @@ def _check_supported(case: Case) -> None:
             "this process already joined a process group; the simulation needs its own (fake) "
             "one: plan before init_process_group or rt.setup, or run `gpukit plan`"
         )
-    if _fake_store() is None:
+    if fake_store() is None:
         raise SimulationUnsupported(
             f"torch {torch.__version__} has no fake process group to simulate ranks with"
         )
-
-
-def _fake_store() -> Any:
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return None
-    return FakeStore
-
-
-@contextlib.contextmanager
-def _fake_world(case: Case) -> Iterator[None]:
-    """A fake process group of ``case.devices`` ranks, this process rank 0 (none for a
-    strategy without a process per device)."""
-    if not registered.traits(case.strategy).process_per_device:
-        yield
-        return
-    dist.init_process_group("fake", store=_fake_store()(), rank=0, world_size=case.devices)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _fake_mode() -> Iterator[Any]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # Real inputs (the dataset's items) turn into fake ones where they meet fake tensors.
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield mode
-
-
-@contextlib.contextmanager
-def _preserved_random_state() -> Iterator[None]:
-    """Building a workload seeds torch's generators and the loader draws from them; the
-    program that planned must not notice: Python's, numpy's and torch's CPU state are
-    restored, and so are the GPUs' where CUDA has started. Where it has not, seeding the GPUs
-    is left out: torch would queue it for when CUDA starts, after the program's own seed."""
-    py, np_state = random.getstate(), np.random.get_state()
-    cuda_started = torch.cuda.is_available() and torch.cuda.is_initialized()
-    gpus = list(range(torch.cuda.device_count())) if cuda_started else []
-    seed_gpus = torch.cuda.manual_seed_all
-    try:
-        if not cuda_started:
-            torch.cuda.manual_seed_all = _no_gpu_seed
-        with torch.random.fork_rng(devices=gpus):
-            yield
-    finally:
-        torch.cuda.manual_seed_all = seed_gpus
-        random.setstate(py)
-        np.random.set_state(np_state)
-
-
-def _no_gpu_seed(seed: int) -> None:
-    """Seeding GPUs that have not started, left out while simulating (see above)."""
 
 
 def _fake_workload(workload: Any, mode: Any, seed: int) -> Workload:
@@ -289,7 +233,7 @@ def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
             f"{size:,} samples per step of one rank: the loader would list every one of them; "
             f"the simulation reads at most {MAX_SAMPLES:,}"
         )
-    dataset = _Repeated(workload.dataset, (STEPS + 1) * size * case.devices)
+    dataset = Repeated(workload.dataset, (STEPS + 1) * size * case.devices)
     rt = _runtime(case)
     model = workload.model
     live = LiveTensors(case.granularity)
@@ -301,8 +245,8 @@ def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
             # index would cost seconds for a batch of a million samples over 64 ranks.
             loader = torch.utils.data.DataLoader(
                 dataset,
-                batch_sampler=_SameBatches(size, (STEPS + 1) * case.devices),
-                collate_fn=_FakeCollate(mode),
+                batch_sampler=SameBatches(size, (STEPS + 1) * case.devices),
+                collate_fn=FakeCollate(mode),
             )
             live.watch(model, [optimizer])
             wrapped, optimizer, loader = rt.setup(model, optimizer, loader)
@@ -314,7 +258,7 @@ def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
                 x, y = batch
                 return criterion(wrapped(x), y)
 
-            _train(rt, optimizer, _batches(loader, case), compute_loss, case.prefetch)
+            _train(rt, optimizer, rank_batches(loader, size), compute_loss, case.prefetch)
     except SimulationUnsupported:
         raise
     except GpukitError:
@@ -326,83 +270,6 @@ def _run(workload: Workload, case: Case, mode: Any) -> dict[str, int]:
     finally:
         rt.teardown()
     return live.peak_breakdown.get("cpu", {})
-
-
-class _Repeated(torch.utils.data.Dataset):
-    """``length`` items, each the dataset's first: batches are stacked from items of one
-    shape (gpukit train's default collation needs that too), and only shapes matter to
-    memory. Long enough that every simulated step reads a full batch within one pass (a
-    pass's end reads the logged values), and one item read however large the batch."""
-
-    def __init__(self, dataset: Any, length: int) -> None:
-        try:
-            size = len(dataset)
-        except TypeError:
-            raise SimulationUnsupported(
-                "the dataset has no length (an iterable dataset): the simulation reads its "
-                "items by index"
-            ) from None
-        if size == 0:
-            raise SimulationUnsupported("the dataset is empty: there is no batch to simulate")
-        self.item, self.length = dataset[0], max(size, length)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> Any:
-        return self.item
-
-    def __getitems__(self, indices: list[int]) -> list[Any]:
-        return [self.item] * len(indices)
-
-
-class _SameBatches:
-    """A batch sampler: ``count`` batches of ``size`` indices (all the repeated item's)."""
-
-    def __init__(self, size: int, count: int) -> None:
-        self.size, self.count = size, count
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return ([0] * self.size for _ in range(self.count))
-
-    def __len__(self) -> int:
-        return self.count
-
-
-class _FakeCollate:
-    """The default collation's result as fake tensors: for each tensor of an item, one new
-    tensor of the items stacked, as ``torch.stack`` makes, without reading the items (a batch
-    of any size costs no memory or time here; the loader itself runs with real tensors, see
-    :func:`_batches`)."""
-
-    def __init__(self, mode: Any) -> None:
-        self.mode = mode
-
-    def __call__(self, items: list[Any]) -> Any:
-        # Every item is the repeated first one: its tensors, each stacked len(items) times.
-        with self.mode:
-            return map_tensors(
-                items[0],
-                lambda t: torch.empty((len(items), *t.shape), dtype=t.dtype, device=t.device),
-            )
-
-
-def _batches(loader: Any, case: Case) -> Iterator[Any]:
-    """One rank's batches from gpukit's own loader, as ``gpukit train`` reads them: the
-    shuffle, the sampler's shard and the loader's seed are values, drawn with real tensors;
-    the batches themselves are collated into fake ones."""
-    with real_tensors():
-        batches = iter(loader)
-    while True:
-        with real_tensors():
-            batch = next(batches, None)
-        if batch is None:
-            raise SimulationUnsupported(
-                f"one optimizer step of one rank needs {case.micro_batch * case.accumulate} "
-                "samples, more than one pass over the dataset holds: give a smaller "
-                "micro-batch or accumulation"
-            )
-        yield batch
 
 
 def _train(

@@ -5,7 +5,7 @@ DTensor parameters are never broadcast (a DTensor has no broadcast, and each ran
 different shard by design): making the shards one model is the user's init, as in the plain
 program (the same seed on every rank, or a checkpoint loaded with DCP). gpukit checks what it
 can without gathering the model: the sharded parameters' mesh is on this run's device type,
-no tie is split across groups (``fsdp._refuse_split_ties``), and no gpukit
+no tie is split across groups (``_fsdp_refusals.refuse_split_ties``), and no gpukit
 setting would silently override or be ignored by the user's own (``mixed``, ``offload``,
 ``tp``, ``activation_checkpointing``, ``compile``, and a ``precision`` beside the groups'
 own mixed precision). Parameters and buffers the user left unsharded are still broadcast from

@@ -7,7 +7,6 @@ gradients bucket by bucket while the backward pass is still running.
 from __future__ import annotations
 
 import datetime
-import numbers
 import re
 from typing import Any, ClassVar
 
@@ -21,6 +20,8 @@ from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError, DistributedError, LaunchError
+from gpukit.strategies._bucketed import average, broadcast_from_rank0
+from gpukit.strategies._ddp_options import check_options
 from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies._simulated_ddp import SimulatedDDP
 from gpukit.strategies._user_sharded import refuse_for_replicas
@@ -33,60 +34,6 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-# Gradients averaged together in one all-reduce when DDP's own reducer is bypassed.
-_BUCKET_BYTES = 25 * 2**20
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one dtype and device, up to ``limit`` bytes per group."""
-    groups: list[list[torch.Tensor]] = []
-    size = 0
-    for g in tensors:
-        current = groups[-1] if groups else None
-        fits = current is not None and size + g.nbytes <= limit
-        if not (fits and current[0].dtype == g.dtype and current[0].device == g.device):  # type: ignore[index]
-            groups.append([g])
-            size = g.nbytes
-        else:
-            current.append(g)  # type: ignore[union-attr]
-            size += g.nbytes
-    return groups
-
-
-def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def _check_options(
-    find_unused_parameters: object, static_graph: object, bucket_cap_mb: object, timeout: object
-) -> None:
-    """Refuse DDP options that torch would only reject (or misuse) once the processes run."""
-    for name, flag in (
-        ("find_unused_parameters", find_unused_parameters),
-        ("static_graph", static_graph),
-    ):
-        if not isinstance(flag, bool):
-            raise ConfigError(f"DDP({name}={described(flag)}): give True or False")
-    if bucket_cap_mb is not None:
-        number = isinstance(bucket_cap_mb, numbers.Real) and not isinstance(bucket_cap_mb, bool)
-        # Compared, not converted: float() of a huge int raises. A bucket is at most a TiB
-        # (2**20 MiB): more than any device holds, and far below what torch's int64 takes.
-        if not (number and 0 < bucket_cap_mb <= 2**20):  # type: ignore[operator]
-            raise ConfigError(
-                f"DDP(bucket_cap_mb={described(bucket_cap_mb)}): give the size of a gradient "
-                "bucket in MiB, a number above 0 and at most 1048576 (torch's default is 25), "
-                "or None for torch's default"
-            )
-    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise ConfigError(
-            f"DDP(timeout={described(timeout)}): give a positive datetime.timedelta, e.g. "
-            "timeout=datetime.timedelta(minutes=10)"
-        )
 
 
 class DDPRecovery(Recovery):
@@ -119,11 +66,7 @@ class DDPRecovery(Recovery):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-        for bucket in _buckets(grads, _BUCKET_BYTES):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
-            flat /= self.strategy.world_size
-            _scatter_back(flat, bucket)
+        average(grads, self.strategy.world_size)
 
 
 class DDP(Strategy):
@@ -164,7 +107,7 @@ class DDP(Strategy):
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         super().__init__()
-        _check_options(find_unused_parameters, static_graph, bucket_cap_mb, timeout)
+        check_options(find_unused_parameters, static_graph, bucket_cap_mb, timeout)
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
@@ -305,11 +248,7 @@ class DDP(Strategy):
         tensors = [*(module.parameters() if parameters else ()), *module.buffers()]
         if not sharded:
             tensors = [t for t in tensors if not is_dtensor(t)]
-        with torch.no_grad():
-            for bucket in _buckets([t for t in tensors if t.numel()], _BUCKET_BYTES):
-                flat = torch.cat([t.reshape(-1) for t in bucket])
-                dist.broadcast(flat, src=0)
-                _scatter_back(flat, bucket)
+        broadcast_from_rank0(tensors)
 
     def trained(self, module: nn.Module) -> list[torch.Tensor]:
         """The parameters of the set-up ``module`` that train."""

@@ -39,12 +39,13 @@ from gpukit._util.checks import require_module
 from gpukit._util.fake import real_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
-from gpukit.strategies._fsdp_api import fsdp2, is_dtensor
+from gpukit.strategies._fsdp_api import fsdp2
 from gpukit.strategies._fsdp_options import FSDPOptions
+from gpukit.strategies._fsdp_refusals import refuse_split_ties, shardable, split_tie
 from gpukit.strategies._groups import find_groups
 from gpukit.strategies._hf_export import gather_on_save
 from gpukit.strategies._norms import clip, total_norm
-from gpukit.strategies._recompute import checkpoint_blocks, refuse_reentrant
+from gpukit.strategies._recompute import checkpoint_blocks
 from gpukit.strategies._shard_plan import ShardPlan, describe_plan, show_once
 from gpukit.strategies._user_sharded import (
     check_user_sharded,
@@ -241,7 +242,7 @@ class FSDP(DDP):
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
         api = fsdp2()
-        module = _shardable(require_module(module, "rt.setup", meta=True))
+        module = shardable(require_module(module, "rt.setup", meta=True))
         meta = is_meta(module)  # sharded first, then each rank's shards materialised
         if meta:
             self.meta_init.check(_inside_wrappers(module))
@@ -269,7 +270,7 @@ class FSDP(DDP):
         if o.offload:
             settings["offload_policy"] = api.CPUOffloadPolicy()
         if already:
-            _refuse_split_ties(module)
+            refuse_split_ties(module)
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
@@ -325,7 +326,7 @@ class FSDP(DDP):
         except (ValueError, AssertionError, RuntimeError) as err:
             said = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
             if "shared with a parameter already managed" in said:
-                raise _split_tie(", ".join(names), said) from None
+                raise split_tie(", ".join(names), said) from None
             raise ConfigError(f"fsdp could not shard {', '.join(names)}: {said}") from err
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -382,50 +383,8 @@ def _inside_wrappers(module: nn.Module) -> nn.Module:
     return module
 
 
-def _shardable(module: nn.Module) -> nn.Module:
-    """``module``, or the error that says why fsdp cannot shard it."""
-    if not any(True for _ in module.parameters()):
-        raise ConfigError(
-            "fsdp: the model has no parameters, so there is nothing to shard: use "
-            "strategy='ddp' or 'single'"
-        )
-    refuse_reentrant(module)
-    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
-    if scalars:
-        raise ConfigError(
-            f"fsdp cannot shard a parameter with no dimension ({', '.join(scalars[:5])}): "
-            "sharding splits dimension 0 across the ranks. Make each a 1-element tensor "
-            "(nn.Parameter(torch.tensor([2.0])) instead of torch.tensor(2.0); it "
-            "broadcasts the same), or use strategy='ddp'"
-        )
-    return module
-
-
 def _outermost(module: nn.Module, cls: type) -> list[Any]:
     """The modules of class ``cls`` in ``module`` that no other one of them contains."""
     if isinstance(module, cls):
         return [module]
     return [found for child in module.children() for found in _outermost(child, cls)]
-
-
-def _refuse_split_ties(module: nn.Module) -> None:
-    """A model the user sharded in part: a parameter that a sharded group took over but a
-    module outside it still holds was tied across groups. ``fully_shard`` replaced it only in
-    the group's module, so the tie is already broken, and torch would say so only at the first
-    forward (or, with a tie it cannot see, train the two copies apart)."""
-    split = [
-        name
-        for name, p in module.named_parameters()
-        if not is_dtensor(p) and hasattr(p, "_fsdp_orig_uid")  # torch marks what it sharded
-    ]
-    if split:
-        raise _split_tie(", ".join(split), "its other user was sharded by fully_shard")
-
-
-def _split_tie(names: str, said: str) -> ConfigError:
-    return ConfigError(
-        f"fsdp: {names} shares a parameter with a module that is already sharded in another "
-        f"group ({said}). Tied parameters (an output layer tied to its embedding) must be "
-        "sharded in one group: let gpukit choose the groups (do not call fully_shard yourself "
-        "on one of them), or call fully_shard([embedding, head]) on both together"
-    )

@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 
 from gpukit import _env
-from gpukit.diagnostics.memory import breakdown
+from gpukit.diagnostics.memory_breakdown import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, RunComplete

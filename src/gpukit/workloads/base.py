@@ -9,23 +9,19 @@ torch.Size([])
 from __future__ import annotations
 
 import importlib
-import inspect
-import numbers
-import os
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from gpukit._util.text import described, safe_repr, type_name
-from gpukit._util.tree import children
 from gpukit.errors import ConfigError, GpukitError
 from gpukit.runtime.settings_checks import SEED_RANGE
+from gpukit.workloads.checks import check_parts
+from gpukit.workloads.user_functions import failed_at, first_line, takes_seed, user_function
 
 WorkloadName = Literal["mlp", "cnn", "gpt"]
 WORKLOADS: tuple[WorkloadName, ...] = ("mlp", "cnn", "gpt")
@@ -128,7 +124,7 @@ def load_workload(spec: str, *, seed: int = 0, meta: bool = False) -> Workload:
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
         torch.manual_seed(seed)
         try:
-            result = builder(seed=seed) if _takes_seed(builder) else builder()
+            result = builder(seed=seed) if takes_seed(builder) else builder()
         except GpukitError:
             raise
         except Exception as err:
@@ -136,12 +132,19 @@ def load_workload(spec: str, *, seed: int = 0, meta: bool = False) -> Workload:
                 raise  # a built-in workload that fails is gpukit's bug: keep its traceback
             module_name, _, function_name = spec.partition(":")
             raise ConfigError(
-                f"workload {spec!r}: {function_name}() failed{_failed_at(err, module_name)} "
-                f"with {type_name(err)}: {_first_line(err)}: fix it (calling it in Python "
+                f"workload {spec!r}: {function_name}() failed{failed_at(err, module_name)} "
+                f"with {type_name(err)}: {first_line(err)}: fix it (calling it in Python "
                 "shows the whole traceback)"
             ) from err
     workload = _as_workload(spec, result)
-    _check_parts(workload, meta=meta)
+    check_parts(
+        name=workload.name,
+        model=workload.model,
+        dataset=workload.dataset,
+        validation=workload.validation,
+        loss=workload.loss,
+        meta=meta,
+    )
     return workload
 
 
@@ -161,107 +164,7 @@ def _user_function(spec: str) -> Callable[..., Any]:
         raise ConfigError(
             f"workload {spec!r} is not 'module:function' (one colon, both parts given): {_ALLOWED}"
         )
-    module = _import_user_module(spec, module_name)
-    function = getattr(module, function_name, None)
-    if function is None:
-        found = sorted(
-            name
-            for name, value in vars(module).items()
-            if callable(value) and not name.startswith("_") and not inspect.isclass(value)
-        )
-        raise ConfigError(
-            f"workload {spec!r}: module {module_name!r} ({_where(module)}) has no "
-            f"{function_name!r}; its public functions are {', '.join(found) or 'none'}: name "
-            f"one of them, or define {function_name}() there"
-        )
-    if not callable(function):
-        raise ConfigError(
-            f"workload {spec!r}: {function_name!r} is of type {type(function).__name__}, not "
-            "a function; name a function that returns a Workload or (model, dataset, loss)"
-        )
-    required = [
-        p.name
-        for p in _parameters(function)
-        if p.default is p.empty
-        and p.name != "seed"
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    if required:
-        raise ConfigError(
-            f"workload {spec!r}: {function_name}() requires {', '.join(required)}, but it is "
-            "called with no arguments (or seed= only); give them defaults or wrap it"
-        )
-    return function
-
-
-def _import_user_module(spec: str, module_name: str) -> Any:
-    """Import the user's module; anything that goes wrong is a one-line ConfigError naming the
-    file and line, since a traceback through importlib says less than that."""
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as err:
-        missing = err.name or ""
-        if isinstance(err, ModuleNotFoundError) and (
-            missing == module_name or module_name.startswith(missing + ".")
-        ):
-            raise ConfigError(
-                f"workload {spec!r}: cannot import module {module_name!r} ({err}): there is no "
-                f"{module_name.replace('.', '/')}.py in the current folder ({os.getcwd()}) nor "
-                "elsewhere on sys.path; check the spelling, run from the folder that contains "
-                "it, or add that folder to PYTHONPATH"
-            ) from None
-        raise ConfigError(
-            f"workload {spec!r}: importing module {module_name!r} failed"
-            f"{_failed_at(err, module_name)} with {type(err).__name__}: {_first_line(err)}: "
-            "install the package it imports, or fix the import"
-        ) from None
-    except SyntaxError as err:
-        # Two lines, as Python shows it: where and what, then the line itself.
-        where = f"{err.filename}:{err.lineno}" if err.filename else module_name
-        line = (err.text or "").strip()
-        shown = f"    {line}    <- fix this line and run again" if line else "    fix it, run again"
-        raise ConfigError(
-            f"workload {spec!r}: {where}: {type_name(err)}: {err.msg}\n{shown}"
-        ) from None
-    except Exception as err:  # the module's own code failed while it was being imported
-        raise ConfigError(
-            f"workload {spec!r}: importing module {module_name!r} failed"
-            f"{_failed_at(err, module_name)} with {type(err).__name__}: {_first_line(err)}: "
-            "fix the module (or move that code into the function)"
-        ) from None
-
-
-def _failed_at(err: BaseException, module_name: str) -> str:
-    """' (at FILE, line N)': the last line of the user's module the error went through, else
-    the line that raised it."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename[:1] != "<"]
-    tail = module_name.replace(".", os.sep)
-    ends = (tail + ".py", os.path.join(tail, "__init__.py"))
-    mine = [f for f in frames if f.filename.endswith(ends)] or frames[-1:]
-    return f" (at {mine[-1].filename}, line {mine[-1].lineno})" if mine else ""
-
-
-def _first_line(err: BaseException) -> str:
-    try:
-        text = str(err).strip()
-    except Exception:  # an exception whose own message fails
-        text = ""
-    return text.splitlines()[0] if text else type_name(err)
-
-
-def _where(module: Any) -> str:
-    return str(getattr(module, "__file__", None) or "built in")
-
-
-def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
-    try:
-        return list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):  # some builtins have no signature: assume no arguments
-        return []
-
-
-def _takes_seed(function: Callable[..., Any]) -> bool:
-    return any(p.name == "seed" or p.kind == p.VAR_KEYWORD for p in _parameters(function))
+    return user_function(spec, module_name, function_name)
 
 
 def _as_workload(spec: str, result: object) -> Workload:
@@ -295,92 +198,6 @@ def _as_workload(spec: str, result: object) -> Workload:
         f"workload {spec!r} must return a gpukit.workloads.Workload or a (model, dataset, loss) "
         f"tuple, but {detail}"
     )
-
-
-def _check_parts(w: Workload, meta: bool = False) -> None:
-    """Refuse, before any process starts, a workload that cannot train: a model with nothing
-    to train, a dataset that is empty or whose items are not (input, target) pairs."""
-    problem = _model_problem(w.model, meta) or _dataset_problem(w.dataset)
-    if problem is None and w.validation is not None:
-        found = _dataset_problem(w.validation)
-        problem = f"its validation set: {found}" if found else None
-    if problem is None and not callable(w.loss):
-        problem = f"the loss is {described(w.loss)}, not a function loss(output, target)"
-    if problem is not None:
-        raise ConfigError(f"workload {w.name!r}: {problem}")
-
-
-def _model_problem(model: object, meta: bool = False) -> str | None:
-    if not isinstance(model, nn.Module):
-        return f"the model is {described(model)}, not a torch.nn.Module"
-    params = list(model.parameters())
-    if not any(p.requires_grad for p in params):
-        state = f"{len(params)} parameter(s), all frozen" if params else "no parameters"
-        return (
-            f"the model ({type_name(model)}) has {state}: there is nothing to train; return "
-            "a model with trainable weights (or unfreeze them with requires_grad_(True))"
-        )
-    if not meta and any(p.is_meta for p in params):
-        return (
-            f"the model ({type_name(model)}) has parameters on the meta device (a shape, no "
-            "data): create it on a real device, or materialise it with to_empty()"
-        )
-    return None
-
-
-def _dataset_problem(dataset: object) -> str | None:
-    """What is wrong with the dataset, judged from its length and its first item."""
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        return (
-            f"the dataset is {described(dataset)}: give a map-style dataset (len() and "
-            "dataset[i]), e.g. torch.utils.data.TensorDataset(inputs, targets)"
-        )
-    data: Any = dataset
-    try:
-        size = len(data)
-        item = data[0] if size > 0 else None
-    except Exception as err:
-        return (
-            f"reading the dataset ({type_name(dataset)}) failed with {type_name(err)}: "
-            f"{_first_line(err)}: len(dataset) and dataset[0] must work"
-        )
-    if size == 0:
-        return (
-            f"the dataset ({type_name(dataset)}) is empty: there is no batch to train on; "
-            "return one with samples"
-        )
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        count = f" of {len(item)} items" if isinstance(item, (tuple, list)) else ""
-        return (
-            f"dataset[0] is {safe_repr(item, 60)} ({type_name(item)}{count}): each item must "
-            "be an (input, target) pair, e.g. TensorDataset(inputs, targets)"
-        )
-    for name, part in zip(("input", "target"), item, strict=True):
-        if not _batchable(part):
-            return (
-                f"dataset[0]'s {name} is {safe_repr(part, 60)} ({type_name(part)}): the "
-                f"{name} must be a tensor (or numbers, numpy arrays, or a tuple/dict of "
-                "them) for the loader to stack into a batch"
-            )
-    return None
-
-
-def _batchable(value: object) -> bool:
-    """Whether the default collate stacks ``value`` into a tensor batch: tensors, arrays and
-    numbers, also inside a few levels of tuples, lists and dicts (strings and None it cannot
-    give to a model)."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (torch.Tensor, np.ndarray, np.generic)):
-            continue
-        if isinstance(item, numbers.Number) and not isinstance(item, complex):
-            continue
-        inside = [child for _, child in children(item)]
-        if not inside or depth >= 3 or isinstance(item, (str, bytes)):
-            return False
-        stack += [(child, depth + 1) for child in inside]
-    return True
 
 
 def _is_int(value: object, minimum: int) -> bool:

@@ -8,10 +8,10 @@ global random generator when it starts as a ``DataLoader`` does (the workers' ba
 
 What it adds: it shards the data across ranks (see ``gpukit.runtime.data.sampling``), calls the
 sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
-SIGINT to the main process in its workers (``MainStops``: a preemption then saves), hands out
-batches already on the device (on CUDA from pinned memory, the next batch copied on a side
-stream while the current one is used), and remembers where the training pass is, so a resumed
-run continues with the next batch and the same random numbers.
+SIGINT to the main process in its workers (``workers.MainStops``: a preemption then saves),
+hands out batches already on the device (``prefetch``: on CUDA from pinned memory, the next
+batch copied on a side stream while the current one is used), and remembers where the
+training pass is, so a resumed run continues with the next batch and the same random numbers.
 
 >>> import torch, gpukit as gk
 >>> from torch.utils.data import DataLoader, TensorDataset
@@ -26,7 +26,6 @@ run continues with the next batch and the same random numbers.
 from __future__ import annotations
 
 import itertools
-import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +33,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from gpukit._util.tree import tensors
-from gpukit.devices.move import move_to
-from gpukit.errors import ConfigError
 from gpukit.runtime.data import sampling
+from gpukit.runtime.data.checks import check_has_batches
+from gpukit.runtime.data.prefetch import on_device
 from gpukit.runtime.data.sampling import PassSampler
+from gpukit.runtime.data.workers import MainStops
 
 # The DataLoader arguments carried over when the loader is rebuilt around a new sampler.
 _CARRIED = (
@@ -116,7 +115,7 @@ class DeviceLoader:
         self._unit = 1  # sampler items per batch: batch_size for an index sampler
         self._epoch_owned = True  # False once the program calls set_epoch itself
         self.loader = self._rebuilt(loader, num_shards, shard, seed)
-        _check_has_batches(loader, self.loader, num_shards)
+        check_has_batches(loader, self.loader, num_shards)
         self._epoch_set = getattr(self.sampler, "epoch", None)
 
     # -- the loader actually iterated ------------------------------------------------------------
@@ -243,7 +242,7 @@ class DeviceLoader:
             batches = self._start(resume.position if resume else 0)
         started.position = resume.position if resume else 0
         self._live.append(started)
-        return _PassIterator(self, started, self._on_device(batches), resume)
+        return _PassIterator(self, started, on_device(batches, self.device), resume)
 
     def _start(self, skip: int) -> Iterator[Any]:
         if self._sampler is None:  # an iterable dataset: skip a resumed pass's batches by reading
@@ -281,28 +280,6 @@ class DeviceLoader:
         elif resume is not None and self._resume is None:
             self._resume = resume  # a peek at a resumed pass: the loop still starts there
 
-    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
-        if self.device.type == "cuda":
-            return self._prefetched(batches)
-        return (move_to(b, self.device) for b in batches)
-
-    def _prefetched(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """Copy batch i+1 on a side stream while batch i is used on the current stream."""
-        stream = torch.cuda.Stream(self.device)
-
-        def start_copy(batch: Any) -> Any:
-            with torch.cuda.stream(stream):
-                return move_to(batch, self.device, non_blocking=True)
-
-        pending = None
-        for batch in batches:
-            following = start_copy(batch)
-            if pending is not None:
-                yield _ready(pending, stream)
-            pending = following
-        if pending is not None:
-            yield _ready(pending, stream)
-
 
 class _PassIterator:
     """The iterator of one pass: counts the batches it hands out, and tells the loader when
@@ -339,33 +316,6 @@ class _PassIterator:
         self._end(exhausted=False)
 
 
-class MainStops:
-    """A DataLoader worker's ``worker_init_fn`` that first leaves SIGTERM and SIGINT to the
-    main process, then calls the program's own (if any). A scheduler signals every process of
-    the job (Slurm's ``scancel``), a terminal's Ctrl-C its whole process group: workers that
-    died of it would fail the main process's next batch ("DataLoader worker exited
-    unexpectedly") before it could finish the step and save. The main process stops its
-    workers itself, and they stop when it dies.
-
-    >>> MainStops(None)(0)
-    """
-
-    def __init__(self, user: Callable[[int], Any] | None) -> None:
-        self.user = user
-
-    def __call__(self, worker_id: int) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            # A handler that does nothing, not SIG_IGN: a program the worker starts (a
-            # decoder) gets the default back, as a handler is not inherited across exec.
-            signal.signal(sig, _left_to_main)
-        if self.user is not None:
-            self.user(worker_id)
-
-
-def _left_to_main(signum: int, frame: Any) -> None:
-    """A loader worker's SIGTERM or SIGINT: the main process decides (see ``MainStops``)."""
-
-
 def _capture(generators: list[torch.Generator]) -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in generators]}
 
@@ -374,52 +324,3 @@ def _restore(rng: dict[str, Any], generators: list[torch.Generator]) -> None:
     torch.set_rng_state(rng["torch"])
     for g, state in zip(generators, rng.get("generators", []), strict=False):
         g.set_state(state)
-
-
-def _ready(batch: Any, copy_stream: torch.cuda.Stream) -> Any:
-    """Make the current stream wait for the copy, and tell the allocator the tensors are now
-    used there, so their memory is not handed out again while kernels still read it."""
-    current = torch.cuda.current_stream(copy_stream.device)
-    current.wait_stream(copy_stream)
-    for t in tensors(batch):  # every tensor of any batch structure the copy made
-        t.record_stream(current)
-    return batch
-
-
-def _check_has_batches(given: DataLoader[Any], sharded: DataLoader[Any], shards: int) -> None:
-    """Refuse a loader that yields no batch: its training loop would run no step and the run
-    would end "done" with nothing trained. A loader without a length (an iterable dataset
-    without ``__len__``, a stream) is not checked: only iterating it would tell.
-
-    >>> from torch.utils.data import TensorDataset
-    >>> empty = DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4)
-    >>> _check_has_batches(empty, empty, 1)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    gpukit.errors.ConfigError: rt.setup got a DataLoader with no batches: its dataset is empty ...
-    """
-    try:
-        batches, mine = len(given), len(sharded)
-        # The ignore: a Dataset declares no __len__; one without it raises TypeError here.
-        samples: int | None = len(given.dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return
-    if batches and mine:
-        return
-    size = given.batch_size
-    if not samples:
-        why = "its dataset is empty (0 samples): check the path, split or filter that built it"
-    elif batches == 0 and size is not None and given.drop_last:
-        why = (
-            f"its dataset has {samples} samples, fewer than batch_size={size}, and "
-            "drop_last=True drops them all: use a smaller batch_size, or drop_last=False"
-        )
-    elif batches == 0:
-        why = "its sampler yields no indices: check the sampler given to the DataLoader"
-    else:
-        why = (
-            f"split over {shards} ranks, {samples} samples ({batches} "
-            f"batch{'es' if batches > 1 else ''} in one process) leave this rank none: use "
-            "more samples, a smaller batch_size, or fewer ranks"
-        )
-    raise ConfigError(f"rt.setup got a DataLoader with no batches: {why}")

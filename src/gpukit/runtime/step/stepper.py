@@ -34,7 +34,8 @@ import torch
 from gpukit._util.batch import batch_size, chunk_sizes, split
 from gpukit.checkpoint.live import user_model
 from gpukit.diagnostics import profiles
-from gpukit.diagnostics.memory import breakdown, report
+from gpukit.diagnostics.memory import report
+from gpukit.diagnostics.memory_breakdown import breakdown
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.diagnostics.readable import reraise_readable
