@@ -14,12 +14,14 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 
 from gpukit.devices import hw as _hw
 from gpukit.launch import warm_client
+from tests import warm_gpukit
 
 GiB = 1024**3
 
@@ -196,10 +198,26 @@ def clean_environment(
 
 @pytest.fixture(autouse=True)
 def cold_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests marked ``cold_start`` start their ranks as fresh interpreters: what they check
-    (ranks that die with their launcher by ``PR_SET_PDEATHSIG``) is the cold start's own."""
+    """Tests marked ``cold_start`` start their ranks and commands as fresh interpreters: what
+    they check (ranks that die with their launcher by ``PR_SET_PDEATHSIG``, the pid of the
+    process they started) is the cold start's own. Other tests that start processes have
+    their ``python -m gpukit ...`` commands forked by the warm-start server too
+    (tests/warm_gpukit.py)."""
     if request.node.get_closest_marker("cold_start") is not None:
         monkeypatch.delenv("GPUKIT_WARM_START", raising=False)
+        return
+    server = os.environ.get("GPUKIT_WARM_START")
+    if server is None or request.node.get_closest_marker("processes") is None:
+        return
+    # The command lines a test starts (`python -m gpukit ...`) are forked warm too.
+    start = subprocess.Popen.__init__
+
+    def warm_popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        if isinstance(args, list) and not kwargs.get("shell") and "executable" not in kwargs:
+            args = warm_gpukit.command([os.fspath(a) for a in args], server) or args
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", warm_popen)
 
 
 @pytest.fixture(autouse=True)
