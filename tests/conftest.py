@@ -158,6 +158,30 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(WarmStart(), "gpukit-warm-start")
 
 
+# Tests of an xdist_group that pytest-xdist could not keep on one worker (see below).
+UNGROUPED: set[str] = set()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a worker of ``--dist loadgroup``, a test of an ``xdist_group`` without its group
+    suffix would run beside the group's other tests on the other worker (timing tests side by
+    side, shared session results made twice): such tests fail, saying why."""
+    if getattr(session.config.option, "loadgroup", False):
+        for item in session.items:
+            if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+                UNGROUPED.add(item.nodeid)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in UNGROUPED:
+        pytest.fail(
+            f"pytest-xdist's groups did not take with pytest {pytest.__version__} (this test "
+            "has no @group suffix, so --dist loadgroup would not keep its group on one "
+            "worker): install the pytest that pyproject.toml pins",
+            pytrace=False,
+        )
+
+
 # The examples in src/ that start processes (a docstring cannot carry a mark).
 DOCTESTS_THAT_START_PROCESSES = {
     "gpukit.launch.job.run_job",
