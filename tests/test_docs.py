@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_gpukit
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS = {
@@ -119,7 +121,16 @@ def _env(folder: Path) -> dict[str, str]:
     shims = folder / ".bin"
     shims.mkdir(exist_ok=True)
     shim = shims / "gpukit"
-    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpukit "$@"\n')
+    # With the warm start on (tests/conftest.py), the command is forked warm, as the
+    # `python -m gpukit` lines of other tests are (tests/warm_gpukit.py).
+    python = shlex.quote(sys.executable)
+    shim.write_text(
+        "#!/bin/sh\n"
+        'if [ -n "$GPUKIT_WARM_START" ]; then\n'
+        f'  exec {python} {shlex.quote(warm_gpukit.__file__)} "$GPUKIT_WARM_START" "$@"\n'
+        "fi\n"
+        f'exec {python} -m gpukit "$@"\n'
+    )
     shim.chmod(0o755)
     (shims / "python").symlink_to(sys.executable)
     path = f"{shims}{os.pathsep}{os.environ.get('PATH', '')}"

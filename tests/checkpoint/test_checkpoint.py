@@ -39,7 +39,8 @@ def _run(rt: gk.Runtime, folder: str, stop_at: int | None, resume: bool) -> dict
 
 @pytest.mark.parametrize(
     "devices",
-    [["cpu"], pytest.param(["cpu", "cpu"], marks=pytest.mark.processes)],
+    # Cold: rt.launch's default start of its ranks, under the bitwise guarantee.
+    [["cpu"], pytest.param(["cpu", "cpu"], marks=[pytest.mark.processes, pytest.mark.cold_start])],
     ids=["1-process", "2-process"],
 )
 def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path: Path, devices) -> None:

@@ -177,6 +177,8 @@ def _two_steps(rt: gk.Runtime) -> str:
     return f"{os.getppid()} {holder.pid if holder else None}"
 
 
+# Cold: it checks that the ranks' parent is this process (a forked rank's is the server).
+@pytest.mark.cold_start
 @pytest.mark.processes
 def test_ranks_started_by_the_holder_run_under_its_lock(tmp_path: Path) -> None:
     rt = gk.Runtime(strategy="ddp", devices=2, checkpoints=tmp_path / "ckpt", save_every=1)

@@ -124,6 +124,9 @@ def _export_run(rt: gk.Runtime, folder: str) -> dict[str, Any]:
     return {"full": full, "wrote": wrote, "bad": bad, "new": new, "old": old}
 
 
+# Cold: glibc reads MALLOC_MMAP_THRESHOLD_ at start, and the peak it measures must start
+# from the rank's own pages, not the warm-start server's.
+@pytest.mark.cold_start
 @pytest.mark.processes
 def test_a_sharded_export_holds_one_tensor_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

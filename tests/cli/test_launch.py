@@ -50,6 +50,8 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+# Cold: `gpukit launch`'s default start of its ranks, kept under a real multi-process test.
+@pytest.mark.cold_start
 @pytest.mark.processes
 def test_plain_torchrun_script_runs_on_two_processes(script: Path, tmp_path: Path) -> None:
     done = gpukit("--nproc", "2", str(script), str(tmp_path))

@@ -97,6 +97,8 @@ def test_a_missing_config_file_is_named(tmp_path: Path, capsys: pytest.CaptureFi
     assert "none.toml: no such file" in capsys.readouterr().err
 
 
+# Cold: `gpukit train --devices N`'s default start of its ranks, kept under a real test.
+@pytest.mark.cold_start
 @pytest.mark.processes
 def test_a_config_file_reaches_every_rank(tmp_path: Path) -> None:
     run = tmp_path / "run.toml"

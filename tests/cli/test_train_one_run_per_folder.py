@@ -65,6 +65,8 @@ def running(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     proc.wait()
 
 
+# Cold: the refusal names the holder by the pid of the process this test started.
+@pytest.mark.cold_start
 @pytest.mark.skipif(folder_lock.fcntl is None, reason="no fcntl: folders are not locked")
 def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_one_frees_it(
     tmp_path: Path, running: subprocess.Popen[str]

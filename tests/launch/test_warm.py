@@ -112,6 +112,15 @@ def test_exit_codes_and_deaths_by_signal_read_as_popen_reports_them(
     assert start(monkeypatch, None, [str(tmp_path / "end.py")], env).returncode == code
 
 
+def test_a_rank_is_waited_for_without_the_start_timeout(server: str, tmp_path: Path) -> None:
+    # The start's reply timeout must not limit the rank's life: a connection left with it
+    # would make poll() and wait() raise TimeoutError on any rank running past it.
+    (tmp_path / "short.py").write_text("pass")
+    rank = warm_client.start_rank(server, [str(tmp_path / "short.py")], {"PYTHONPATH": SRC})
+    assert rank._conn.gettimeout() is None
+    assert rank.wait() == 0
+
+
 # A launcher that starts one warm rank, which starts a process of its own (in its group).
 LAUNCHER = """
 import os, queue, sys, time

@@ -54,6 +54,7 @@ def test_ddp_on_two_lists_the_run_and_each_remedy_as_the_planner_predicts_them(
         precision="32",
         capacity_bytes=capacity,
         target="cpu",
+        budget_s=600,  # every figure, however loaded the machine
     )
     assert {name: os.environ.get(name) for name in steering} == steering
     assert list(tmp_path.iterdir()) == []
@@ -113,7 +114,13 @@ def test_ddp_on_two_lists_the_run_and_each_remedy_as_the_planner_predicts_them(
 def test_single_on_one_that_does_not_fit_shows_what_would() -> None:
     capacity = 15 * MiB  # gpt at micro-batch 32 peaks at ~20 MiB on the CPU, ~11 MiB at 16
     figures = plan_remedies(
-        "gpt", batch=None, devices=1, strategy="single", capacity_bytes=capacity, target="cpu"
+        "gpt",
+        batch=None,
+        devices=1,
+        strategy="single",
+        capacity_bytes=capacity,
+        target="cpu",
+        budget_s=600,  # every figure, however loaded the machine: the budget is tested below
     )
     by_label = {f.label: f for f in figures.figures}
     assert list(by_label) == [

@@ -25,8 +25,9 @@ What a fork cannot give: what was decided when the server imported torch and Pyt
 Variables read then come from the server's environment, not the rank's: Python's
 (``PYTHONHASHSEED``: every warm rank hashes strings alike; ``PYTHONWARNINGS``,
 ``PYTHONDONTWRITEBYTECODE``, ``-X`` options) and those torch and its libraries read at import
-(``TORCH_LOGS``, ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OMP_*`` but ``OMP_NUM_THREADS``, which each
-rank applies with ``torch.set_num_threads``). Modules the server imported (torch, gpukit) come
+(``TORCH_LOGS``, ``TORCHDYNAMO_*``, ``TORCHINDUCTOR_*``, ``MKL_*``, ``KMP_*``, ``GOMP_*``,
+``OMP_*`` but ``OMP_NUM_THREADS``, which each rank applies with ``torch.set_num_threads``).
+Modules the server imported (torch with its sharding and distributed checkpoint, gpukit) come
 from the server's ``sys.path``; the rank's ``PYTHONPATH`` is put in front for the rest.
 ``PYTHONUNBUFFERED`` and ``PYTHONFAULTHANDLER`` are honoured, and Python's and NumPy's random
 generators are seeded afresh. CUDA reads ``CUDA_VISIBLE_DEVICES`` when it first starts, in
@@ -303,9 +304,14 @@ def main(argv: list[str]) -> None:
     die_with(os.getppid())
     os.environ.pop("OMP_NUM_THREADS", None)
     # What ranks import: torch and gpukit (the package, which a submodule's import loads
-    # first, and the launcher's modules; the CLI a rank may run is a few modules more).
+    # first, the launcher's modules and the command line a rank of `gpukit train` runs), and
+    # torch's sharding and distributed checkpoint, which import torch._dynamo (a second of
+    # CPU that every fsdp rank would spend again).
     import torch
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
 
+    import gpukit.cli.__main__
     import gpukit.launch.functions  # noqa: F401
 
     # torch's pool is sized when first used: the server never uses it, so this reads the size.

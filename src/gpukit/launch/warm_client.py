@@ -145,6 +145,9 @@ def start_rank(path: str, args: list[str], env: Mapping[str, str]) -> WarmProces
                 f"GPUKIT_WARM_START={path}: the warm-start server did not start the rank "
                 f"({err}); unset GPUKIT_WARM_START to start ranks cold"
             ) from None
+    # The reply timeout was for the start alone: the exit status comes when the rank ends,
+    # hours later perhaps, and WarmProcess waits for it without a limit.
+    conn.settimeout(None)
     kind, _, value = data.decode(errors="replace").partition(" ")
     if kind != PID:
         conn.close()
