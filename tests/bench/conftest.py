@@ -1,36 +1,102 @@
-"""What the bench tests share, made once per session: the quick runs of the experiments that
-cost the most (the strategies experiment trains every strategy, launching processes; the
-calibration experiment trains every case twice over). `gpukit bench all --quick` in
-test_suite.py is handed these same results rather than measuring them a second time, and the
-modules that read them run on one pytest-xdist worker (``xdist_group("bench-quick")``), so
-that each is made once in the whole run."""
+"""What the bench tests share, made once per session: the quick run of every experiment that
+a test module reads on this machine's CPU (the strategies experiment trains every strategy,
+launching processes; the calibration experiment trains every case twice over; matmul,
+transfer, sync and multidevice each time several sizes or setups). `gpukit bench all --quick`
+in test_suite.py is handed these same results rather than measuring them a second time, and
+the tests that read them run on one pytest-xdist worker (``xdist_group("bench-quick")``, put
+on each such test below), so that each is made once in the whole run."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from gpukit.bench import precision, strategies
+from gpukit.bench import matmul, multidevice, precision, strategies, sync, transfer
 from gpukit.bench.result import BenchResult
 from gpukit.cli.__main__ import main
 
 BENCH_QUICK = pytest.mark.xdist_group("bench-quick")
+CPU = torch.device("cpu")
+# The session fixtures below, each the quick run of one experiment.
+QUICK_RESULTS = (
+    "quick_matmul",
+    "quick_transfer",
+    "quick_sync",
+    "quick_multidevice",
+    "quick_strategies",
+    "quick_precision",
+    "quick_calibration_printed",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that reads a shared quick result runs where that result is made."""
+    for item in items:
+        if set(QUICK_RESULTS) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(BENCH_QUICK)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the tests' ids
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Name the group in each grouped bench test's id where pytest-xdist's naming did not take.
+
+    A worker of ``--dist loadgroup`` appends ``@group`` to each grouped test's id, and the
+    controller sends a group's tests to one worker by that suffix. pytest-xdist writes it
+    into ``item._nodeid``, which pytest 9 no longer reads (the id lives in ``item._id``):
+    there, without this, the group is ignored and each worker makes every quick run anew."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return  # not a worker of --dist loadgroup
+    here = Path(__file__).parent
+    for item in session.items:
+        group = next(item.iter_markers("xdist_group"), None)
+        if group is None or "@" in item.nodeid or here not in item.path.parents:
+            continue
+        node_id = getattr(item, "_id", None)
+        if node_id is not None and hasattr(node_id, "parse"):
+            item._id = node_id.parse(f"{item.nodeid}@{group.args[0]}")
+
+
+@pytest.fixture(scope="session")
+def quick_matmul() -> BenchResult:
+    """`gpukit bench matmul --quick` on this machine's CPU."""
+    return matmul.run(quick=True, devices=[CPU])
+
+
+@pytest.fixture(scope="session")
+def quick_transfer() -> BenchResult:
+    """`gpukit bench transfer --quick` on this machine's CPU (a CPU-only run keeps nothing
+    for the trace)."""
+    return transfer.run(quick=True, devices=[CPU], remember=False)
+
+
+@pytest.fixture(scope="session")
+def quick_sync() -> BenchResult:
+    """`gpukit bench sync --quick` on this machine's CPU."""
+    return sync.run(quick=True, devices=[CPU])
+
+
+@pytest.fixture(scope="session")
+def quick_multidevice() -> BenchResult:
+    """`gpukit bench multidevice --quick` on this machine's CPU."""
+    return multidevice.run(quick=True, devices=[CPU])
 
 
 @pytest.fixture(scope="session")
 def quick_strategies() -> BenchResult:
     """`gpukit bench strategies --quick` on this machine's CPU."""
-    return strategies.run(quick=True, devices=[torch.device("cpu")])
+    return strategies.run(quick=True, devices=[CPU])
 
 
 @pytest.fixture(scope="session")
 def quick_precision() -> BenchResult:
     """`gpukit bench precision --quick` on this machine's CPU."""
-    return precision.run(quick=True, devices=[torch.device("cpu")])
+    return precision.run(quick=True, devices=[CPU])
 
 
 @pytest.fixture(scope="session")

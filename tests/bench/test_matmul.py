@@ -24,9 +24,9 @@ CPU = torch.device("cpu")
 STATS_KEYS = {"median", "low", "high", "q1", "q3", "n", "raw"}
 
 
-@pytest.fixture(scope="module")
-def quick_cpu() -> BenchResult:
-    return matmul.run(quick=True, devices=[CPU])
+@pytest.fixture
+def quick_cpu(quick_matmul: BenchResult) -> BenchResult:
+    return quick_matmul
 
 
 def test_sizes_are_powers_of_two_from_16_to_8192() -> None:

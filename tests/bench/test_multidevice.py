@@ -23,9 +23,9 @@ CPU = torch.device("cpu")
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
 
-@pytest.fixture(scope="module")
-def quick() -> BenchResult:
-    return md.run(quick=True, devices=[CPU])
+@pytest.fixture
+def quick(quick_multidevice: BenchResult) -> BenchResult:
+    return quick_multidevice
 
 
 def test_on_a_cpu_two_threads_are_compared_with_one(quick: BenchResult) -> None:

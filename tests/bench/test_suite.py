@@ -3,6 +3,7 @@ report.md tying them together; `gpukit bench compare`; and the bad input the com
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukit.bench import calibration, precision, strategies, suite
+from gpukit.bench import suite
 from gpukit.bench.compare import compare
 from gpukit.bench.result import SCHEMA, BenchResult, Column, load_result
 from gpukit.cli.__main__ import main
@@ -24,22 +25,40 @@ ENVIRONMENT = {"date", "command", "python", "torch", "gpukit", "cpu", "cpu_cores
 @pytest.fixture(scope="module")
 def quick_all(
     tmp_path_factory: pytest.TempPathFactory,
+    quick_matmul: BenchResult,
+    quick_transfer: BenchResult,
+    quick_sync: BenchResult,
+    quick_multidevice: BenchResult,
     quick_strategies: BenchResult,
     quick_precision: BenchResult,
     quick_calibration: BenchResult,
 ) -> Path:
     """One `gpukit bench all --quick --out DIR` for the whole module (it takes minutes).
-    Without a GPU, the quick runs of the strategies, precision and calibration experiments are
-    exactly the ones their own tests made on this CPU, so those results are handed over rather
-    than measured a second time (calibration's with 5 steps instead of its quick 10)."""
+    Without a GPU, the quick runs of the experiments other test modules read are exactly the
+    ones they made on this CPU, so those results are handed over rather than measured a second
+    time (calibration's with 5 steps instead of its quick 10); overhead, trace, plan and
+    restarts run here."""
     out = tmp_path_factory.mktemp("bench") / "results"
+    made = {
+        "matmul": quick_matmul,
+        "transfer": quick_transfer,
+        "sync": quick_sync,
+        "multidevice": quick_multidevice,
+        "strategies": quick_strategies,
+        "precision": quick_precision,
+        "calibration": quick_calibration,
+    }
     with pytest.MonkeyPatch.context() as patch:
         if not torch.cuda.is_available():
-            patch.setattr(strategies, "run", lambda quick=False, devices=None: quick_strategies)
-            patch.setattr(precision, "run", lambda quick=False, devices=None: quick_precision)
-            patch.setattr(calibration, "run", lambda quick=False, **_: quick_calibration)
+            for name, result in made.items():
+                patch.setattr(suite.experiment(name), "run", functools.partial(_made, result))
         assert main(["bench", "all", "--quick", "--out", str(out)]) == 0
     return out
+
+
+def _made(result: BenchResult, quick: bool = False, **_: object) -> BenchResult:
+    assert quick, "only the quick runs are made once for the session"
+    return result
 
 
 @pytest.mark.processes
@@ -154,8 +173,12 @@ def test_bad_input_is_refused_before_any_measuring(
 
 
 def test_a_failing_experiment_does_not_cost_the_others(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    quick_sync: BenchResult,
 ) -> None:
+    monkeypatch.setattr(suite.experiment("sync"), "run", functools.partial(_made, quick_sync))
     overhead = suite.experiment("overhead")
 
     def broken(quick: bool = False) -> BenchResult:

@@ -30,9 +30,9 @@ def one_thread() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
-def quick() -> BenchResult:
-    return sync.run(quick=True, devices=[CPU])
+@pytest.fixture
+def quick(quick_sync: BenchResult) -> BenchResult:
+    return quick_sync
 
 
 def test_a_quick_run_has_every_variant_and_its_syncs(quick: BenchResult) -> None:

@@ -34,9 +34,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-@pytest.fixture(scope="module")
-def quick_cpu() -> BenchResult:
-    return transfer.run(quick=True, devices=[CPU], remember=False)
+@pytest.fixture
+def quick_cpu(quick_transfer: BenchResult) -> BenchResult:
+    return quick_transfer
 
 
 def test_sizes_run_from_4_kib_to_1_gib_by_fours() -> None:

@@ -56,7 +56,8 @@ TITLE = "multidevice: do two devices give twice the speed? C = A¹⁰ + B¹⁰, 
 
 # Matrix sides: large enough that a GPU's products fill it; the CPU's take a second at most.
 SIZES = {"gpu": 4096, "product": 8192, "cpu": 1024}
-QUICK_SIZES = {"gpu": 1024, "product": 2048, "cpu": 768}
+# --quick: CI sizes; a 512 side keeps each CPU product large enough to split over threads.
+QUICK_SIZES = {"gpu": 1024, "product": 2048, "cpu": 512}
 SEED = 0
 
 TWO_GPUS = "Aⁿ+Bⁿ, 2 GPUs"
