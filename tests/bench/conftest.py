@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,26 +39,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if set(QUICK_RESULTS) & set(getattr(item, "fixturenames", ())):
             item.add_marker(BENCH_QUICK)
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist sends the tests' ids
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Name the group in each grouped bench test's id where pytest-xdist's naming did not take.
-
-    A worker of ``--dist loadgroup`` appends ``@group`` to each grouped test's id, and the
-    controller sends a group's tests to one worker by that suffix. pytest-xdist writes it
-    into ``item._nodeid``, which pytest 9 no longer reads (the id lives in ``item._id``):
-    there, without this, the group is ignored and each worker makes every quick run anew."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return  # not a worker of --dist loadgroup
-    here = Path(__file__).parent
-    for item in session.items:
-        group = next(item.iter_markers("xdist_group"), None)
-        if group is None or "@" in item.nodeid or here not in item.path.parents:
-            continue
-        node_id = getattr(item, "_id", None)
-        if node_id is not None and hasattr(node_id, "parse"):
-            item._id = node_id.parse(f"{item.nodeid}@{group.args[0]}")
 
 
 @pytest.fixture(scope="session")
