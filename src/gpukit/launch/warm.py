@@ -304,14 +304,13 @@ def main(argv: list[str]) -> None:
     die_with(os.getppid())
     os.environ.pop("OMP_NUM_THREADS", None)
     # What ranks import: torch and gpukit (the package, which a submodule's import loads
-    # first, the launcher's modules and the command line a rank of `gpukit train` runs), and
-    # torch's sharding and distributed checkpoint, which import torch._dynamo (a second of
-    # CPU that every fsdp rank would spend again).
+    # first, and the launcher's modules; the command line a rank may run is a tenth of a
+    # second more, and above this layer), and torch's sharding and distributed checkpoint,
+    # which import torch._dynamo (a second of CPU that every fsdp rank would spend again).
     import torch
     import torch.distributed.checkpoint
     import torch.distributed.fsdp
 
-    import gpukit.cli.__main__
     import gpukit.launch.functions  # noqa: F401
 
     # torch's pool is sized when first used: the server never uses it, so this reads the size.
