@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gpukit as gk
-from gpukit.runtime.collectives import all_gather, all_reduce, broadcast
+from gpukit.strategies.collectives import all_gather, all_reduce, broadcast
 
 DDP2 = {"strategy": "ddp", "devices": ["cpu", "cpu"], "seed": 0}
 

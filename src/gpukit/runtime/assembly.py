@@ -1,6 +1,6 @@
 """How a Runtime's parts are made from its settings, before any model exists: the strategy
 for the devices named and the precision it trains in (each checked against the other), and
-the stepper, with the non-finite guard it keeps.
+the stepper, with the non-finite guard it keeps, and the loggers with what they are told.
 
 >>> from gpukit.runtime.settings import Settings
 >>> strategy, precision = strategy_and_precision(Settings(devices="cpu"), launched=False)
@@ -11,7 +11,9 @@ the stepper, with the non-finite guard it keeps.
 from __future__ import annotations
 
 from gpukit.launch.faults import OomFault
-from gpukit.runtime.settings import Settings
+from gpukit.loggers.registry import make_loggers
+from gpukit.runtime.outputs.reporting import Reporting
+from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.settings_checks import check_device_count, resolve_devices
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.boundaries import StepBoundaries
@@ -53,3 +55,10 @@ def make_stepper(
     fault = OomFault.from_env(strategy.device.torch)
     guard = nonfinite_guard(settings, precision)
     return Stepper(settings, state, strategy, precision, fault, boundaries=boundaries, guard=guard)
+
+
+def make_reporting(settings: Settings, state: TrainState, strategy: Strategy) -> Reporting:
+    """The loggers ``settings`` name (a missing package is refused here, when the Runtime is
+    made), told the settings from rank 0 of ``strategy``."""
+    loggers = make_loggers(settings.loggers, run_folder(settings.checkpoints))
+    return Reporting(loggers, record(settings), state, strategy)

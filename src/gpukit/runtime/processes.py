@@ -2,7 +2,7 @@
 ``rt.all_gather``, ``rt.broadcast``, ``rt.main_process_first`` and ``rt.print``.
 
 Each collective first has the Runtime join its process group and say where it is (the
-heartbeat's phase), then goes through :mod:`gpukit.runtime.collectives` over the strategy the
+heartbeat's phase), then goes through :mod:`gpukit.strategies.collectives` over the strategy the
 Runtime holds (it gives this part the new one when ``strategy="auto"`` replaces it).
 
 >>> import gpukit as gk
@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from gpukit.runtime import collectives
-from gpukit.strategies import ReduceOp, Strategy
+from gpukit.strategies import ReduceOp, Strategy, collectives
 
 
 class Processes:

@@ -40,14 +40,13 @@ from gpukit.launch.functions import check_options, launch_function
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.checks import ResumePolicy
 from gpukit.loggers.registry import LoggersSpec
-from gpukit.runtime import collectives, owned
-from gpukit.runtime.assembly import make_stepper, strategy_and_precision
+from gpukit.runtime import owned
+from gpukit.runtime.assembly import make_reporting, make_stepper, strategy_and_precision
 from gpukit.runtime.checkpointing import Checkpointing
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.open_runtimes import OPEN
 from gpukit.runtime.open_runtimes import teardown_open_runtimes as teardown_open_runtimes
-from gpukit.runtime.optimizer_adoption import adopt, parameters
 from gpukit.runtime.outputs.evaluation import Evaluation
 from gpukit.runtime.outputs.metrics import Metrics
 from gpukit.runtime.outputs.profiling import Profiling
@@ -62,9 +61,10 @@ from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
 from gpukit.runtime.step.nonfinite import NonFinitePolicy
+from gpukit.runtime.step.optimizer_adoption import adopt, parameters
 from gpukit.runtime.step.snapshot import seed_everything
 from gpukit.runtime.strategy_at_setup import AutoChoice, stepper_for
-from gpukit.strategies import Strategy
+from gpukit.strategies import Strategy, collectives
 
 
 class Runtime(Checkpointing):
@@ -123,8 +123,8 @@ class Runtime(Checkpointing):
         self._processes = Processes(self.strategy, self._before_collective, self._ensure_ready)
         self._evaluation = Evaluation(self.strategy, self._before_collective)
         self._progress = Progress(self.strategy, self._metrics.history)
-        self._profiling = Profiling(self._stepper, self.strategy, self.state)
-        self._reporting = Reporting(settings, self.state, self.strategy)
+        self._profiling = Profiling(self._stepper, self.strategy)
+        self._reporting = make_reporting(settings, self.state, self.strategy)
         self.loggers = self._reporting.loggers
         if self.loggers:
             self._metrics.on_record = self._reporting.record

@@ -2,10 +2,12 @@
 
 ``registry`` (names, :func:`register` and the ``"auto"`` choice), ``base`` (the contract: a
 few hooks, three of them required, and ``Recovery``, what runs when a device runs out of memory),
-``traits`` (what each costs in memory and communication, which the planner reads), one module
-per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``, ``fsdp``), ``per_device`` (what a
-``dp-balanced`` forward returns), and the private pieces of single-process data parallelism
-(``_parallel``: scatter, replicate, apply, gather; ``_criterion``: the loss on every device).
+``traits`` (what each costs in memory and communication, which the planner reads),
+``collectives`` (over any strategy, on what a training loop holds: tensors on any device and
+plain numbers), one module per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``,
+``fsdp``), ``per_device`` (what a ``dp-balanced`` forward returns), and the private pieces of
+single-process data parallelism (``_parallel``: scatter, replicate, apply, gather;
+``_criterion``: the loss on every device).
 
 >>> from gpukit.strategies import make_strategy
 >>> make_strategy("single").name

@@ -34,10 +34,9 @@ from torch import nn
 from gpukit._util.text import described, type_name
 from gpukit._util.tree import is_dataclass_instance, leaves, map_tensors
 from gpukit.errors import ConfigError, warn_user
-from gpukit.runtime import collectives
 from gpukit.runtime.data import padding
 from gpukit.runtime.data.padding import BatchRows
-from gpukit.strategies import Strategy
+from gpukit.strategies import Strategy, collectives
 
 
 class _LeafKind(type):

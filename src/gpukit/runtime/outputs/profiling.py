@@ -11,18 +11,17 @@ from __future__ import annotations
 import os
 
 from gpukit.diagnostics.profiles import StepProfile
-from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 
 class Profiling:
     """The Runtime's ``rt.profile``: the steps of ``stepper`` on ``strategy``'s rank (the
-    Runtime gives it new ones when ``strategy="auto"`` replaces the strategy), named by
-    ``state``'s step."""
+    Runtime gives it new ones when ``strategy="auto"`` replaces the strategy), named by the
+    step of the state it advances."""
 
-    def __init__(self, stepper: Stepper, strategy: Strategy, state: TrainState) -> None:
-        self.stepper, self.strategy, self.state = stepper, strategy, state
+    def __init__(self, stepper: Stepper, strategy: Strategy) -> None:
+        self.stepper, self.strategy = stepper, strategy
 
     def profile(
         self,
@@ -64,7 +63,7 @@ class Profiling:
             steps="runtime",
             owner=self.stepper,
             rank=self.strategy.rank,
-            offset=self.state.global_step,
+            offset=self.stepper.state.global_step,
             record_shapes=record_shapes,
             with_stack=with_stack,
         )

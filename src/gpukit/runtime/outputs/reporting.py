@@ -26,29 +26,33 @@ first error is the one raised.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from gpukit.errors import ConfigError, LoggerError
 from gpukit.loggers.base import Logger, logger_name
-from gpukit.loggers.registry import make_loggers
-from gpukit.runtime.settings import Settings, record, run_folder
-from gpukit.runtime.state import TrainState
 from gpukit.strategies import Strategy
 
 _log = logging.getLogger("gpukit")
 
 
+class AtStep(Protocol):
+    """Where the run stands (the Runtime's ``TrainState``): the step a failure names."""
+
+    @property
+    def global_step(self) -> int: ...
+
+
 class Reporting:
-    """The Runtime's loggers (``rt.loggers``) and what they have been told: made from the
-    ``settings``, spoken to from rank 0 of ``strategy`` alone (the Runtime gives it the new
+    """The Runtime's ``loggers`` (``rt.loggers``, made from its settings) and what they have
+    been told: first ``settings``, the settings' record as ``metrics.json`` holds it, as
+    hyper-parameters; spoken to from rank 0 of ``strategy`` alone (the Runtime gives it the new
     one when ``strategy="auto"`` replaces it, so the settings name the strategy trained with);
     ``state`` gives the step a failure names."""
 
-    def __init__(self, settings: Settings, state: TrainState, strategy: Strategy) -> None:
-        # A missing package is refused here, when the Runtime is made.
-        self.loggers: list[Logger] = make_loggers(
-            settings.loggers, run_folder(settings.checkpoints)
-        )
+    def __init__(
+        self, loggers: list[Logger], settings: dict[str, Any], state: AtStep, strategy: Strategy
+    ) -> None:
+        self.loggers = loggers
         self.settings, self.state, self.strategy = settings, state, strategy
         self.stage: Literal["idle", "started", "finished"] = "idle"
 
@@ -77,7 +81,8 @@ class Reporting:
         """Rank 0, once: the settings as the first hyper-parameters."""
         if self.stage == "idle" and self._here():
             self.stage = "started"
-            settings = record(self.settings, strategy=self.strategy.name)
+            # The strategy trained with, in place of the one asked for (as metrics.json has it).
+            settings = {**self.settings, "strategy": self.strategy.name}
             self._each("log_hyperparams", {f"runtime/{k}": v for k, v in settings.items()})
 
     def record(self, rec: dict[str, float]) -> None:

@@ -20,8 +20,7 @@ from gpukit._util.batch import chunk_sizes
 from gpukit.checkpoint.live import user_model
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError
-from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState
+from gpukit.runtime.step.live import StepSettings, StepState
 from gpukit.runtime.step.precision import Precision
 from gpukit.runtime.step.snapshot import BufferGuard, RngState, SavedBuffers
 from gpukit.strategies import Strategy
@@ -45,8 +44,8 @@ class Retry:
 
     def __init__(
         self,
-        config: Settings,
-        state: TrainState,
+        config: StepSettings,
+        state: StepState,
         strategy: Strategy,
         precision: Precision,
         hold_back: bool,

@@ -42,12 +42,11 @@ from gpukit.diagnostics.readable import reraise_readable
 from gpukit.diagnostics.trace import untraced
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch.faults import OomFault
-from gpukit.runtime.optimizer_adoption import StaleOptimizers
-from gpukit.runtime.settings import Settings
-from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.boundaries import NoBoundaries, StepBoundaries
+from gpukit.runtime.step.live import StepSettings, StepState
 from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.step.nonfinite import NonFiniteGuard
+from gpukit.runtime.step.optimizer_adoption import StaleOptimizers
 from gpukit.runtime.step.precision import Precision
 from gpukit.runtime.step.retry import Attempt, Retry
 from gpukit.strategies import Strategy
@@ -61,8 +60,8 @@ class Stepper:
 
     def __init__(
         self,
-        config: Settings,
-        state: TrainState,
+        config: StepSettings,
+        state: StepState,
         strategy: Strategy,
         precision: Precision,
         fault: OomFault | None = None,

@@ -24,7 +24,7 @@ import torch
 
 from gpukit._util.text import described
 from gpukit.errors import ConfigError
-from gpukit.strategies import ReduceOp, Strategy
+from gpukit.strategies.base import ReduceOp, Strategy
 
 Number = int | float | bool
 OPS: tuple[str, ...] = get_args(ReduceOp)
