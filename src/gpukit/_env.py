@@ -22,6 +22,8 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_WARM_START``: the socket of a warm-start server (``python -m gpukit.launch.warm
   SOCKET``): gpukit's launcher then forks each rank from that server, which has imported torch
   and gpukit already, instead of starting a fresh interpreter (see ``gpukit.launch.warm``).
+- ``GPUKIT_WARM_PARENT``: set in each rank the warm-start server forks: the process id of the
+  launcher that asked for it, which a cold start would have made the rank's parent.
 - ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
   join the process group before it fails saying who waited where (default 120).
 - ``GPUKIT_CACHE_DIR``: the folder where gpukit keeps what it measured on this machine (the
@@ -84,6 +86,13 @@ def job_dir() -> Path | None:
     """``GPUKIT_JOB_DIR``: the folder gpukit's launcher keeps for this job, or None."""
     value = os.environ.get("GPUKIT_JOB_DIR", "").strip()
     return Path(value) if value else None
+
+
+def warm_parent() -> int | None:
+    """``GPUKIT_WARM_PARENT``: the launcher of this rank when the warm-start server forked it
+    (its parent is then the server), else None."""
+    value = os.environ.get("GPUKIT_WARM_PARENT", "").strip()
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def attempt() -> int:

@@ -254,8 +254,16 @@ def _dead_here(found: Holder) -> bool:
 
 
 def _ancestors() -> set[int]:
-    """The ids of the processes that started this one (Linux: all of them; else the parent)."""
-    found, pid = set(), os.getppid()
+    """The ids of the processes that started this one (Linux: all of them; else the parent).
+    A rank forked by the warm-start server counts the launcher that asked for it as its
+    parent, as a cold start would have made it."""
+    found = _line_of(os.getppid(), set())
+    warm_parent = _env.warm_parent()
+    return found if warm_parent is None else _line_of(warm_parent, found)
+
+
+def _line_of(pid: int, found: set[int]) -> set[int]:
+    """``found`` with ``pid`` and the processes that started it, as far as /proc tells."""
     while pid > 1 and pid not in found:
         found.add(pid)
         try:

@@ -32,7 +32,8 @@ from the server's ``sys.path``; the rank's ``PYTHONPATH`` is put in front for th
 ``PYTHONUNBUFFERED`` and ``PYTHONFAULTHANDLER`` are honoured, and Python's and NumPy's random
 generators are seeded afresh. CUDA reads ``CUDA_VISIBLE_DEVICES`` when it first starts, in
 the rank: the server never touches a GPU (nor torch's CPU thread pool, which a fork would
-leave without its threads). A rank's parent is the server, not the launcher.
+leave without its threads). A rank's parent is the server, not the launcher; the rank's
+``GPUKIT_WARM_PARENT`` names the launcher, which the folder lock counts as its parent.
 """
 
 from __future__ import annotations

@@ -133,7 +133,9 @@ def start_rank(path: str, args: list[str], env: Mapping[str, str]) -> WarmProces
             f"start one with `{sys.executable} -m gpukit.launch.warm {path}`, or unset "
             "GPUKIT_WARM_START to start each rank as a fresh interpreter"
         ) from None
-    request = Request(str(_RUNNER), list(args), dict(env), os.getcwd())
+    # The rank's parent will be the server: it is told which process stands for its parent.
+    env = {**env, "GPUKIT_WARM_PARENT": str(os.getpid())}
+    request = Request(str(_RUNNER), list(args), env, os.getcwd())
     with _stdio() as fds:
         try:
             conn.settimeout(REPLY_TIMEOUT_S)
