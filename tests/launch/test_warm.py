@@ -82,6 +82,8 @@ def test_a_warm_rank_gets_exactly_what_a_cold_one_gets(
         assert worker.returncode == 0
         seen[how] = json.loads((work / how).read_text())
         seen[how]["env"].pop("OUT")
+        if how == "warm":  # the one addition: who asked for the rank, its parent if cold
+            assert seen[how]["env"].pop("GPUKIT_WARM_PARENT") == str(os.getpid())
         out, err = capfd.readouterr()
         assert (out, err) == ("to stdout\n", "to stderr\n"), how
     assert seen["warm"] == seen["cold"]
