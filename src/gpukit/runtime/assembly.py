@@ -1,6 +1,7 @@
 """How a Runtime's parts are made from its settings, before any model exists: the strategy
-for the devices named and the precision it trains in (each checked against the other), and
-the stepper, with the non-finite guard it keeps.
+for the devices named and the precision it trains in (each checked against the other), the
+stepper, with the non-finite guard it keeps, and the run's lifecycle with the checkpoint part
+it saves and resumes through.
 
 >>> from gpukit.runtime.settings import Settings
 >>> strategy, precision = strategy_and_precision(Settings(devices="cpu"), launched=False)
@@ -11,6 +12,9 @@ the stepper, with the non-finite guard it keeps.
 from __future__ import annotations
 
 from gpukit.launch.faults import OomFault
+from gpukit.lifecycle.boundaries import Lifecycle
+from gpukit.runtime import collectives
+from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.settings_checks import check_device_count, resolve_devices
 from gpukit.runtime.state import TrainState
@@ -53,3 +57,31 @@ def make_stepper(
     fault = OomFault.from_env(strategy.device.torch)
     guard = nonfinite_guard(settings, precision)
     return Stepper(settings, state, strategy, precision, fault, boundaries=boundaries, guard=guard)
+
+
+def make_lifecycle(
+    settings: Settings,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    runtime: RuntimeCalls,
+) -> tuple[Lifecycle, Stepper, Checkpointing]:
+    """The run's lifecycle, the stepper that tells it where each step begins and ends, and the
+    checkpoint part (``rt.save``, ``rt.resume``, ...) that the lifecycle saves and resumes
+    through, which in turn tells the lifecycle and the stepper what a save or a load did."""
+    lifecycle = Lifecycle(
+        settings,
+        strategy.rank,
+        strategy.world_size,
+        settings.log_every,
+        # The part is made below, once the stepper exists: these run after that.
+        save=lambda: checkpoints.save(),
+        # Asked through the part's strategy, which strategy="auto" may replace at rt.setup.
+        agree=lambda votes: checkpoints.strategy.any_rank(votes),
+        store=collectives.default_store,
+        resume=lambda: checkpoints.resume(),
+        deferrable=lambda: any(loader.in_pass for loader in state.loaders),
+    )
+    stepper = make_stepper(settings, state, strategy, precision, lifecycle)
+    checkpoints = Checkpointing(settings, state, strategy, precision, lifecycle, stepper, runtime)
+    return lifecycle, stepper, checkpoints
