@@ -239,8 +239,9 @@ def test_a_strategy_taken_at_setup_answers_the_lifecycles_agreements(
 def test_a_strategy_taken_at_setup_reaches_every_part_that_holds_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The Runtime's parts (its metrics, evaluation, collectives, progress, profile, loggers)
-    # each hold the strategy: once "auto" takes another one at rt.setup, none keeps the old.
+    # The Runtime's parts (its metrics, evaluation, collectives, progress, profile, loggers,
+    # checkpoints) each hold the strategy: once "auto" takes another one at rt.setup, none
+    # keeps the old.
     rt = gk.Runtime(devices="cpu")
     old = rt.strategy
     taken = copy.copy(old)
@@ -250,6 +251,7 @@ def test_a_strategy_taken_at_setup_reaches_every_part_that_holds_one(
     assert capsys.readouterr().out == ""
     assert rt.progress(range(2), out=io.StringIO()).display is None  # nothing shown
     parts = (rt._metrics, rt._evaluation, rt._processes, rt._progress, rt._profiling)
-    assert all(part.strategy is taken for part in (*parts, rt._reporting))
+    assert all(part.strategy is taken for part in (*parts, rt._reporting, rt._checkpointing))
     assert rt._profiling.stepper is rt._stepper and rt._stepper.strategy is taken
+    assert rt._checkpointing.stepper is rt._stepper
     assert old.rank == 0

@@ -1,6 +1,7 @@
 """How a Runtime's parts are made from its settings, before any model exists: the strategy
-for the devices named and the precision it trains in (each checked against the other), and
-the stepper, with the non-finite guard it keeps, and the loggers with what they are told.
+for the devices named and the precision it trains in (each checked against the other), the
+stepper, with the non-finite guard it keeps, the run's lifecycle with the checkpoint part it
+saves and resumes through, and the loggers with what they are told.
 
 >>> from gpukit.runtime.settings import Settings
 >>> strategy, precision = strategy_and_precision(Settings(devices="cpu"), launched=False)
@@ -11,7 +12,9 @@ the stepper, with the non-finite guard it keeps, and the loggers with what they 
 from __future__ import annotations
 
 from gpukit.launch.faults import OomFault
+from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.loggers.registry import make_loggers
+from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.settings_checks import check_device_count, resolve_devices
@@ -20,7 +23,7 @@ from gpukit.runtime.step.boundaries import StepBoundaries
 from gpukit.runtime.step.nonfinite import NonFiniteGuard
 from gpukit.runtime.step.precision import Precision, make_precision
 from gpukit.runtime.step.stepper import Stepper
-from gpukit.strategies import Strategy, choose
+from gpukit.strategies import Strategy, choose, collectives
 from gpukit.strategies.meta_init import MetaInit
 
 
@@ -62,3 +65,31 @@ def make_reporting(settings: Settings, state: TrainState, strategy: Strategy) ->
     made), told the settings from rank 0 of ``strategy``."""
     loggers = make_loggers(settings.loggers, run_folder(settings.checkpoints))
     return Reporting(loggers, record(settings), state, strategy)
+
+
+def make_lifecycle(
+    settings: Settings,
+    state: TrainState,
+    strategy: Strategy,
+    precision: Precision,
+    runtime: RuntimeCalls,
+) -> tuple[Lifecycle, Stepper, Checkpointing]:
+    """The run's lifecycle, the stepper that tells it where each step begins and ends, and the
+    checkpoint part (``rt.save``, ``rt.resume``, ...) that the lifecycle saves and resumes
+    through, which in turn tells the lifecycle and the stepper what a save or a load did."""
+    lifecycle = Lifecycle(
+        settings,
+        strategy.rank,
+        strategy.world_size,
+        settings.log_every,
+        # The part is made below, once the stepper exists: these run after that.
+        save=lambda: checkpoints.save(),
+        # Asked through the part's strategy, which strategy="auto" may replace at rt.setup.
+        agree=lambda votes: checkpoints.strategy.any_rank(votes),
+        store=collectives.default_store,
+        resume=lambda: checkpoints.resume(),
+        deferrable=lambda: any(loader.in_pass for loader in state.loaders),
+    )
+    stepper = make_stepper(settings, state, strategy, precision, lifecycle)
+    checkpoints = Checkpointing(settings, state, strategy, precision, lifecycle, stepper, runtime)
+    return lifecycle, stepper, checkpoints

@@ -3,11 +3,19 @@
 What they save and how is :mod:`gpukit.checkpoint`; here is what the Runtime adds around it:
 the folder it defaults to, the heartbeat's phase, the check that every rank calls, the logging
 window closed before a save, and what a load tells the lifecycle and the step.
+
+>>> import tempfile, torch, gpukit as gk
+>>> rt = gk.Runtime(devices="cpu")
+>>> model = rt.setup(torch.nn.Linear(2, 1))
+>>> folder = tempfile.mkdtemp()
+>>> rt.save(folder).name, rt.load(folder)
+('step-00000000', {'epoch': 0, 'step': 0})
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +34,37 @@ from gpukit.runtime.step.stepper import Stepper
 from gpukit.strategies import Strategy
 
 
-class Checkpointing:
-    """The checkpoint methods of :class:`~gpukit.Runtime`."""
+@dataclass(frozen=True)
+class RuntimeCalls:
+    """What the Runtime does around a checkpoint: ``ready`` joins its process group,
+    ``close_window`` reads back the pending logging window (collective: only where every rank
+    is), ``say`` prints on rank 0."""
 
-    config: Settings
-    state: TrainState
-    strategy: Strategy
-    precision: Precision
-    lifecycle: Lifecycle
-    _stepper: Stepper
-    _ensure_ready: Callable[[], None]
-    _close_window: Callable[[], None]
-    print: Callable[..., None]
+    ready: Callable[[], None]
+    close_window: Callable[[], None]
+    say: Callable[[str], None]
+
+
+class Checkpointing:
+    """The checkpoint methods of :class:`~gpukit.Runtime`: ``state`` (what ``setup`` saw and
+    the step) under ``strategy`` and ``precision``, saved and restored where ``lifecycle``'s
+    folder is, with the ``accumulate``, ``keep`` and ``export`` of ``settings``; a load tells
+    ``stepper`` the restored step. The Runtime gives this part the new strategy and stepper
+    when ``strategy="auto"`` replaces them."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        state: TrainState,
+        strategy: Strategy,
+        precision: Precision,
+        lifecycle: Lifecycle,
+        stepper: Stepper,
+        runtime: RuntimeCalls,
+    ) -> None:
+        self.settings, self.state, self.strategy = settings, state, strategy
+        self.precision, self.lifecycle, self.stepper = precision, lifecycle, stepper
+        self.runtime = runtime
 
     def save(
         self,
@@ -54,21 +81,21 @@ class Checkpointing:
         state and, under fsdp, writes its shards). Called on some ranks only, it fails within
         30 s naming the ranks that did not call it. Under fsdp ``export`` (default: the
         Runtime's ``export`` setting) says whether it also holds the full weights."""
-        self._ensure_ready()
+        self.runtime.ready()
         folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
             raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
         self.lifecycle.beat("save", self.state.global_step)
         self.strategy.check_every_rank_calls("rt.save")
-        self._close_window()
+        self.runtime.close_window()
         path = checkpoint.save(
             Path(folder),
             self.state,
             self.strategy,
             self.precision,
-            accumulate=self.config.accumulate,
-            keep=keep if keep is not None else self.config.keep,
-            export=export if export is not None else self.config.export == "every",
+            accumulate=self.settings.accumulate,
+            keep=keep if keep is not None else self.settings.keep,
+            export=export if export is not None else self.settings.export == "every",
         )
         self.lifecycle.saved(self.state.global_step)
         return path
@@ -76,14 +103,14 @@ class Checkpointing:
     def load(self, directory: str | Path | None = None) -> dict[str, int]:
         """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
         returns its epoch and step. Nothing changes unless everything in it matches."""
-        self._ensure_ready()
+        self.runtime.ready()
         folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
         self.lifecycle.beat("load", self.state.global_step)
         self.lifecycle.resumed = True  # an explicit load is the resume
         progress = checkpoint.load(
-            folder, self.state, self.strategy, self.precision, self.config.accumulate
+            folder, self.state, self.strategy, self.precision, self.settings.accumulate
         )
-        self._stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
+        self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.saved(self.state.global_step)
         return progress
@@ -107,7 +134,7 @@ class Checkpointing:
         >>> rt.load_weights(folder)["loaded"], model.weight.tolist()
         (2, [[1.0, 1.0]])
         """
-        self._ensure_ready()
+        self.runtime.ready()
         if model is None:
             if len(self.state.modules) != 1:
                 raise ConfigError(
@@ -129,7 +156,7 @@ class Checkpointing:
         >>> sorted(rt.full_state_dict(rt.setup(torch.nn.Linear(2, 1))))
         ['bias', 'weight']
         """
-        self._ensure_ready()
+        self.runtime.ready()
         self.strategy.check_every_rank_calls("rt.full_state_dict")
         return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
 
@@ -142,5 +169,5 @@ class Checkpointing:
         if found is None:
             return None
         progress = self.load(found)  # the one found: looking again would warn again
-        self.print(f"gpukit: resumed from {folder} at step {progress['step']}")
+        self.runtime.say(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress

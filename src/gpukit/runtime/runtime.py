@@ -37,12 +37,11 @@ from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError, OutOfMemory
 from gpukit.launch import DEFAULT_HANG_TIMEOUT
 from gpukit.launch.functions import check_options, launch_function
-from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.lifecycle.checks import ResumePolicy
 from gpukit.loggers.registry import LoggersSpec
 from gpukit.runtime import owned
-from gpukit.runtime.assembly import make_reporting, make_stepper, strategy_and_precision
-from gpukit.runtime.checkpointing import Checkpointing
+from gpukit.runtime.assembly import make_lifecycle, make_reporting, strategy_and_precision
+from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.open_runtimes import OPEN
@@ -64,10 +63,10 @@ from gpukit.runtime.step.nonfinite import NonFinitePolicy
 from gpukit.runtime.step.optimizer_adoption import adopt, parameters
 from gpukit.runtime.step.snapshot import seed_everything
 from gpukit.runtime.strategy_at_setup import AutoChoice, stepper_for
-from gpukit.strategies import Strategy, collectives
+from gpukit.strategies import Strategy
 
 
-class Runtime(Checkpointing):
+class Runtime:
     """Strategy, precision, accumulation, clipping and logging behind one object.
 
     Its keywords are the settings declared in :class:`gpukit.runtime.settings.Settings` (the
@@ -102,25 +101,14 @@ class Runtime(Checkpointing):
         self.strategy, self.precision = strategy_and_precision(settings, launched)
         self._compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()
-        self.lifecycle = Lifecycle(
-            settings,
-            self.rank,
-            self.world_size,
-            settings.log_every,
-            save=self.save,
-            # Asked through the strategy held now: strategy="auto" may replace it at rt.setup.
-            agree=lambda votes: self.strategy.any_rank(votes),
-            store=collectives.default_store,
-            resume=self.resume,
-            deferrable=lambda: any(loader.in_pass for loader in self.state.loaders),
-        )
-        self._stepper = make_stepper(
-            settings, self.state, self.strategy, self.precision, self.lifecycle
+        # The parts behind the methods below that hand them their work (``Delegate``).
+        self._processes = Processes(self.strategy, self._before_collective, self._ensure_ready)
+        calls = RuntimeCalls(self._ensure_ready, self._close_window, self.print)
+        self.lifecycle, self._stepper, self._checkpointing = make_lifecycle(
+            settings, self.state, self.strategy, self.precision, calls
         )
         self._metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
-        # The parts behind the methods below that hand them their work (``Delegate``).
         self._registry = Registry(settings, self.state)
-        self._processes = Processes(self.strategy, self._before_collective, self._ensure_ready)
         self._evaluation = Evaluation(self.strategy, self._before_collective)
         self._progress = Progress(self.strategy, self._metrics.history)
         self._profiling = Profiling(self._stepper, self.strategy)
@@ -186,6 +174,11 @@ class Runtime(Checkpointing):
     broadcast = Delegate("_processes", Processes.broadcast)
     main_process_first = Delegate("_processes", Processes.main_process_first)
     print = Delegate("_processes", Processes.print)
+    save = Delegate("_checkpointing", Checkpointing.save)
+    load = Delegate("_checkpointing", Checkpointing.load)
+    load_weights = Delegate("_checkpointing", Checkpointing.load_weights)
+    full_state_dict = Delegate("_checkpointing", Checkpointing.full_state_dict)
+    resume = Delegate("_checkpointing", Checkpointing.resume)
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -425,9 +418,11 @@ class Runtime(Checkpointing):
         strategy.check_precision(self.precision.name)
         self.strategy = strategy
         self._compiler = Compiler(self.config.compile, strategy)
-        self._stepper = self._profiling.stepper = stepper_for(strategy, self._stepper)
+        self._stepper = stepper_for(strategy, self._stepper)
+        self._profiling.stepper = self._checkpointing.stepper = self._stepper
         self._metrics.strategy = self._evaluation.strategy = self._processes.strategy = strategy
         self._progress.strategy = self._profiling.strategy = self._reporting.strategy = strategy
+        self._checkpointing.strategy = strategy
 
 
 # help(gk.Runtime) shows each setting's text.
