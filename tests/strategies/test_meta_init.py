@@ -185,6 +185,8 @@ def _peak(rt: gk.Runtime, meta: bool) -> int:
     return _status("VmHWM:") - start
 
 
+# Cold: glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts, which a forked rank did not.
+@pytest.mark.cold_start
 @pytest.mark.processes
 def test_meta_init_keeps_a_ranks_peak_host_memory_below_the_models_size(
     monkeypatch: pytest.MonkeyPatch,
