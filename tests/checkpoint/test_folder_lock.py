@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,35 +125,14 @@ def test_a_process_started_by_the_holder_is_of_its_job(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 def test_a_warm_rank_counts_the_launcher_that_asked_for_it_as_its_parent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, holder: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A rank forked by the warm-start server descends from the server, not from the program
     # that holds the folder and launched it: GPUKIT_WARM_PARENT names that program.
-    folder = tmp_path / "ckpt"
-    code = "import sys, time, gpukit as gk; gk.Runtime(devices='cpu', checkpoints=sys.argv[1])"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", f"{code}; time.sleep(600)", str(folder)],
-        env={**os.environ, "PYTHONPATH": SRC},
-    )
-    try:
-        assert _held_soon(folder), "the holder did not take the folder"
-        with pytest.raises(gk.ConfigError, match="is in use by pid"):
-            gk.Runtime(devices="cpu", checkpoints=folder)
-        monkeypatch.setenv("GPUKIT_WARM_PARENT", str(holder.pid))
-        gk.Runtime(devices="cpu", checkpoints=folder).teardown()
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-def _held_soon(folder: Path) -> bool:
-    """Whether some process holds ``folder`` within two minutes."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if folder_lock.holder(folder) is not None:
-            return True
-        time.sleep(0.05)
-    return False
+    with pytest.raises(gk.ConfigError, match="is in use by pid"):
+        gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+    monkeypatch.setenv("GPUKIT_WARM_PARENT", str(holder.pid))
+    gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt").teardown()
 
 
 def test_overwrite_moves_the_checkpoints_aside_but_keeps_the_lock_in_place(
