@@ -359,9 +359,11 @@ def test_a_rank_that_never_beats_is_named_after_the_startup_timeout_not_its_wait
 def test_a_rank_that_waits_for_a_slow_starter_longer_than_the_hang_timeout_is_not_hung(
     tmp_path: Path,
 ) -> None:
-    # Rank 1 first beats 4 s after rank 0 did, twice the hang timeout: rank 0 waited for it
-    # (the rendezvous), it did not hang; then both run to the end.
-    done = starts(tmp_path, "4", "--hang-timeout", "2")
+    # Rank 1 first beats 6 s after rank 0 did, twice the hang timeout: rank 0 waited for it
+    # (the rendezvous), it did not hang; then both run to the end. The ranks' exits count
+    # against the hang timeout too (their last beat is the loop's): 3 s leaves them room on a
+    # loaded machine.
+    done = starts(tmp_path, "6", "--hang-timeout", "3")
     assert done.returncode == 0, done.stderr
     assert "hung" not in done.stderr and "did not start" not in done.stderr, done.stderr
 
