@@ -309,9 +309,10 @@ def main(argv: list[str]) -> None:
     os.environ.pop("OMP_NUM_THREADS", None)
     # What ranks import: torch and gpukit (the package, which a submodule's import loads
     # first, and the launcher's modules; the command line a rank may run is a tenth of a
-    # second more, and above this layer), and torch's sharding and distributed checkpoint,
-    # which import torch._dynamo (a second of CPU that every fsdp rank would spend again).
+    # second more, and above this layer), torch's sharding and distributed checkpoint, and
+    # torch._dynamo, which the first optimizer a rank makes imports (half a second of CPU).
     import torch
+    import torch._dynamo
     import torch.distributed.checkpoint
     import torch.distributed.fsdp
 
