@@ -134,21 +134,21 @@ def cpu_torch(**kw: Any) -> TorchInfo:
 
 def spawn_plain_program(worker: Any, folder: str, nprocs: int) -> None:
     """Run the plain PyTorch reference program ``worker(rank, port, folder)`` on ``nprocs``
-    spawned processes. On a loaded 2-core machine gloo's C++ threads occasionally abort a rank
-    of the reference itself ("terminate called without an active exception", SIGABRT) before
-    any gpukit code runs; such a run is tried once more on a fresh port. A second abort, or any
-    Python error, fails the test."""
+    processes as ``torch.multiprocessing.spawn`` runs it (``tests.ranks``). On a loaded 2-core
+    machine gloo's C++ threads occasionally abort a rank of the reference itself ("terminate
+    called without an active exception", SIGABRT) before any gpukit code runs; such a run is
+    tried once more on a fresh port. A second abort, or any Python error, fails the test."""
     import socket
 
-    import torch.multiprocessing as mp
+    from tests.ranks import RankFailed, start_processes
 
     for attempt in range(2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         try:
-            mp.spawn(worker, args=(port, folder), nprocs=nprocs, join=True)
+            start_processes(worker, (port, folder), nprocs)
             return
-        except mp.ProcessExitedException as err:
+        except RankFailed as err:
             if attempt or err.exit_code >= 0:
                 raise

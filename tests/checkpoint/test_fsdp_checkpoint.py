@@ -25,6 +25,9 @@ from torch import nn
 import gpukit as gk
 from tests.fsdp_models import VOCAB, TiedLM, assert_bit_identical
 
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group("fsdp-checkpoint")
+
 BATCH = 8  # samples per optimizer step, over all ranks and micro-batches
 
 

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from gpukit.devices import hw as _hw
@@ -22,6 +21,7 @@ from gpukit.diagnostics.memory_breakdown import CATEGORIES, breakdown
 from gpukit.errors import ConfigError, DeviceError
 from gpukit.launch.ports import free_port
 from tests.fakes import GiB, NVMLError_LibraryNotFound, fake_pynvml, install_pynvml
+from tests.ranks import start_processes
 
 # The module itself: once gpukit exports the `memory` tool, `gpukit.memory` names the tool.
 mem = importlib.import_module("gpukit.diagnostics.memory")
@@ -348,9 +348,7 @@ def _gather_on_rank(rank: int, port: int, outbox: str) -> None:
 
 @pytest.mark.processes
 def test_all_ranks_gathers_every_ranks_rows_over_two_gloo_processes(tmp_path: Path) -> None:
-    mp.start_processes(
-        _gather_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_processes(_gather_on_rank, (free_port(), str(tmp_path)), 2)
     for rank in (0, 1):
         gathered, local, text = pickle.loads((tmp_path / f"{rank}.pkl").read_bytes())
         assert [(r["device"], r["rank"]) for r in gathered["devices"]] == [("cpu", 0), ("cpu", 1)]
@@ -397,9 +395,7 @@ def test_breakdown_of_an_fsdp_model_counts_this_ranks_shards_and_the_full_size(
     model = _small_model()
     plain = breakdown(model, _one_adamw_step(model))  # the same model and step, unsharded
     assert plain.unsharded is None
-    mp.start_processes(
-        _breakdown_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_processes(_breakdown_on_rank, (free_port(), str(tmp_path)), 2)
     ranks = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (0, 1)]
     for got, text in ranks:
         # The full size is what one process holds without sharding...

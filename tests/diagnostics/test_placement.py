@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import gpukit as gk
+from tests.ranks import start_processes
 
 
 def test_single_device_model_counts_parameters_and_buffers() -> None:
@@ -109,9 +109,7 @@ def test_placement_of_an_fsdp_model_shows_each_shard_over_two_gloo_ranks(tmp_pat
 
     plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
     whole = {name: tuple(p.shape) for name, p in plain.named_parameters()}
-    mp.start_processes(
-        _placement_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_processes(_placement_on_rank, (free_port(), str(tmp_path)), 2)
     got = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (0, 1)]
     for rank, (d, text) in enumerate(got):
         sharded = {t["name"]: t for t in d["sharded"]}

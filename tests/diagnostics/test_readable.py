@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gpukit as gk
 from gpukit.diagnostics.readable import explain_error, reraise_readable
@@ -31,6 +30,7 @@ from gpukit.errors import (
     OutOfMemory,
 )
 from gpukit.launch.ports import free_port
+from tests.ranks import start_processes
 
 ASYNC = (
     "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
@@ -333,9 +333,7 @@ def _wait_alone(rank: int, port: int, outbox: str) -> None:
 @pytest.mark.processes
 @pytest.mark.slow
 def test_a_real_gloo_timeout_is_translated(tmp_path: Path) -> None:
-    mp.start_processes(
-        _wait_alone, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_processes(_wait_alone, (free_port(), str(tmp_path)), 2)
     text = (tmp_path / "0.txt").read_text()
     assert text.startswith("collective failed: gloo timed out after 2000 ms waiting to recv"), text
 

@@ -47,7 +47,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
-pytestmark = pytest.mark.processes
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("ddp-fidelity")]
 
 SEED = 1234  # not 0: a seed that did not reach the sampler or the model would show
 WORLD = 2

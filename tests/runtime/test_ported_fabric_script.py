@@ -36,6 +36,9 @@ import gpukit as gk
 from gpukit.checkpoint import latest
 from tests.fakes import spawn_plain_program
 
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group("ported-fabric")
+
 SEED = 1234
 EPOCHS, ACCUMULATE, BATCH, LOG_EVERY = 12, 2, 8, 3
 MIN_DELTA, PATIENCE = 0.02, 1  # early stopping: epochs without an improvement of MIN_DELTA

@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
-pytestmark = pytest.mark.processes
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("ported-fsdp")]
 
 VOCAB, WIDTH, DEPTH, CONTEXT = 37, 16, 3, 8
 EPOCHS, BATCH, LR, CLIP = 2, 4, 3e-3, 0.5

@@ -51,6 +51,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group("ported-nanogpt")
+
 N_LAYER, N_HEAD, N_EMBD, VOCAB, BLOCK, DROPOUT = 2, 2, 32, 65, 16, 0.1
 BATCH_SIZE, GRAD_ACCUM = 4, 4  # GRAD_ACCUM is global: each of N ranks runs GRAD_ACCUM // N
 LEARNING_RATE, MIN_LR, WARMUP_ITERS, LR_DECAY_ITERS = 3e-3, 3e-4, 2, 6

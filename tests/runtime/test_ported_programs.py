@@ -36,6 +36,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import gpukit as gk
 from tests.fakes import spawn_plain_program
 
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group("ported-programs")
+
 SEED = 4321
 PROGRAMS = ("tutorial", "nanogpt", "fabric")
 

@@ -26,7 +26,8 @@ import gpukit as gk
 from tests.fakes import spawn_plain_program
 from tests.fsdp_models import assert_bit_identical
 
-pytestmark = pytest.mark.processes
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("user-sharded-fsdp")]
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 16, 2, 3, 8, 2
 STEPS, LR, CLIP = 4, 1e-2, 1.0

@@ -20,6 +20,9 @@ from gpukit.errors import ConfigError
 from gpukit.strategies._groups import find_groups
 from tests.hf_models import tiny_config
 
+# One worker runs the module: its results are made once, by a module-scoped fixture.
+pytestmark = pytest.mark.xdist_group("fsdp-transformers")
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install gpukit[hf])"
 )

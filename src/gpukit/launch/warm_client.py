@@ -120,9 +120,12 @@ class WarmProcess:
         self._conn.close()
 
 
-def start_rank(path: str, args: list[str], env: Mapping[str, str]) -> WarmProcess:
-    """Ask the server at ``path`` for a rank running ``RUNNER *args`` with exactly ``env``,
-    in this process's working folder and with its stdin, stdout and stderr."""
+def start_rank(
+    path: str, args: list[str], env: Mapping[str, str], runner: Path = _RUNNER
+) -> WarmProcess:
+    """Ask the server at ``path`` for a rank running ``runner *args`` with exactly ``env``,
+    in this process's working folder and with its stdin, stdout and stderr (``runner``:
+    gpukit's own, ``_launched_script.py``, unless another is named)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(path)
@@ -135,7 +138,7 @@ def start_rank(path: str, args: list[str], env: Mapping[str, str]) -> WarmProces
         ) from None
     # The rank's parent will be the server: it is told which process stands for its parent.
     env = {**env, "GPUKIT_WARM_PARENT": str(os.getpid())}
-    request = Request(str(_RUNNER), list(args), env, os.getcwd())
+    request = Request(str(runner), list(args), env, os.getcwd())
     with _stdio() as fds:
         try:
             conn.settimeout(REPLY_TIMEOUT_S)
