@@ -97,6 +97,11 @@ class ProcessGuard:
         return report
 
 
+# What the commands tests run import beyond torch and gpukit's launcher: `gpukit train` and the
+# benchmarks draw their plots with pyplot (half a second of CPU per process).
+WARM_PRELOAD = ("matplotlib.pyplot",)
+
+
 class WarmStart:
     """One warm-start server per test process (each pytest-xdist worker), exported as
     ``GPUKIT_WARM_START`` for every test: the ranks that launchers start, in this process or in
@@ -127,7 +132,7 @@ class WarmStart:
         # A short path: a Unix socket's path holds about 100 bytes.
         self.folder = tempfile.mkdtemp(prefix="gpukit-warm-")
         path = os.path.join(self.folder, "socket")
-        self.server = warm_client.start_server(path)
+        self.server = warm_client.start_server(path, preload=WARM_PRELOAD)
         os.environ["GPUKIT_WARM_START"] = path
 
     def pytest_sessionfinish(self) -> None:

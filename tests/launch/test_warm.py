@@ -264,3 +264,39 @@ def test_a_second_server_on_a_served_socket_is_refused(server: str) -> None:
     assert done.returncode == 1
     assert f"{server} is served already" in done.stderr
     assert os.path.exists(server)  # the first server's socket stays
+
+
+def test_modules_named_after_the_socket_are_imported_before_the_first_fork(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "socket")
+    started = warm_client.start_server(path, preload=("colorsys",))
+    try:
+        (tmp_path / "has.py").write_text(
+            "import sys; sys.exit(0 if 'colorsys' in sys.modules else 7)"
+        )
+        assert (
+            start(monkeypatch, path, [str(tmp_path / "has.py")], {"PYTHONPATH": SRC}).returncode
+            == 0
+        )
+        assert (
+            start(monkeypatch, None, [str(tmp_path / "has.py")], {"PYTHONPATH": SRC}).returncode
+            == 7
+        )
+    finally:
+        started.terminate()
+        started.wait(timeout=30)
+
+
+def test_a_module_the_server_cannot_preload_stops_it_naming_the_module(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit.launch.warm", str(tmp_path / "socket"), "no_such_module"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert done.returncode == 1
+    assert "cannot preload no_such_module: ModuleNotFoundError" in done.stderr
+    assert not (tmp_path / "socket").exists()

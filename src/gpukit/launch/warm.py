@@ -7,6 +7,10 @@ launcher uses it when ``GPUKIT_WARM_START`` names the server's socket (``gpukit.
     python -m gpukit.launch.warm /tmp/gpukit-warm.sock   # the server, for as long as it runs
     GPUKIT_WARM_START=/tmp/gpukit-warm.sock gpukit launch --nproc-per-node 2 train.py
 
+Modules named after the socket are imported too, once, before the first fork (as
+multiprocessing's ``set_forkserver_preload``): what every rank would import anyway, such as
+``matplotlib.pyplot`` or a model library. They read their environment in the server.
+
 The server is one thread with a ``select`` loop over a Unix socket (a thread beside it would
 not survive the forks). A request (``gpukit.launch.warm_client``) carries the runner's
 arguments, the rank's exact environment and working folder, and the launcher's stdin, stdout
@@ -43,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import importlib
 import io
 import locale
 import os
@@ -301,8 +306,8 @@ def _utf8_locale() -> str:
 
 def main(argv: list[str]) -> None:
     global _DEFAULT_THREADS, _UTF8_LOCALE
-    if len(argv) != 1:
-        sys.exit("usage: python -m gpukit.launch.warm SOCKET")
+    if not argv:
+        sys.exit("usage: python -m gpukit.launch.warm SOCKET [MODULE ...]")
     from gpukit.launch.workers import die_with
 
     die_with(os.getppid())
@@ -318,6 +323,11 @@ def main(argv: list[str]) -> None:
 
     import gpukit.launch.functions  # noqa: F401
 
+    for name in argv[1:]:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # the server is of no use without what it was asked for
+            sys.exit(f"gpukit.launch.warm: cannot preload {name}: {type(err).__name__}: {err}")
     # torch's pool is sized when first used: the server never uses it, so this reads the size.
     _DEFAULT_THREADS = torch.get_num_threads()
     _UTF8_LOCALE = _utf8_locale()

@@ -184,11 +184,14 @@ def _stdio() -> Iterator[list[int]]:
             os.close(fd)
 
 
-def start_server(path: str | Path, timeout: float = 120.0) -> subprocess.Popen[bytes]:
-    """Start a warm-start server at ``path`` (it dies with this process), once it answers."""
+def start_server(
+    path: str | Path, preload: tuple[str, ...] = (), timeout: float = 120.0
+) -> subprocess.Popen[bytes]:
+    """Start a warm-start server at ``path`` (it dies with this process), once it answers;
+    it imports the modules in ``preload`` as well as torch and gpukit."""
     path = str(path)
     server = subprocess.Popen(
-        [sys.executable, "-m", "gpukit.launch.warm", path], stdin=subprocess.DEVNULL
+        [sys.executable, "-m", "gpukit.launch.warm", path, *preload], stdin=subprocess.DEVNULL
     )
     deadline = time.monotonic() + timeout
     while server.poll() is None and time.monotonic() < deadline:
