@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit import _env
+from gpukit._util import placement
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError, DeviceError, GpukitError
 from gpukit.strategies import DDP, DP, DPBalanced, make_strategy
@@ -1341,9 +1341,9 @@ def test_a_valid_launcher_environment_is_read(
 ) -> None:
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    assert _env.launched() == _env.LaunchEnv(3, 4, 1, 2)
+    assert placement.launched() == placement.LaunchEnv(3, 4, 1, 2)
     monkeypatch.setenv("RANK", " ")  # blank is unset: no launcher
-    assert _env.launched() is None
+    assert placement.launched() is None
 
 
 @pytest.mark.parametrize(

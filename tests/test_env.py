@@ -11,6 +11,7 @@ from gpukit import _env
 
 READERS: list[tuple[str, Callable[[], object], object]] = [
     ("GPUKIT_RENDEZVOUS_TIMEOUT", _env.rendezvous_timeout, 30.0),
+    ("GPUKIT_RENDEZVOUS_LAST_CALL", _env.rendezvous_last_call, 30.0),
     ("GPUKIT_COLLECTIVE_CHECK_TIMEOUT", _env.collective_check_timeout, 30.0),
     ("GPUKIT_FAULT_OOM_ABOVE", _env.fault_oom_above, 30),
     ("GPUKIT_ATTEMPT", _env.attempt, 30),

@@ -209,14 +209,15 @@ def test_a_node_joining_an_elastic_job_is_taken_after_a_save(tmp_path: Path) -> 
     )
     (tmp_path / "train.py").write_text(elastic)
     port = free_port()
-    first = _node(0, "1:2", port, tmp_path, ["train.py", "1000"])
+    # The first meeting waits 2 s for more nodes once node 0 is there (torch's default: 30).
+    first = _node(0, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="2")
     deadline = time.monotonic() + 300
     while not (tmp_path / "ck" / f"step-{2 * PERIODIC:08d}").exists():
         if first.poll() is not None or time.monotonic() > deadline:
             first.kill()
             pytest.fail(f"node 0 did not train alone:\n{first.communicate()[0]}")
         time.sleep(0.1)
-    second = _node(1, "1:2", port, tmp_path, ["train.py", "1000"])
+    second = _node(1, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="2")
     outputs = _ends([first, second], timeout=600)
     assert [first.returncode, second.returncode] == [0, 0], outputs
     assert "nodes are waiting to join: the ranks saved, the job goes on with them" in outputs[0]

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from gpukit import _env
+from gpukit._util import placement
 from gpukit.errors import ConfigError
 
 StepSource = Literal["auto", "runtime", "optimizer"]
@@ -252,5 +252,5 @@ def _rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    launched = _env.launched()
+    launched = placement.launched()
     return launched.rank if launched is not None else 0

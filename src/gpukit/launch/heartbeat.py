@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from gpukit import _env
+from gpukit._util import placement
 
 # The phases in the order a step goes through them: the rank furthest behind is the one the
 # others wait for. "loop" is the user's code between steps (the forward, data loading).
@@ -114,10 +115,10 @@ class Heartbeat:
     def from_env(cls) -> Heartbeat | None:
         """The heartbeat the launcher watches, or None when no gpukit launcher started us."""
         folder = _env.job_dir()
-        placement = _env.launched()
-        if folder is None or placement is None:
+        place = placement.launched()
+        if folder is None or place is None:
             return None
-        return cls(folder, placement.rank, _env.attempt())
+        return cls(folder, place.rank, _env.attempt())
 
     def beat(self, phase: str, step: int) -> None:
         """Record that this rank entered ``phase`` at optimizer step ``step``, now, from the

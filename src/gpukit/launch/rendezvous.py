@@ -128,6 +128,8 @@ class StoreMeeting:
                 min_nodes=n.min_nodes,
                 max_nodes=n.max_nodes,
                 join_timeout=_env.rendezvous_timeout(),
+                # Whole seconds: torch reads it as an integer.
+                last_call_timeout=max(math.ceil(_env.rendezvous_last_call()), 1),
                 # Also how long a node waits to reach node 0's store at all.
                 read_timeout=max(math.ceil(_env.rendezvous_timeout()), 1),
                 is_host=n.node_rank == 0,

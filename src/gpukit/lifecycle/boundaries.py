@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
+from gpukit._util import placement
 from gpukit.checkpoint import files
 from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import Preempted
@@ -74,10 +75,10 @@ class Lifecycle:
         self.faults = FaultPlan.from_env(rank)
         self.preemption: Preemption | None = None
         if config.checkpoints is not None:
-            placement = _env.launched()
+            place = placement.launched()
             # One rank per machine asks its torchrun agent to stop (the agent would take a
             # second signal while it stops its ranks as an error of its own).
-            local_first = placement is None or placement.local_rank == 0
+            local_first = place is None or place.local_rank == 0
             self.preemption = Preemption(
                 rank,
                 world_size,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.fake import in_real_process_group
 from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError, OutOfMemory
@@ -97,7 +97,7 @@ class Runtime:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}
         self.config = settings = Settings(**arguments)
-        launched = _env.launched() is not None
+        launched = placement.launched() is not None
         self.strategy, self.precision = strategy_and_precision(settings, launched)
         self._compiler = Compiler(settings.compile, self.strategy)
         self.state = TrainState()

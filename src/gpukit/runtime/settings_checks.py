@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
-from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.text import described
 from gpukit.devices import Device
 from gpukit.devices import device as resolve_device
@@ -63,7 +63,7 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
         return gpus[:spec]
     if isinstance(spec, str) and spec == "auto":
         if launched:
-            env = _env.launched()
+            env = placement.launched()
             local = env.local_world_size if env else 1
             if len(gpus) >= local:
                 return gpus[:local]

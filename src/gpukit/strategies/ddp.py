@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
 from gpukit.devices.device import Device
@@ -112,7 +113,7 @@ class DDP(Strategy):
         self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
         self.timeout = timeout
-        self.launch_env: _env.LaunchEnv | None = None
+        self.launch_env: placement.LaunchEnv | None = None
         self._owns_group = False
         self._guard: Any = None
 
@@ -120,7 +121,7 @@ class DDP(Strategy):
         super().configure(devices)
         # Read here, not in __init__: a strategy object built in the parent is configured
         # again inside each process rt.launch starts.
-        self.launch_env = env = _env.launched()
+        self.launch_env = env = placement.launched()
         if env is None:
             self.world_size = len(devices)
             return

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.batch import batch_size, chunk_sizes
 from gpukit._util.text import described
 from gpukit._util.wrapping import pickled_as_model
@@ -127,7 +127,7 @@ class DP(Strategy):
         self.output_device_spec = _checked_member("output_device", output_device)
 
     def configure(self, devices: list[Device]) -> None:
-        if _env.launched() is not None:
+        if placement.launched() is not None:
             raise ConfigError(
                 f"strategy {self.name!r} drives all devices from one process, but this process "
                 "is one rank of a launched job: use strategy='ddp' under gpukit launch, or run "

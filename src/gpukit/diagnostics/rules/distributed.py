@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.text import explained as _say
 from gpukit.errors import DistributedError, GpukitError
 
@@ -78,7 +78,7 @@ def distributed(text: str, err: BaseException) -> GpukitError | None:
         return None
     rank = _RANK.search(text)
     try:  # a message without "[Rank N]" was still raised on this process's rank
-        launched = _env.launched()
+        launched = placement.launched()
     except ValueError:  # a malformed RANK must not hide the error being explained
         launched = None
     number = rank[1] if rank else launched.rank if launched else None
