@@ -15,7 +15,7 @@ import gpukit as gk
 from gpukit._util.text import format_bytes
 from gpukit.diagnostics.oom_message import OOM_ERROR
 from gpukit.errors import ConfigError, OutOfMemory
-from gpukit.planning import remedies
+from gpukit.planning import planner, remedies
 from gpukit.planning.remedies import oom_capacity, plan_remedies, with_figures
 from gpukit.planning.result import Plan
 from gpukit.planning.simulate import simulate
@@ -111,8 +111,19 @@ def test_ddp_on_two_lists_the_run_and_each_remedy_as_the_planner_predicts_them(
     assert all(len(line) <= remedies.WIDTH for line in lines)
 
 
-def test_single_on_one_that_does_not_fit_shows_what_would() -> None:
+def test_single_on_one_that_does_not_fit_shows_what_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     capacity = 15 * MiB  # gpt at micro-batch 32 peaks at ~20 MiB on the CPU, ~11 MiB at 16
+    # The figures meet (the checkpointed one is asked again for its largest micro-batch, the
+    # smaller micro-batch is the run planned again): each case is simulated once.
+    cases: list[tuple[object, ...]] = []
+
+    def counted(workload: object, **case: Any) -> Any:
+        cases.append(tuple(sorted(case.items())))
+        return simulate(workload, **case)
+
+    monkeypatch.setattr(planner, "simulate", counted)
     figures = plan_remedies(
         "gpt",
         batch=None,
@@ -122,6 +133,7 @@ def test_single_on_one_that_does_not_fit_shows_what_would() -> None:
         target="cpu",
         budget_s=600,  # every figure, however loaded the machine: the budget is tested below
     )
+    assert cases and len(set(cases)) == len(cases)
     by_label = {f.label: f for f in figures.figures}
     assert list(by_label) == [
         "as run: single on 1, micro-batch 32",

@@ -7,7 +7,8 @@ tensors, one rank standing for N) gives each device's peak tensor memory; where 
 the CUDA context and the caching allocator's reserve are added (measured when the plan is
 calibrated on the GPU itself, else the target's documented defaults). The step time comes
 from :mod:`gpukit.planning.timing`. The largest micro-batch that fits is searched with further
-predictions (see :mod:`gpukit.planning.search`). The recommendation is the fastest plan that fits;
+predictions (see :mod:`gpukit.planning.search`); a case one call asks for twice is simulated
+once (:mod:`gpukit.planning.simulated_cases`). The recommendation is the fastest plan that fits;
 a plan that does not fit is planned again with the same global batch in smaller micro-batches
 and more accumulation.
 
@@ -37,6 +38,7 @@ from gpukit.planning.report import PlanReport
 from gpukit.planning.result import DevicePeak, Plan
 from gpukit.planning.search import largest_micro_batch
 from gpukit.planning.simulate import SimulationUnsupported, simulate
+from gpukit.planning.simulated_cases import remembering, simulated
 from gpukit.planning.targets import Target
 from gpukit.planning.timing import step_time
 from gpukit.planning.timing_notes import step_time_notes
@@ -70,6 +72,7 @@ class _Subject:
     mixed_facts: ModelFacts | None = None  # measured with bf16 parameters (fsdp_mixed)
 
 
+@remembering  # a case the call asks for twice is simulated once
 def plan(
     workload: str | Workload | Callable[[], Workload],
     *,
@@ -248,15 +251,22 @@ def _simulated(subject: _Subject, strategy: str, n: int, micro: int) -> tuple[De
             f"the simulation trains with AdamW, as gpukit train does; {s.optimizer} is modelled "
             "by the closed form"
         )
-    return simulate(
-        subject.built if not isinstance(source, str) else source,
-        strategy=strategy,
-        devices=n,
-        micro_batch=micro,
-        accumulate=s.accumulate,
-        precision=_local_precision(s.precision),
-        activation_checkpointing=s.activation_checkpointing,
-        granularity=_granularity(s.target),
+    what = source if isinstance(source, str) else subject.built
+    precision, granularity = _local_precision(s.precision), _granularity(s.target)
+    case = (strategy, n, micro, s.accumulate, precision, s.activation_checkpointing, granularity)
+    return simulated(
+        what,
+        case,
+        lambda: simulate(
+            what,
+            strategy=strategy,
+            devices=n,
+            micro_batch=micro,
+            accumulate=s.accumulate,
+            precision=precision,
+            activation_checkpointing=s.activation_checkpointing,
+            granularity=granularity,
+        ),
     )
 
 

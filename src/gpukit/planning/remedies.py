@@ -42,6 +42,7 @@ from gpukit.errors import ConfigError, GpukitError, OutOfMemory
 from gpukit.planning import registered
 from gpukit.planning.planner import plan
 from gpukit.planning.result import Plan
+from gpukit.planning.simulated_cases import remembered
 from gpukit.planning.targets import Target, with_memory
 from gpukit.planning.targets import target as resolve_target
 from gpukit.workloads.base import Workload, load_workload
@@ -194,7 +195,8 @@ def plan_remedies(
         "closed-form" if devices > SIMULATED_UP_TO else "auto",
     )
     deadline = time.monotonic() + budget_s
-    figures = _figures(run, strategy, deadline)
+    with remembered():  # the figures meet: a case two of them ask for is simulated once
+        figures = _figures(run, strategy, deadline)
     return Remedies(goal.memory_bytes, goal.kind, tuple(figures))
 
 
