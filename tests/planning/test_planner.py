@@ -212,17 +212,18 @@ def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again() -> None:
 
 
 def test_a_second_cut_fits_where_the_first_held_the_gradients_between_micro_steps() -> None:
-    # gpt's batch of 46 on 15 MiB: 23 samples fit in one step, but with two micro-steps the
-    # gradients stay between them and 23 no longer fits; cut again by the largest at that
-    # accumulation (22), the batch divides into 23 micro-batches of 2.
-    cap = 15 * 2**20
-    report = gk.plan("gpt", batch=46, devices=1, strategies=["single"], target="cpu", memory=cap)
+    # gpt's batch of 48 on 15.5 MiB: 24 samples fit in one step, but with two micro-steps the
+    # gradients stay between them and 24 no longer fits; cut again by the largest at that
+    # accumulation (23), the batch divides into 3 micro-batches of 16. (A batch whose second
+    # cut has few micro-steps: each micro-step of each simulated step costs its own forward.)
+    cap = 31 * 2**19
+    report = gk.plan("gpt", batch=48, devices=1, strategies=["single"], target="cpu", memory=cap)
     (asked,) = report.plans
-    assert asked.largest_micro_batch == 23
+    assert asked.largest_micro_batch == 24
     (again,) = report.fitted
-    assert (again.micro_batch, again.accumulate, again.fits) == (2, 23, True)
-    at_two = simulate("gpt", strategy="single", devices=1, micro_batch=23, accumulate=2)
-    assert at_two[0].peak_bytes > cap  # the first cut, (23, 2), would not have fitted
+    assert (again.micro_batch, again.accumulate, again.fits) == (16, 3, True)
+    at_two = simulate("gpt", strategy="single", devices=1, micro_batch=24, accumulate=2)
+    assert at_two[0].peak_bytes > cap  # the first cut, (24, 2), would not have fitted
     assert report.best == again
 
 
