@@ -44,7 +44,9 @@ def test_injected_timer_is_fitted() -> None:
 def test_cpu_calibration_on_mlp_leaves_the_model_alone() -> None:
     workload = load_workload("mlp")
     before = {k: v.clone() for k, v in workload.model.state_dict().items()}
-    cal = calibrate(workload, micro_batches=(8, 32768), steps=5, device="cpu")
+    # A large batch that shows in the peak above the model's states; a few timed steps, since
+    # how the times split is not checked here.
+    cal = calibrate(workload, micro_batches=(8, 4096), steps=2, device="cpu")
     assert cal.device == "cpu" and cal.precision == "32"
     # Only the bookkeeping: how the times split is a measurement, which a loaded machine
     # can bend (a hiccup in the small batch's steps fits a slope of 0).
@@ -55,8 +57,8 @@ def test_cpu_calibration_on_mlp_leaves_the_model_alone() -> None:
     # the model, its gradients, AdamW's two moments: at least 4x the weights at either size
     weights = sum(p.numel() * p.element_size() for p in workload.model.parameters())
     assert small >= 4 * weights
-    # the larger batch holds 32760 more samples of input (32 floats) at the peak, at least
-    assert large - small >= (32768 - 8) * 32 * 4
+    # the larger batch holds 4088 more samples of input (32 floats) at the peak, at least
+    assert large - small >= (4096 - 8) * 32 * 4
     assert cal.reserve_fraction == 0.0 and cal.context_bytes == 0
     after = workload.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
