@@ -11,6 +11,7 @@ import pytest
 import gpukit as gk
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
+from gpukit.planning import planner
 from gpukit.planning.simulate import simulate
 
 GiB = 2**30
@@ -193,9 +194,13 @@ def test_a_calibration_of_the_wrong_kind_is_refused() -> None:
         gk.plan("mlp", calibration="fast")  # type: ignore[arg-type]
 
 
-def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again() -> None:
+def test_a_plan_planned_again_that_still_does_not_fit_is_cut_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Accumulating loads the step's whole batch at once, and the mlp's batch of 4096 is 1 MiB
     # of inputs: at 1 MiB each cut holds more than the line of the one before predicted.
+    # Two rounds show a cut cut again (a third would simulate 32 micro-steps per step).
+    monkeypatch.setattr(planner, "FIT_ROUNDS", 2)
     cap = 2**20
     report = gk.plan("mlp", batch=4096, devices=1, strategies=["single"], target="cpu", memory=cap)
     (asked,) = report.plans
