@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,10 +49,19 @@ def quick_matmul() -> BenchResult:
 
 
 @pytest.fixture(scope="session")
-def quick_transfer() -> BenchResult:
-    """`gpukit bench transfer --quick` on this machine's CPU (a CPU-only run keeps nothing
-    for the trace)."""
-    return transfer.run(quick=True, devices=[CPU], remember=False)
+def quick_transfer_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache folder of the quick transfer run alone: what it kept for the trace."""
+    return tmp_path_factory.mktemp("transfer") / "cache"
+
+
+@pytest.fixture(scope="session")
+def quick_transfer(quick_transfer_cache: Path) -> BenchResult:
+    """`gpukit bench transfer --quick` on this machine's CPU, keeping what it keeps for the
+    trace (as the command does) in a cache folder of its own, where test_transfer.py reads
+    that a CPU-only run keeps nothing."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPUKIT_CACHE_DIR", str(quick_transfer_cache))
+        return transfer.run(quick=True, devices=[CPU])
 
 
 @pytest.fixture(scope="session")

@@ -57,8 +57,12 @@ def test_checks_run_from_the_source_tree_and_keep_their_evidence(
 @pytest.mark.xdist_group("timing")
 @pytest.mark.processes
 def test_a_check_that_hangs_is_killed_with_the_processes_it_started(tmp_path: Path) -> None:
-    marker = tmp_path / "child-alive"
-    child = f"import time, pathlib; time.sleep(3); pathlib.Path({str(marker)!r}).write_text('x')"
+    started = tmp_path / "child-pid"
+    written = started.with_suffix(".tmp")  # renamed once whole
+    child = (
+        f"import os, pathlib, time; pathlib.Path({str(written)!r}).write_text(str(os.getpid())); "
+        f"os.rename({str(written)!r}, {str(started)!r}); time.sleep(60)"
+    )
     parent = (
         "import subprocess, sys, time; "
         f"subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True); "
@@ -67,8 +71,23 @@ def test_a_check_that_hangs_is_killed_with_the_processes_it_started(tmp_path: Pa
     hang = Check("hang", [sys.executable, "-c", parent], 1.0, lambda rc, out, f: (True, "ran"))
     (outcome,) = run_checks(tmp_path, [hang], lambda line: None)
     assert not outcome.passed and outcome.detail == "did not finish in 1 s"
-    time.sleep(4)
-    assert not marker.exists(), "the check's child outlived the timeout"
+    # Waited for, not slept on: the child that got to say its pid is gone soon after the kill
+    # (one that did not was killed before it could).
+    if started.exists():
+        pid = int(started.read_text())
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the check's child outlived the timeout"
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, ended and waiting to be reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_checks_past_the_budget_are_failed_not_run(tmp_path: Path) -> None:

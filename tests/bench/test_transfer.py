@@ -76,7 +76,7 @@ def test_quick_cpu_run_keeps_raw_timings_summary_and_says_a_gpu_is_needed(
     best = max(row["gbps"] for row in r.rows if "gbps" in row)
     assert r.summary["cpu h2h best GB/s"] == pytest.approx(best)
     assert any("host<->device rows need one" in note for note in r.notes)
-    assert r.parameters["quick"] is True and r.parameters["remember"] is False
+    assert r.parameters["quick"] is True and r.parameters["remember"] is True
     assert [d["device"] for d in r.environment["devices"]] == ["cpu"]
     assert BenchResult.from_dict(json.loads(json.dumps(r.to_dict()))).rows == r.rows
 
@@ -87,9 +87,11 @@ def test_plot_draws_a_png_from_the_stored_result(quick_cpu: BenchResult, tmp_pat
     assert (tmp_path / "transfer.png").stat().st_size > 1000
 
 
-def test_a_cpu_only_run_keeps_nothing_for_the_trace(cache: Path) -> None:
-    transfer.run(quick=True, devices=[CPU])
-    assert not cache.exists()
+def test_a_cpu_only_run_keeps_nothing_for_the_trace(
+    quick_cpu: BenchResult, quick_transfer_cache: Path
+) -> None:
+    assert quick_cpu.parameters["remember"] is True  # it would have kept a GPU's figures
+    assert not quick_transfer_cache.exists()
 
 
 def test_a_gpus_figures_are_kept_for_the_trace(cache: Path) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,32 +36,52 @@ _HOLDER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """Another process holding ``tmp_path/ckpt`` with a Runtime."""
+def _start_holder(folder: Path) -> subprocess.Popen[str]:
+    """Another process holding ``folder`` with a Runtime, once it says so."""
     env = {**os.environ, "PYTHONPATH": SRC}
     for name in ("RANK", "WORLD_SIZE", "GPUKIT_JOB_DIR"):
         env.pop(name, None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+        [sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True, env=env
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+@dataclass(frozen=True)
+class Held:
+    """A folder and the other process holding it."""
+
+    folder: Path
+    proc: subprocess.Popen[str]
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Held]:
+    """A folder another process holds, shared by the tests that leave holder and folder as
+    they found them (a cold start of the holder costs seconds: torch's import)."""
+    folder = tmp_path_factory.mktemp("held") / "ckpt"
+    proc = _start_holder(folder)
+    yield Held(folder, proc)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process holding ``tmp_path/ckpt``, for a test that kills it."""
+    proc = _start_holder(tmp_path / "ckpt")
     yield proc
     proc.kill()
     proc.wait()
 
 
 @pytest.mark.processes
-def test_a_second_runtime_on_a_held_folder_is_refused_naming_the_holder(
-    tmp_path: Path, holder: subprocess.Popen[str]
-) -> None:
+def test_a_second_runtime_on_a_held_folder_is_refused_naming_the_holder(held: Held) -> None:
     with pytest.raises(gk.ConfigError) as caught:
-        gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+        gk.Runtime(devices="cpu", checkpoints=held.folder)
     text = str(caught.value)
-    assert f"is in use by pid {holder.pid} on host " in text, text
+    assert f"is in use by pid {held.proc.pid} on host " in text, text
     assert " since 20" in text and "another checkpoints folder" in text, text
 
 
@@ -77,28 +98,31 @@ def test_the_lock_is_freed_when_its_holder_is_killed(
 
 
 @pytest.mark.processes
-def test_out_held_by_another_process_is_refused_by_claim_out(
-    tmp_path: Path, holder: subprocess.Popen[str]
-) -> None:
+def test_out_held_by_another_process_is_refused_by_claim_out(held: Held) -> None:
     with pytest.raises(gk.ConfigError, match=r"in use by pid \d+ .*use another --out"):
-        claim_out(str(tmp_path / "ckpt"))
+        claim_out(str(held.folder))
 
 
 @pytest.mark.processes
 def test_a_save_into_a_folder_another_run_holds_is_refused_and_touches_nothing(
-    tmp_path: Path, holder: subprocess.Popen[str]
+    held: Held,
 ) -> None:
-    leftover = tmp_path / "ckpt" / ".tmp-step-00000009"  # the holder's save under way
+    leftover = held.folder / ".tmp-step-00000009"  # the holder's save under way
     leftover.mkdir()
-    rt = gk.Runtime(devices="cpu")
-    rt.setup(torch.nn.Linear(2, 1))
-    with pytest.raises(gk.ConfigError, match=rf"in use by pid {holder.pid} .*another folder"):
-        rt.save(tmp_path / "ckpt")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        folder_lock.LOCK_FILE,
-        leftover.name,
-    ]
-    rt.teardown()
+    try:
+        rt = gk.Runtime(devices="cpu")
+        rt.setup(torch.nn.Linear(2, 1))
+        with pytest.raises(
+            gk.ConfigError, match=rf"in use by pid {held.proc.pid} .*another folder"
+        ):
+            rt.save(held.folder)
+        assert sorted(p.name for p in held.folder.iterdir()) == [
+            folder_lock.LOCK_FILE,
+            leftover.name,
+        ]
+        rt.teardown()
+    finally:
+        leftover.rmdir()  # the folder as the other tests of the held folder expect it
 
 
 def test_runtimes_of_this_very_process_share_the_folder(tmp_path: Path) -> None:
@@ -125,14 +149,16 @@ def test_a_process_started_by_the_holder_is_of_its_job(tmp_path: Path) -> None:
 
 @pytest.mark.processes
 def test_a_warm_rank_counts_the_launcher_that_asked_for_it_as_its_parent(
-    tmp_path: Path, holder: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
+    held: Held, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A rank forked by the warm-start server descends from the server, not from the program
     # that holds the folder and launched it: GPUKIT_WARM_PARENT names that program.
     with pytest.raises(gk.ConfigError, match="is in use by pid"):
-        gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
-    monkeypatch.setenv("GPUKIT_WARM_PARENT", str(holder.pid))
-    gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt").teardown()
+        gk.Runtime(devices="cpu", checkpoints=held.folder)
+    monkeypatch.setenv("GPUKIT_WARM_PARENT", str(held.proc.pid))
+    # Of the holder's job, it shares the lock: its teardown leaves the holder's lock file.
+    gk.Runtime(devices="cpu", checkpoints=held.folder).teardown()
+    assert (held.folder / folder_lock.LOCK_FILE).is_file()
 
 
 def test_overwrite_moves_the_checkpoints_aside_but_keeps_the_lock_in_place(
@@ -216,7 +242,9 @@ _FORKING_HOLDER = textwrap.dedent(
 
 
 @pytest.mark.processes
-def test_a_killed_holders_children_still_hold_it_and_are_named(tmp_path: Path) -> None:
+def test_a_killed_holders_children_still_hold_it_and_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen(
         [sys.executable, "-c", _FORKING_HOLDER, str(tmp_path / "ckpt")],
@@ -229,8 +257,12 @@ def test_a_killed_holders_children_still_hold_it_and_are_named(tmp_path: Path) -
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        with pytest.raises(gk.ConfigError, match=rf"left by pid {proc.pid} .* has ended"):
-            gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
+        # The child sleeps on: the wait for it to go runs out whatever its length, so a
+        # short one says the same as the real 5 s.
+        with monkeypatch.context() as patch:
+            patch.setattr(folder_lock, "_LEFTOVER_WAIT_S", 0.5)
+            with pytest.raises(gk.ConfigError, match=rf"left by pid {proc.pid} .* has ended"):
+                gk.Runtime(devices="cpu", checkpoints=tmp_path / "ckpt")
     finally:
         os.kill(child, signal.SIGKILL)
     for _ in range(3):  # the lock goes with the child (hold waits a moment for it)

@@ -34,18 +34,25 @@ with open(os.environ["OUT"], "w") as file:
 """
 
 
+PRELOADED = ("colorsys",)  # what this module's own server imports besides torch and gpukit
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The session's warm-start server, or one of this module's own (a session run cold)."""
-    path = os.environ.get("GPUKIT_WARM_START")
-    if path:
-        yield path
-        return
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A warm-start server of this module's, started with the modules of PRELOADED."""
     path = str(tmp_path_factory.mktemp("warm") / "socket")
-    started = warm_client.start_server(path)
+    started = warm_client.start_server(path, preload=PRELOADED)
     yield path
     started.terminate()
     started.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> str:
+    """The session's warm-start server, or this module's own (a session run cold), which the
+    preload test then shares rather than starting one more (torch's import, seconds)."""
+    path = os.environ.get("GPUKIT_WARM_START")
+    return path if path else str(request.getfixturevalue("own_server"))
 
 
 def start(
@@ -267,25 +274,12 @@ def test_a_second_server_on_a_served_socket_is_refused(server: str) -> None:
 
 
 def test_modules_named_after_the_socket_are_imported_before_the_first_fork(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    own_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = str(tmp_path / "socket")
-    started = warm_client.start_server(path, preload=("colorsys",))
-    try:
-        (tmp_path / "has.py").write_text(
-            "import sys; sys.exit(0 if 'colorsys' in sys.modules else 7)"
-        )
-        assert (
-            start(monkeypatch, path, [str(tmp_path / "has.py")], {"PYTHONPATH": SRC}).returncode
-            == 0
-        )
-        assert (
-            start(monkeypatch, None, [str(tmp_path / "has.py")], {"PYTHONPATH": SRC}).returncode
-            == 7
-        )
-    finally:
-        started.terminate()
-        started.wait(timeout=30)
+    (tmp_path / "has.py").write_text("import sys; sys.exit(0 if 'colorsys' in sys.modules else 7)")
+    env = {"PYTHONPATH": SRC}
+    assert start(monkeypatch, own_server, [str(tmp_path / "has.py")], env).returncode == 0
+    assert start(monkeypatch, None, [str(tmp_path / "has.py")], env).returncode == 7
 
 
 def test_a_module_the_server_cannot_preload_stops_it_naming_the_module(tmp_path: Path) -> None:
