@@ -166,7 +166,8 @@ for step in range(3):
     time.sleep(0.01)
 """
 
-# No torch: a rank that saves and exits 143 on SIGTERM, after writing its pid.
+# No torch: a rank that saves and exits 143 on SIGTERM, after writing its pid (whole, by a
+# rename: the test reads it as soon as it appears).
 WAIT = """
 import os, signal, sys, time
 out = sys.argv[1]
@@ -176,8 +177,10 @@ def stop(sig, frame):
 signal.signal(signal.SIGTERM, stop)
 with open(os.path.join(out, "job-dir"), "w") as f:
     f.write(os.environ["GPUKIT_JOB_DIR"])
-with open(os.path.join(out, "pid-" + os.environ["RANK"]), "w") as f:
+aside = os.path.join(out, "tmp-" + os.environ["RANK"])
+with open(aside, "w") as f:
     f.write(str(os.getpid()))
+os.replace(aside, os.path.join(out, "pid-" + os.environ["RANK"]))
 while True:
     time.sleep(0.05)
 """
@@ -296,8 +299,9 @@ def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
     script = tmp_path / "hang.py"
     script.write_text(HANG)
     # The hang clock starts at the first beat, once both ranks have beaten: importing torch on
-    # a loaded machine takes no part in it. 10 s: far more than a healthy step of this loop.
-    done = launch(script, "--hang-timeout", "10", timeout=180)  # a guard only
+    # a loaded machine takes no part in it. 5 s: far more than a healthy step of this loop
+    # (two beats and a one-number all-reduce, milliseconds even on a loaded machine).
+    done = launch(script, "--hang-timeout", "5", timeout=180)  # a guard only
     err = done.stderr
     assert done.returncode == 1, err
     assert re.search(
@@ -359,11 +363,11 @@ def test_a_rank_that_never_beats_is_named_after_the_startup_timeout_not_its_wait
 def test_a_rank_that_waits_for_a_slow_starter_longer_than_the_hang_timeout_is_not_hung(
     tmp_path: Path,
 ) -> None:
-    # Rank 1 first beats 6 s after rank 0 did, twice the hang timeout: rank 0 waited for it
+    # Rank 1 first beats 5 s after rank 0 did, 2 s past the hang timeout: rank 0 waited for it
     # (the rendezvous), it did not hang; then both run to the end. The ranks' exits count
     # against the hang timeout too (their last beat is the loop's): 3 s leaves them room on a
     # loaded machine.
-    done = starts(tmp_path, "6", "--hang-timeout", "3")
+    done = starts(tmp_path, "5", "--hang-timeout", "3")
     assert done.returncode == 0, done.stderr
     assert "hung" not in done.stderr and "did not start" not in done.stderr, done.stderr
 
@@ -383,7 +387,7 @@ def start_waiting_job(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]
             job.kill()
             pytest.fail(f"the ranks did not start:\n{job.communicate()[0]}")
         time.sleep(0.05)
-    time.sleep(0.2)  # the pid files are written; let the writes finish
+    # Each pid file appears whole (written aside, then renamed): no wait for the writes.
     return job, [int(p.read_text()) for p in sorted(tmp_path.glob("pid-*"))]
 
 

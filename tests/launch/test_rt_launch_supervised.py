@@ -65,12 +65,12 @@ def test_a_hung_rank_is_named_with_its_line(tmp_path: Path) -> None:
 
     gk.Runtime(devices="cpu").launch(_train, str(tmp_path))
     with pytest.raises(LaunchError) as err:
-        gk.Runtime(devices=2).launch(hangs, str(tmp_path), hang_timeout=10)
+        gk.Runtime(devices=2).launch(hangs, str(tmp_path), hang_timeout=5)
     text = str(err.value)
     line = _line_of("# hangs here")
     assert text.startswith("rank 1 hung at step 2"), text
     assert f"test_rt_launch_supervised.py:{line} in _train" in text.splitlines()[0], text
-    assert "no heartbeat for 10 s (hang_timeout)" in text, text
+    assert "no heartbeat for 5 s (hang_timeout)" in text, text
 
 
 @pytest.mark.processes
@@ -131,8 +131,10 @@ import os, sys, time
 import gpukit as gk
 
 def wait(rt, folder):
-    with open(os.path.join(folder, f"pid-{rt.rank}"), "w") as file:
+    aside = os.path.join(folder, f"tmp-{rt.rank}")
+    with open(aside, "w") as file:
         file.write(str(os.getpid()))
+    os.replace(aside, os.path.join(folder, f"pid-{rt.rank}"))  # the test reads it whole
     for _ in range(1200):
         time.sleep(0.1)
 
@@ -155,7 +157,7 @@ def _start_waiting(folder: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
             parent.kill()
             pytest.fail(f"the ranks did not start (exit {parent.wait()})")
         time.sleep(0.1)
-    time.sleep(0.5)  # both have written their whole id
+    # Each id file appears whole (written aside, then renamed): no wait for the writes.
     return parent, [int((folder / f"pid-{r}").read_text()) for r in (0, 1)]
 
 

@@ -52,6 +52,8 @@ def make():
 
 # A program written like the PyTorch DDP tutorial, ported to gpukit: torchrun or
 # `gpukit launch` start it as it is; `launch` as its third argument starts it with rt.launch.
+# Once a file "slow" exists, each rank's next step takes a minute, which it says by a file
+# "slowed-RANK" as it begins.
 PROGRAM = """
 import os, sys, time, torch
 from torch import nn
@@ -70,7 +72,10 @@ def main(rt, steps):
     print(f"rank {rt.rank} started", flush=True)
     while rt.global_step < steps:
         for x, y in loader:
-            time.sleep(60 if os.path.exists("slow") else 0.05)
+            if os.path.exists("slow"):
+                open(f"slowed-{rt.rank}", "w").close()
+                time.sleep(60)
+            time.sleep(0.05)
             rt.backward(nn.functional.mse_loss(model(x), y))
             rt.step(opt)
             if rt.global_step >= steps:
@@ -282,14 +287,15 @@ def test_ranks_that_cannot_save_within_the_grace_period_are_killed_and_it_says_s
     job = subprocess.Popen(
         [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)],
         cwd=tmp_path,
-        env={**_env(), "GPUKIT_STOP_GRACE": "2"},
+        env={**_env(), "GPUKIT_STOP_GRACE": "1"},  # ranks in a minute-long step never save
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     (tmp_path / "slow").touch()  # the next step takes a minute: no save can come in time
-    time.sleep(0.5)
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"slowed-{rank}", job)
     job.send_signal(signal.SIGTERM)
     output = job.communicate(timeout=60)[0]
     assert job.returncode == 143, output
@@ -308,7 +314,8 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_ranks_at_once(
     job = _start([sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)], tmp_path)
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     (tmp_path / "slow").touch()  # the step under way outlasts the test: only a kill ends it
-    time.sleep(0.5)
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"slowed-{rank}", job)
     job.send_signal(signal.SIGINT)
     time.sleep(SECOND_SIGNAL_AFTER_S + 0.5)  # later than any copy of the first would come
     job.send_signal(signal.SIGINT)
