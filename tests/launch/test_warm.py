@@ -259,15 +259,20 @@ def test_a_socket_nobody_serves_is_a_clear_error(
         start_worker(0, [sys.executable, str(RUNNER), "x.py"], {}, queue.SimpleQueue())
 
 
-def test_a_second_server_on_a_served_socket_is_refused(server: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "gpukit.launch.warm", server],
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m gpukit.launch.warm args``, run to its end (a server that cannot start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpukit.launch.warm", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
         env={**os.environ, "PYTHONPATH": SRC},
     )
+
+
+def test_a_second_server_on_a_served_socket_is_refused(server: str) -> None:
+    done = serve(server)
     assert done.returncode == 1
     assert f"{server} is served already" in done.stderr
     assert os.path.exists(server)  # the first server's socket stays
@@ -283,14 +288,7 @@ def test_modules_named_after_the_socket_are_imported_before_the_first_fork(
 
 
 def test_a_module_the_server_cannot_preload_stops_it_naming_the_module(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "gpukit.launch.warm", str(tmp_path / "socket"), "no_such_module"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONPATH": SRC},
-    )
+    done = serve(str(tmp_path / "socket"), "no_such_module")
     assert done.returncode == 1
     assert "cannot preload no_such_module: ModuleNotFoundError" in done.stderr
     assert not (tmp_path / "socket").exists()
