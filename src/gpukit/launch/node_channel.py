@@ -83,7 +83,12 @@ class StorePeers:
         self._prefix = "gpukit/"
 
     def post(self, key: str, value: dict[str, Any]) -> None:
-        self._store.set(self._prefix + key, json.dumps(value))
+        name = self._prefix + key
+        self._store.set(name, json.dumps(value))
+        # A TCPStore client sends SET without waiting for an answer, so another node's read
+        # could still miss it. The server answers one connection's requests in order: once
+        # this CHECK is answered, the SET before it is in the store for every reader.
+        self._store.check([name])
 
     def read(self, key: str) -> dict[str, Any] | None:
         name = self._prefix + key
