@@ -231,7 +231,8 @@ def cold_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     they check (ranks that die with their launcher by ``PR_SET_PDEATHSIG``, the pid of the
     process they started) is the cold start's own. Other tests that start processes have
     their ``python -m gpukit ...`` commands forked by the warm-start server too
-    (tests/warm_gpukit.py)."""
+    (tests/warm_gpukit.py); a command passed ``executable=`` starts cold, for a test that
+    needs one process cold and the rest warm."""
     if request.node.get_closest_marker("cold_start") is not None:
         monkeypatch.delenv("GPUKIT_WARM_START", raising=False)
         return

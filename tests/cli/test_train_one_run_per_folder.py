@@ -45,11 +45,16 @@ def _gpukit(args: list[str], cwd: Path, timeout: float = 240) -> tuple[int, str]
 
 @pytest.fixture
 def running(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """A long `gpukit train --out run`, once it holds run/ and its checkpoints."""
+    """A long `gpukit train --out run`, once it holds run/ and its checkpoints. Started cold
+    (``executable`` keeps the warm start's wrapper off it): the refusal names the holder by
+    the pid of the process this test started."""
+    env = _env()
+    env.pop("GPUKIT_WARM_START", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpukit", "train", *MLP, "--max-steps", "100000", "--out", "run"],
+        executable=sys.executable,
         cwd=tmp_path,
-        env=_env(),
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -65,8 +70,6 @@ def running(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     proc.wait()
 
 
-# Cold: the refusal names the holder by the pid of the process this test started.
-@pytest.mark.cold_start
 @pytest.mark.skipif(folder_lock.fcntl is None, reason="no fcntl: folders are not locked")
 def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_one_frees_it(
     tmp_path: Path, running: subprocess.Popen[str]
