@@ -4,6 +4,7 @@ the guard that keeps `make test-fast` honest: a test that starts a process must 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import multiprocessing.process
 import os
 import platform
@@ -98,8 +99,17 @@ class ProcessGuard:
 
 
 # What the commands tests run import beyond torch and gpukit's launcher: `gpukit train` and the
-# benchmarks draw their plots with pyplot (half a second of CPU per process).
-WARM_PRELOAD = ("matplotlib.pyplot",)
+# benchmarks draw their plots with pyplot (half a second of CPU per process), and the ranks of
+# the Hugging Face tests build transformers' models (1.4 s per rank; where it is installed).
+WARM_PRELOAD = ("matplotlib.pyplot",) + (
+    (
+        "transformers.models.auto.modeling_auto",
+        "transformers.models.gpt2.modeling_gpt2",
+        "transformers.models.llama.modeling_llama",
+    )
+    if importlib.util.find_spec("transformers") is not None
+    else ()
+)
 
 
 class WarmStart:
