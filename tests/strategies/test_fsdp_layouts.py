@@ -101,9 +101,26 @@ def _reference(steps: int, ranks: int, clip: float | None = None) -> dict[str, t
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_hsdp_two_replicas_of_two_shards_equals_one_process() -> None:
-    rt = gk.Runtime(strategy=gk.strategies.FSDP(replicas=2), devices=["cpu"] * 4, seed=0)
-    assert_bit_identical(rt.launch(_train, 3), _reference(3, ranks=4))
+def _hsdp(accumulate: int) -> dict[str, object]:
+    """3 steps of HSDP (2 replicas x 2 shards), each rank's piece in ``accumulate``
+    micro-batches, with its all-reduces counted (``_train_accumulating``)."""
+    strategy = gk.strategies.FSDP(replicas=2)
+    rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, accumulate=accumulate)
+    return rt.launch(_train_accumulating, 3)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def hsdp_once() -> dict[str, object]:
+    """The HSDP run without accumulation: checked against the plain program, and the count of
+    all-reduces an accumulating run must match."""
+    return _hsdp(accumulate=1)
+
+
+@pytest.mark.xdist_group("fsdp-layouts")
+def test_hsdp_two_replicas_of_two_shards_equals_one_process(hsdp_once: dict[str, object]) -> None:
+    got = hsdp_once["state"]
+    assert isinstance(got, dict)
+    assert_bit_identical(got, _reference(3, ranks=4))
 
 
 def test_fsdp_times_tensor_parallel_equals_one_process() -> None:
@@ -184,16 +201,14 @@ def _train_accumulating(rt: gk.Runtime, steps: int) -> dict[str, object]:
     return {"state": full, "all_reduces": calls[0]}
 
 
-def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_batch() -> None:
-    def run(accumulate: int) -> dict[str, object]:
-        strategy = gk.strategies.FSDP(replicas=2)
-        rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, accumulate=accumulate)
-        return rt.launch(_train_accumulating, 2)
-
-    once, twice = run(1), run(2)
+@pytest.mark.xdist_group("fsdp-layouts")
+def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_batch(
+    hsdp_once: dict[str, object],
+) -> None:
+    twice = _hsdp(accumulate=2)
     # As many all-reduces per optimizer step with two micro-batches as with one.
-    assert once["all_reduces"] == twice["all_reduces"] > 0
-    want = _reference(2, ranks=4)
+    assert hsdp_once["all_reduces"] == twice["all_reduces"] > 0
+    want = _reference(3, ranks=4)
     got = twice["state"]
     assert isinstance(got, dict) and got.keys() == want.keys()
     for k in want:  # the micro-batches' gradients are summed before the replicas' average
