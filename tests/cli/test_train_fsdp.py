@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,31 +99,46 @@ def train(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# One uninterrupted fsdp run serves the two tests below: the first compares it with ddp and
+# resumes a copy of it, the second is its reference for a run whose rank is killed.
+COMMON = ["--max-steps", "4", "--log-every", "1", "--save-every", "2", "--hang-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ddp`` and ``fsdp``: the same 4 steps under each strategy, a checkpoint every 2."""
+    folder = tmp_path_factory.mktemp("runs")
+    for strategy in ("ddp", "fsdp"):
+        done = train("--strategy", strategy, *COMMON, "--out", str(folder / strategy))
+        assert done.returncode == 0, done.stderr[-3000:]
+        (folder / f"{strategy}.stdout").write_text(done.stdout)
+    return folder
+
+
 @pytest.mark.processes
 @pytest.mark.slow
-def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("train-fsdp")
+def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(runs: Path, tmp_path: Path) -> None:
     # The same run under ddp is the reference: same weights, same batches on each rank, so
     # the losses agree up to float32 reduction order. The text sample needs every rank under
     # fsdp (each forward gathers the weights): a run that sampled on rank 0 alone would hang.
-    common = ["--max-steps", "4", "--log-every", "1", "--hang-timeout", "120"]
-    ddp = train("--strategy", "ddp", *common, "--out", str(tmp_path / "ddp"))
-    assert ddp.returncode == 0, ddp.stderr
-    run = tmp_path / "fsdp"
-    fsdp = train("--strategy", "fsdp", *common, "--out", str(run))
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert "Training summary" in fsdp.stdout and "fsdp x2" in fsdp.stdout
-    assert "activation checkpointing: off" in fsdp.stdout  # the shard plan, printed once
-    assert fsdp.stdout.count("(root: the rest)") == 1
-    assert "model state per rank" in fsdp.stdout
-    got = json.loads((run / "metrics.json").read_text())
-    want = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    stdout = (runs / "fsdp.stdout").read_text()
+    assert "Training summary" in stdout and "fsdp x2" in stdout
+    assert "activation checkpointing: off" in stdout  # the shard plan, printed once
+    assert stdout.count("(root: the rest)") == 1
+    assert "model state per rank" in stdout
+    got = json.loads((runs / "fsdp" / "metrics.json").read_text())
+    want = json.loads((runs / "ddp" / "metrics.json").read_text())
     assert got["strategy"] == "fsdp" and got["steps"] == 4 and got["world_size"] == 2
     assert math.isfinite(got["final_loss"])
     assert got["final_loss"] == pytest.approx(want["final_loss"], rel=1e-4)
     assert len(got["sample"]) == 200
     assert [r["rank"] for r in got["memory"]["devices"]] == [0, 1]
-    assert any((run / "checkpoints").iterdir()), "no checkpoint written"
+    assert any((runs / "fsdp" / "checkpoints").iterdir()), "no checkpoint written"
 
+    # Resumed in a copy: the shared run stays the other test's uninterrupted reference.
+    run = tmp_path / "fsdp"
+    shutil.copytree(runs / "fsdp", run)
     more = train(
         "--strategy",
         "fsdp",
@@ -146,24 +162,23 @@ def test_fsdp_trains_like_ddp_from_the_command_line_and_resumes(tmp_path: Path) 
 
 @pytest.mark.processes
 @pytest.mark.slow
+@pytest.mark.xdist_group("train-fsdp")
 def test_a_killed_fsdp_rank_is_restarted_and_the_run_ends_bitwise_equal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Rank 1 is killed at step 6; the launcher restarts both ranks on a fresh port, they
-    # resume from the sharded checkpoint of step 4 and finish as the uninterrupted run did.
+    # Rank 1 is killed at step 3; the launcher restarts both ranks on a fresh port, they
+    # resume from the sharded checkpoint of step 2 and finish as the uninterrupted run did.
     from safetensors.torch import load_file
 
-    common = ["--max-steps", "12", "--log-every", "2", "--save-every", "4", "--hang-timeout", "120"]
-    straight = train("--strategy", "fsdp", *common, "--out", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    monkeypatch.setenv("GPUKIT_FAULT", "sigkill:1:6")
+    monkeypatch.setenv("GPUKIT_FAULT", "sigkill:1:3")
     faulted = train(
-        "--strategy", "fsdp", *common, "--max-restarts", "2", "--out", str(tmp_path / "b")
+        "--strategy", "fsdp", *COMMON, "--max-restarts", "2", "--out", str(tmp_path / "b")
     )
     assert faulted.returncode == 0, faulted.stderr[-3000:]
     said = faulted.stdout + faulted.stderr
     assert "restart 1/2 after rank 1 was killed by SIGKILL" in said
-    want = load_file(tmp_path / "a" / "checkpoints" / "step-00000012" / "model.safetensors")
-    got = load_file(tmp_path / "b" / "checkpoints" / "step-00000012" / "model.safetensors")
+    step = Path("checkpoints") / "step-00000004" / "model.safetensors"
+    want = load_file(runs / "fsdp" / step)
+    got = load_file(tmp_path / "b" / step)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -28,6 +28,9 @@ from gpukit.errors import ConfigError
 from gpukit.workloads import gpt
 from tests.fsdp_models import VOCAB, TiedLM, assert_bit_identical
 
+# One worker runs the module: the launches several tests read are made once, by fixtures.
+pytestmark = pytest.mark.xdist_group("fsdp-fidelity")
+
 LR = 1e-2
 BATCH = 8  # samples per optimizer step, over all ranks and micro-batches
 
@@ -178,9 +181,62 @@ def _fsdp(accumulate: int = 1, runtime: dict[str, Any] | None = None, **options:
     return gk.Runtime(strategy=strategy, devices=["cpu", "cpu"], **settings)
 
 
+# A variant: the settings of ``_fsdp``, and the function its Runtime runs, with its arguments.
+Variant = tuple[dict[str, Any], Any, tuple[Any, ...]]
+
+
+def _in_turn(rt: gk.Runtime, variants: dict[str, Variant]) -> dict[str, Any]:
+    """Each variant's result and the settings its Runtime took (the strategy's options, and
+    the Runtime's that the variants vary), trained one after another in the ranks of one
+    launch: the first on the Runtime rt.launch made (from its settings), each other one on a
+    Runtime of its own in the same process group, as a script under `gpukit launch` makes
+    it."""
+    out = {}
+    for i, (name, (settings, fn, args)) in enumerate(variants.items()):
+        own = rt if i == 0 else _fsdp(**settings)
+        try:
+            varied = ("accumulate", "clip", "nonfinite", "log_every")
+            took = {"options": own.strategy.options, **{k: getattr(own.config, k) for k in varied}}
+            out[name] = {**fn(own, *args), "took": took}
+        finally:
+            if own is not rt:
+                own.teardown()
+    return out
+
+
+def _launch(variants: dict[str, Variant]) -> dict[str, Any]:
+    first, _, _ = next(iter(variants.values()))
+    return _fsdp(**first).launch(_in_turn, variants)  # type: ignore[no-any-return]
+
+
+RECOMPUTING = [
+    {"activation_checkpointing": "full"},
+    {"activation_checkpointing": "selective"},
+    {"reshard": False},
+]
+POLICIES = ["reduce-scatter", "no-sync"]
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, Any]:
+    """The runs the exact comparisons below check, made in one launch of 2 ranks."""
+    variants: dict[str, Variant] = {
+        "gpt": ({}, _train, ("gpt", 3)),
+        "tied": ({}, _train, ("tied", 3)),
+        "clip": ({"runtime": {"clip": 1.0}}, _train, ("tied", 3)),
+    }
+    for policy in POLICIES:
+        variants[policy] = ({"accumulate": 2, "accumulation": policy}, _train, ("tied", 3))
+    for i, options in enumerate(RECOMPUTING):
+        variants[f"recompute-{i}"] = (options, _train, ("gpt", 2))
+    return _launch(variants)
+
+
 @pytest.mark.processes
-def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setup() -> None:
-    got = _fsdp().launch(_train, "gpt", 3)
+def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setup(
+    trained: dict[str, Any],
+) -> None:
+    got = trained["gpt"]
     want = _reference("gpt", 3, ranks=2, accumulate=1)
     start = _model("gpt").state_dict()
     moved = max((want[k] - start[k]).abs().max().item() for k in want)
@@ -194,37 +250,39 @@ def test_gpt_on_two_ranks_equals_one_process_with_an_optimizer_built_before_setu
 
 
 @pytest.mark.processes
-def test_tied_head_with_an_uneven_vocabulary_stays_tied_and_exact() -> None:
-    got = _fsdp().launch(_train, "tied", 3)
+def test_tied_head_with_an_uneven_vocabulary_stays_tied_and_exact(
+    trained: dict[str, Any],
+) -> None:
+    got = trained["tied"]
     assert got["tied"]
     assert_bit_identical(got["state"], _reference("tied", 3, ranks=2, accumulate=1))
     assert "tied: emb.weight = head.weight" in got["printed"]
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("policy", ["reduce-scatter", "no-sync"])
-def test_accumulation_sums_in_the_order_of_its_policy(policy: str) -> None:
-    got = _fsdp(accumulate=2, accumulation=policy).launch(_train, "tied", 3)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_accumulation_sums_in_the_order_of_its_policy(policy: str, trained: dict[str, Any]) -> None:
+    got = trained[policy]
+    # The variant's own settings took (its Runtime was made inside the launch).
+    assert got["took"]["accumulate"] == 2
+    assert got["took"]["options"] == gk.strategies.FSDP(accumulation=policy).options
     assert_bit_identical(got["state"], _reference("tied", 3, ranks=2, accumulate=2, policy=policy))
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"activation_checkpointing": "full"},
-        {"activation_checkpointing": "selective"},
-        {"reshard": False},
-    ],
-)
-def test_recomputing_and_keeping_gathered_weights_change_nothing(options: dict[str, Any]) -> None:
-    got = _fsdp(**options).launch(_train, "gpt", 2)
+@pytest.mark.parametrize("variant", range(len(RECOMPUTING)), ids=["full", "selective", "kept"])
+def test_recomputing_and_keeping_gathered_weights_change_nothing(
+    variant: int, trained: dict[str, Any]
+) -> None:
+    got = trained[f"recompute-{variant}"]
+    # The variant's own settings took (its Runtime was made inside the launch).
+    assert got["took"]["options"] == gk.strategies.FSDP(**RECOMPUTING[variant]).options
     assert_bit_identical(got["state"], _reference("gpt", 2, ranks=2, accumulate=1))
 
 
 @pytest.mark.processes
-def test_rank_zero_keeps_half_of_each_group() -> None:
-    got = _fsdp().launch(_train, "tied", 1)
+def test_rank_zero_keeps_half_of_each_group(trained: dict[str, Any]) -> None:
+    got = trained["tied"]
     # Shard(0) splits dim 0 as torch.chunk does: rank 0 keeps ceil(rows / 2) of each weight.
     model = _model("tied")
     want = sum(math.ceil(p.shape[0] / 2) * (p.numel() // p.shape[0]) for p in model.parameters())
@@ -236,8 +294,11 @@ def test_rank_zero_keeps_half_of_each_group() -> None:
 
 
 @pytest.mark.processes
-def test_clipping_uses_the_global_norm_of_the_sharded_gradients() -> None:
-    got = _fsdp(runtime={"clip": 1.0}).launch(_train, "tied", 3)
+def test_clipping_uses_the_global_norm_of_the_sharded_gradients(
+    trained: dict[str, Any],
+) -> None:
+    got = trained["clip"]
+    assert got["took"]["clip"] == 1.0  # the variant's own Runtime, made inside the launch
     want = _reference("tied", 3, ranks=2, accumulate=1, clip=1.0)
     unclipped = _reference("tied", 3, ranks=2, accumulate=1)
     # The total norm sums the squares shard by shard, then over the ranks: another order than
@@ -344,7 +405,8 @@ def test_recovering_from_out_of_memory_over_two_fsdp_ranks_is_refused() -> None:
         gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], oom="recover")
 
 
-STEPS, LOG_EVERY = 30, 10
+# Three logging windows: a read once per window, not once per step, shows as 3, not 12.
+STEPS, LOG_EVERY = 12, 4
 
 
 def _reads(rt: gk.Runtime, manual: bool) -> dict[str, Any]:
@@ -370,13 +432,34 @@ def _reads(rt: gk.Runtime, manual: bool) -> dict[str, Any]:
     return {"reads": sum(s.count for s in t.syncs), "syncs": [(s.op, s.function) for s in t.syncs]}
 
 
+STEADY: list[tuple[bool, dict[str, Any]]] = [
+    (False, {}),
+    (True, {}),
+    (False, {"clip": 1.0}),
+    (False, {"nonfinite": "skip"}),
+]
+
+
+@pytest.fixture(scope="module")
+def steady() -> list[dict[str, Any]]:
+    """What each of the STEADY variants read back, made in one launch of 2 ranks."""
+    variants: dict[str, Variant] = {
+        str(i): ({"runtime": {"log_every": LOG_EVERY, **runtime}}, _reads, (manual,))
+        for i, (manual, runtime) in enumerate(STEADY)
+    }
+    return list(_launch(variants).values())
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize(
-    ("manual", "runtime"),
-    [(False, {}), (True, {}), (False, {"clip": 1.0}), (False, {"nonfinite": "skip"})],
+    "variant", range(len(STEADY)), ids=["train_step", "manual", "clip", "nonfinite"]
 )
-def test_a_steady_fsdp_step_reads_nothing_back(manual: bool, runtime: dict[str, Any]) -> None:
-    found = _fsdp(runtime={"log_every": LOG_EVERY, **runtime}).launch(_reads, manual)
+def test_a_steady_fsdp_step_reads_nothing_back(variant: int, steady: list[dict[str, Any]]) -> None:
+    _, runtime = STEADY[variant]
+    found = steady[variant]
+    # The variant's own settings took (its Runtime was made inside the launch).
+    assert all(found["took"][k] == v for k, v in runtime.items())
+    assert found["took"]["log_every"] == LOG_EVERY
     # The guard reads its counters back once per logging window, beside the metrics' flush.
     extra = STEPS // LOG_EVERY if "nonfinite" in runtime else 0
     assert found["reads"] == STEPS // LOG_EVERY + extra, found["syncs"]

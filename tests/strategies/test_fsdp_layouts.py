@@ -12,6 +12,8 @@ samples (``FSDP.sampler_placement``), so 2 data-parallel ranks remain.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,10 @@ from torch import nn
 
 import gpukit as gk
 from tests.fsdp_models import assert_bit_identical
+from tests.strategies import test_fsdp_fidelity as fidelity
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+# One worker runs the module: the launches several tests read are made once, by fixtures.
+pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.xdist_group("fsdp-layouts")]
 
 WIDTH, DEPTH, BATCH, LR = 8, 2, 8, 1e-2
 
@@ -101,9 +105,25 @@ def _reference(steps: int, ranks: int, clip: float | None = None) -> dict[str, t
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_hsdp_two_replicas_of_two_shards_equals_one_process() -> None:
-    rt = gk.Runtime(strategy=gk.strategies.FSDP(replicas=2), devices=["cpu"] * 4, seed=0)
-    assert_bit_identical(rt.launch(_train, 3), _reference(3, ranks=4))
+def _hsdp(accumulate: int) -> dict[str, object]:
+    """3 steps of HSDP (2 replicas x 2 shards), each rank's piece in ``accumulate``
+    micro-batches, with its all-reduces counted (``_train_accumulating``)."""
+    strategy = gk.strategies.FSDP(replicas=2)
+    rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, accumulate=accumulate)
+    return rt.launch(_train_accumulating, 3)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def hsdp_once() -> dict[str, object]:
+    """The HSDP run without accumulation: checked against the plain program, and the count of
+    all-reduces an accumulating run must match."""
+    return _hsdp(accumulate=1)
+
+
+def test_hsdp_two_replicas_of_two_shards_equals_one_process(hsdp_once: dict[str, object]) -> None:
+    got = hsdp_once["state"]
+    assert isinstance(got, dict)
+    assert_bit_identical(got, _reference(3, ranks=4))
 
 
 def test_fsdp_times_tensor_parallel_equals_one_process() -> None:
@@ -121,18 +141,26 @@ def test_fsdp_times_tensor_parallel_equals_one_process() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.slow
-def test_compiled_blocks_train_as_the_plain_program_does() -> None:
+@pytest.fixture(scope="module")
+def two() -> dict[str, Any]:
+    """2 steps of the tied model over 2 ranks with bf16 gathering, and with compiled blocks,
+    made in one launch (``test_fsdp_fidelity``'s, which also says what each run's Runtime
+    took)."""
+    torch.manual_seed(0)
+    compiled = {"compile": "blocks", "activation_checkpointing": "selective"}
+    return fidelity._launch(
+        {
+            "bf16": ({"mixed": "bf16"}, fidelity._train, ("tied", 2)),
+            "compiled": (compiled, fidelity._train, ("tied", 2)),
+        }
+    )
+
+
+def test_compiled_blocks_train_as_the_plain_program_does(two: dict[str, Any]) -> None:
     # torch.compile fuses the blocks' element-wise work, so the last bits may move: the same
     # result to float64 rounding, every block compiled, and the model's names unchanged.
-    from tests.strategies import test_fsdp_fidelity as fidelity
-
-    rt = gk.Runtime(
-        strategy=gk.strategies.FSDP(compile="blocks", activation_checkpointing="selective"),
-        devices=["cpu", "cpu"],
-        seed=0,
-    )
-    got = rt.launch(fidelity._train, "tied", 2)
+    got = two["compiled"]
+    assert got["took"]["options"].activation_checkpointing == "selective"
     want = fidelity._reference("tied", 2, ranks=2, accumulate=1)
     assert got["state"].keys() == want.keys()
     for key, value in want.items():
@@ -140,14 +168,11 @@ def test_compiled_blocks_train_as_the_plain_program_does() -> None:
     assert "compile: blocks" in got["printed"]
 
 
-def test_bf16_gathering_trains_close_to_float32() -> None:
+def test_bf16_gathering_trains_close_to_float32(two: dict[str, Any]) -> None:
     # MixedPrecisionPolicy(bf16, reduce fp32): weights gathered in bfloat16, so the result
     # moves by bfloat16's rounding, not more; the sharded weights themselves stay float32.
-    from tests.strategies import test_fsdp_fidelity as fidelity
-
-    torch.manual_seed(0)
-    rt = gk.Runtime(strategy=gk.strategies.FSDP(mixed="bf16"), devices=["cpu", "cpu"], seed=0)
-    got = rt.launch(fidelity._train, "tied", 2)
+    got = two["bf16"]
+    assert got["took"]["options"].mixed == "bf16"
     want = fidelity._reference("tied", 2, ranks=2, accumulate=1)
     worst = max((got["state"][k] - want[k]).abs().max().item() for k in want)
     assert 0 < worst < 0.05
@@ -184,16 +209,13 @@ def _train_accumulating(rt: gk.Runtime, steps: int) -> dict[str, object]:
     return {"state": full, "all_reduces": calls[0]}
 
 
-def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_batch() -> None:
-    def run(accumulate: int) -> dict[str, object]:
-        strategy = gk.strategies.FSDP(replicas=2)
-        rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4, seed=0, accumulate=accumulate)
-        return rt.launch(_train_accumulating, 2)
-
-    once, twice = run(1), run(2)
+def test_hsdp_accumulation_all_reduces_across_replicas_only_on_the_last_micro_batch(
+    hsdp_once: dict[str, object],
+) -> None:
+    twice = _hsdp(accumulate=2)
     # As many all-reduces per optimizer step with two micro-batches as with one.
-    assert once["all_reduces"] == twice["all_reduces"] > 0
-    want = _reference(2, ranks=4)
+    assert hsdp_once["all_reduces"] == twice["all_reduces"] > 0
+    want = _reference(3, ranks=4)
     got = twice["state"]
     assert isinstance(got, dict) and got.keys() == want.keys()
     for k in want:  # the micro-batches' gradients are summed before the replicas' average
