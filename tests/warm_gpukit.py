@@ -16,7 +16,12 @@ What differs from a cold start is the warm start's own (see ``gpukit.launch.warm
 command's pid is not the client's, its parent is the server, and what Python and torch read
 at start comes from the server. Tests that look at those are marked ``cold_start``.
 
-The server runs this same file as the runner of the forked command (``--as-gpukit``).
+A test may ask for a script of its own to be forked the same way (``script_command``:
+``python SCRIPT ...`` becomes ``[sys.executable, THIS_FILE, SOCKET, --as-script, SCRIPT,
+...]``); other commands start cold.
+
+The server runs this same file as the runner of the forked command (``--as-gpukit``,
+``--as-script``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ FORWARDED = (
     signal.SIGUSR2,
 )
 AS_GPUKIT = "--as-gpukit"
+AS_SCRIPT = "--as-script"
 
 
 def command(argv: list[str], socket_path: str) -> list[str] | None:
@@ -48,12 +54,20 @@ def command(argv: list[str], socket_path: str) -> list[str] | None:
     return None
 
 
+def script_command(argv: list[str], socket_path: str) -> list[str]:
+    """The client's command line for ``argv``, ``[sys.executable, SCRIPT, *args]``: the script
+    forked warm as ``python -m gpukit`` is. Only for a test that asks for it, whose script's
+    process need not be the one the test started (signals reach it through the client)."""
+    assert argv[0] == sys.executable, argv
+    return [sys.executable, os.path.abspath(__file__), socket_path, AS_SCRIPT, *argv[1:]]
+
+
 def _client(socket_path: str, args: list[str]) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect(socket_path)
     request = {
         "runner": os.path.abspath(__file__),
-        "args": [AS_GPUKIT, *args],
+        "args": args if args[:1] == [AS_SCRIPT] else [AS_GPUKIT, *args],
         "env": dict(os.environ),
         "cwd": os.getcwd(),
     }
@@ -90,8 +104,17 @@ def _as_gpukit(args: list[str]) -> None:
     runpy.run_module("gpukit", run_name="__main__", alter_sys=True)
 
 
+def _as_script(args: list[str]) -> None:
+    """In the forked command: what ``python SCRIPT *args`` sets before running the script."""
+    sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+    sys.argv = list(args)
+    runpy.run_path(args[0], run_name="__main__")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == AS_GPUKIT:
         _as_gpukit(sys.argv[2:])
+    elif sys.argv[1] == AS_SCRIPT:
+        _as_script(sys.argv[2:])
     else:
         _client(sys.argv[1], sys.argv[2:])

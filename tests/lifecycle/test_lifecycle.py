@@ -28,6 +28,7 @@ from gpukit.launch.faults import FaultPlan, parse_faults
 from gpukit.lifecycle.checks import parse_save_every
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
 from gpukit.runtime.step.nonfinite import MAX_SKIPS_IN_A_ROW, NonFiniteGuard
+from tests import warm_gpukit
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -151,34 +152,44 @@ def test_preemption_saves_at_the_step_and_resume_finishes_bitwise_equal(
         assert torch.equal(a, b)
 
 
-def _slow_program(tmp_path: Path, sleep: float) -> subprocess.Popen[str]:
-    """A one-process program whose first step sleeps ``sleep`` seconds, started; it has said
-    "in step" when this returns."""
+def _slow_program(tmp_path: Path, until: str) -> tuple[subprocess.Popen[str], int]:
+    """A one-process program whose first step lasts until a file ``until`` exists in
+    ``tmp_path`` (at most a minute), started, and its process id; it has said "in step" when
+    this returns."""
     script = tmp_path / "slow.py"
     script.write_text(
         textwrap.dedent(
             f"""
-            import time, torch, gpukit as gk
+            import os, time, torch, gpukit as gk
             rt = gk.Runtime(devices="cpu", checkpoints={str(tmp_path / "ck")!r})
             net = torch.nn.Linear(2, 1)
             model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
             def slow(batch):
+                with open({str(tmp_path / "pid")!r}, "w") as f:
+                    f.write(str(os.getpid()))
                 print("in step", flush=True)
-                for _ in range(int({sleep} / 0.05)):  # Python runs between the waits, as
-                    time.sleep(0.05)  # between a step's ops: its signal handlers run at once
+                for _ in range(1200):  # Python runs between the waits, as between a
+                    if os.path.exists({str(tmp_path / until)!r}):  # step's ops: its
+                        break  # signal handlers run at once
+                    time.sleep(0.05)
                 return model(batch).sum()
             for _ in range(3):
                 rt.train_step(opt, torch.ones(2, 2), slow)
             """
         )
     )
-    return _started(script, "in step")
+    proc = _started(script, "in step")
+    return proc, int((tmp_path / "pid").read_text())
 
 
 def _started(script: Path, says: str, **env: str) -> subprocess.Popen[str]:
-    """``script`` running in a process of its own, once it has printed ``says``."""
+    """``script`` running in a process of its own, once it has printed ``says``. It is forked
+    by the warm-start server where tests have one (tests/conftest.py): signals sent to the
+    process started here are passed on to it."""
+    command = [sys.executable, str(script)]
+    server = os.environ.get("GPUKIT_WARM_START")
     proc = subprocess.Popen(
-        [sys.executable, str(script)],
+        warm_gpukit.script_command(command, server) if server else command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -191,10 +202,10 @@ def _started(script: Path, says: str, **env: str) -> subprocess.Popen[str]:
 @pytest.mark.xdist_group("timing")
 @pytest.mark.processes
 def test_a_second_ctrl_c_exits_at_once(tmp_path: Path) -> None:
-    proc = _slow_program(tmp_path, 60)
-    proc.send_signal(signal.SIGINT)  # the first waits for the step
+    proc, pid = _slow_program(tmp_path, "never")
+    os.kill(pid, signal.SIGINT)  # the first waits for the step
     time.sleep(SECOND_SIGNAL_AFTER_S + 0.5)  # later than any copy of the first would come
-    proc.send_signal(signal.SIGINT)  # the user's second Ctrl-C does not
+    os.kill(pid, signal.SIGINT)  # the user's second Ctrl-C does not
     assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert not has_checkpoints(tmp_path / "ck")  # (the folder holds its lock)
 
@@ -204,9 +215,12 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path: Path) -> None:
 def test_copies_of_the_request_never_cut_the_save_short(tmp_path: Path) -> None:
     # A scheduler signals every process, a launcher passes its own signal on, a terminal's
     # Ctrl-C reaches the whole group: one request, however many copies arrive.
-    proc = _slow_program(tmp_path, 3)
+    proc, pid = _slow_program(tmp_path, "sent")
     for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
-        proc.send_signal(sig)
+        os.kill(pid, sig)
+    # The step ends once every copy was sent: a signal is pending in a process as soon as
+    # kill() returns, and its handler runs before the step's next line does.
+    (tmp_path / "sent").touch()
     assert proc.wait(timeout=60) == 143
     assert proc.stderr is not None
     said = proc.stderr.read()

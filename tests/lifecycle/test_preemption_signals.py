@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from gpukit.launch.ports import free_port
 from gpukit.lifecycle.preemption import SECOND_SIGNAL_AFTER_S
+from tests import warm_gpukit
 
 # Signals, grace periods and hang timeouts: one at a time under `make test`.
 pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("timing")]
@@ -33,7 +34,9 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS = 400  # far more than a test waits for: every run here ends by its signal
 PERIODIC = 4  # --save-every
 
-# The workload of `gpukit train`: its loss sleeps, and each rank writes its process id.
+# The workload of `gpukit train`: its loss sleeps, and each rank writes its process id. Where
+# a file "hold" exists, each rank's step HOLD waits in its loss until a file "go" exists.
+HOLD = PERIODIC + 2
 WORKLOAD = """
 import os, time, torch
 from torch import nn
@@ -44,11 +47,19 @@ def make():
         f.write(str(os.getpid()))
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
+    steps = 0
     def loss(out, target):
+        nonlocal steps
+        steps += 1
         time.sleep(0.05)
+        if steps == HOLD and os.path.exists("hold"):
+            for _ in range(6000):
+                if os.path.exists("go"):
+                    break
+                time.sleep(0.01)
         return nn.functional.mse_loss(out, target)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), data, loss
-"""
+""".replace("HOLD", str(HOLD))
 
 # A program written like the PyTorch DDP tutorial, ported to gpukit: torchrun or
 # `gpukit launch` start it as it is; `launch` as its third argument starts it with rt.launch.
@@ -83,6 +94,9 @@ def main(rt, steps):
 
 if __name__ == "__main__":
     launch = sys.argv[1:] == ["launch"]
+    if launch:
+        with open("pid-parent", "w") as f:
+            f.write(str(os.getpid()))
     rt = gk.Runtime(devices=2 if launch else "auto", checkpoints="ck", save_every=PERIODIC, seed=0)
     if launch:
         rt.launch(main, STEPS)
@@ -97,6 +111,14 @@ def _env() -> dict[str, str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GPUKIT_JOB_DIR", "GPUKIT_FAULT"):
         env.pop(name, None)
     return env
+
+
+def _warm(command: list[str]) -> list[str]:
+    """``python SCRIPT ...`` forked by the warm-start server where tests have one
+    (tests/conftest.py), as ``python -m gpukit`` commands are; the script's process is then
+    not the one the test started, so it says its process id."""
+    server = os.environ.get("GPUKIT_WARM_START")
+    return warm_gpukit.script_command(command, server) if server else command
 
 
 def _start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
@@ -210,8 +232,7 @@ def test_gpukit_train_stops_once_saved_and_exits_143(tmp_path: Path, pattern: Pa
 def test_a_preempted_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "slowload.py").write_text(WORKLOAD)
-    steps = 20
+    steps = 3 * PERIODIC  # past the step the cut run stops at (HOLD + 1 at most)
     train = [
         sys.executable,
         "-m",
@@ -229,23 +250,44 @@ def test_a_preempted_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
         str(PERIODIC),
         "--progress-every",
         "0",
+        "--out",
+        "run",
     ]
-    whole = subprocess.run([*train, "--out", "whole"], cwd=tmp_path, env=_env(), timeout=300)
-    assert whole.returncode == 0
-    job = _start([*train, "--out", "cut"], tmp_path)
-    _wait_for(tmp_path / "cut" / "checkpoints" / f"step-{PERIODIC:08d}" / "manifest.json", job)
-    _send([_pid(tmp_path, 0), _pid(tmp_path, 1)], signal.SIGTERM)
-    _, step = _stopped(job, tmp_path / "cut" / "checkpoints")
-    assert step < steps
-    again = subprocess.run([*train, "--out", "cut", "--resume"], cwd=tmp_path, env=_env())
-    assert again.returncode == 0
+    # The uninterrupted run and the cut one run side by side, each in a folder of its own.
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for folder in (whole, cut):
+        folder.mkdir()
+        (folder / "slowload.py").write_text(WORKLOAD)
+    reference = _start(train, whole)
+    try:
+        _cut_and_resume(train, cut, steps)
+        assert reference.wait(timeout=300) == 0, reference.communicate()[0]
+    finally:
+        if reference.poll() is None:
+            reference.kill()
 
-    def weights(out: str) -> dict[str, object]:
-        folder = tmp_path / out / "checkpoints" / f"step-{steps:08d}"
-        return load_file(str(folder / "model.safetensors"))
+    def weights(folder: Path) -> dict[str, object]:
+        step = f"step-{steps:08d}"
+        return load_file(str(folder / "run" / "checkpoints" / step / "model.safetensors"))
 
-    a, b = weights("whole"), weights("cut")
+    a, b = weights(whole), weights(cut)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)  # type: ignore[attr-defined]
+
+
+def _cut_and_resume(train: list[str], cut: Path, steps: int) -> None:
+    """Run ``train`` in ``cut``, preempted past its first periodic checkpoint, then resumed."""
+    # The cut run's ranks wait in step HOLD until the test has signalled them: it stops at a
+    # step before the last however late the signal comes.
+    (cut / "hold").touch()
+    job = _start(train, cut)
+    _wait_for(cut / "run" / "checkpoints" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _send([_pid(cut, 0), _pid(cut, 1)], signal.SIGTERM)
+    (cut / "go").touch()
+    _, step = _stopped(job, cut / "run" / "checkpoints")
+    assert step < steps
+    (cut / "hold").unlink()
+    again = subprocess.run([*train, "--resume"], cwd=cut, env=_env(), timeout=300)
+    assert again.returncode == 0
 
 
 # -- the same program under gpukit launch, torchrun and rt.launch -------------------------------
@@ -363,9 +405,10 @@ def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
 @pytest.mark.slow
 @pytest.mark.parametrize("whom", ["parent", "one-rank"])
 def test_rt_launch_raises_preempted_in_the_parent(tmp_path: Path, program: Path, whom: str) -> None:
-    job = _start([sys.executable, str(program), "launch"], tmp_path)
+    job = _start(_warm([sys.executable, str(program), "launch"]), tmp_path)
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
-    _send([job.pid if whom == "parent" else _pid(tmp_path, 1)], signal.SIGTERM)
+    parent = int((tmp_path / "pid-parent").read_text())
+    _send([parent if whom == "parent" else _pid(tmp_path, 1)], signal.SIGTERM)
     _stopped(job, tmp_path / "ck")
 
 
