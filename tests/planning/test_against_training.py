@@ -5,6 +5,7 @@ bytes of scalars in cnn's batch norm); the closed form stays within 15%."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from gpukit.bench.plan import STEPS, measured_peaks
 from gpukit.cli.__main__ import main
 from gpukit.planning.closed_form import closed_form, model_facts
+from gpukit.planning.facts import ModelFacts
 from gpukit.planning.simulate import simulate
 from gpukit.workloads.base import load_workload
 
@@ -23,11 +25,18 @@ WORKLOADS = ("mlp", "cnn", "gpt")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def predicted(name: str, strategy: str, ranks: int) -> tuple[int, int]:
+@functools.cache
+def workload_facts(name: str) -> tuple[int, ModelFacts]:
+    """The workload's batch and its closed-form facts: the same for every strategy and rank
+    count, so made once per workload in this module (building cnn makes its images)."""
     workload = load_workload(name, seed=0)
-    micro = workload.batch_size // ranks
+    return workload.batch_size, model_facts(workload.model, workload.dataset[0], loss=workload.loss)
+
+
+def predicted(name: str, strategy: str, ranks: int) -> tuple[int, int]:
+    batch, facts = workload_facts(name)
+    micro = batch // ranks
     sim = simulate(name, strategy=strategy, devices=ranks, micro_batch=micro)[0].peak_bytes
-    facts = model_facts(workload.model, workload.dataset[0], loss=workload.loss)
     form = max(
         p.peak_bytes
         for p in closed_form(facts, strategy=strategy, devices=ranks, micro_batch=micro)
