@@ -143,6 +143,17 @@ def _wait_for(path: Path, job: subprocess.Popen[str], timeout: float = 180) -> N
         time.sleep(0.1)
 
 
+def _wait_for_slowed(folder: Path, job: subprocess.Popen[str]) -> None:
+    """Until a rank is in its minute-long step. One is enough, and waiting for both could
+    take the minute: a rank that looked for "slow" just before it existed goes on into its
+    step's collective, where it waits for the sleeping one without ever seeing the file."""
+    deadline = time.monotonic() + 180
+    while not any((folder / f"slowed-{rank}").exists() for rank in (0, 1)):
+        assert job.poll() is None, f"the job ended before a rank slowed:\n{job.communicate()[0]}"
+        assert time.monotonic() < deadline, "no rank slowed within 180 s"
+        time.sleep(0.1)
+
+
 def _pid(folder: Path, rank: int) -> int:
     return int((folder / f"pid-{rank}").read_text())
 
@@ -336,8 +347,7 @@ def test_ranks_that_cannot_save_within_the_grace_period_are_killed_and_it_says_s
     )
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     (tmp_path / "slow").touch()  # the next step takes a minute: no save can come in time
-    for rank in (0, 1):
-        _wait_for(tmp_path / f"slowed-{rank}", job)
+    _wait_for_slowed(tmp_path, job)
     job.send_signal(signal.SIGTERM)
     output = job.communicate(timeout=60)[0]
     assert job.returncode == 143, output
@@ -356,8 +366,7 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_ranks_at_once(
     job = _start([sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)], tmp_path)
     _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
     (tmp_path / "slow").touch()  # the step under way outlasts the test: only a kill ends it
-    for rank in (0, 1):
-        _wait_for(tmp_path / f"slowed-{rank}", job)
+    _wait_for_slowed(tmp_path, job)
     job.send_signal(signal.SIGINT)
     time.sleep(SECOND_SIGNAL_AFTER_S + 0.5)  # later than any copy of the first would come
     job.send_signal(signal.SIGINT)
