@@ -25,6 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The exit code of a rank whose process group could not listen on its port: another process
+# took the free port between its choice and the bind (errno EADDRINUSE); a caller may retry.
+PORT_TAKEN = 98
+
 
 class RankFailed(RuntimeError):
     """A rank ended with another code than 0 (negative: the signal that ended it)."""
@@ -43,7 +47,7 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) 
         import torch.multiprocessing as mp
 
         try:
-            mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+            mp.start_processes(_call, args=(fn, args), nprocs=nprocs, start_method="spawn")
         except mp.ProcessExitedException as err:
             raise RankFailed(err.error_index, err.exit_code) from err
         return
@@ -76,11 +80,23 @@ def start_processes(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) 
                     rank.wait()
 
 
+def _call(rank: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        fn(rank, *args)
+    except Exception as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(PORT_TAKEN)
+
+
 def _run(call: str, rank: int) -> None:
     with open(call, "rb") as file:
         sys.path[:] = pickle.load(file)
         fn, args = pickle.load(file)
-    fn(rank, *args)
+    _call(rank, fn, args)
 
 
 if __name__ == "__main__":
