@@ -132,14 +132,17 @@ def _start(command: list[str], cwd: Path) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(path: Path, job: subprocess.Popen[str], timeout: float = 180) -> None:
+def _wait_for(*paths: Path, job: subprocess.Popen[str], timeout: float = 180) -> None:
+    """Until one of ``paths`` exists; the job ending first, or a job stuck for ``timeout``
+    seconds (a hang guard, far beyond any healthy wait), fails the test with its output."""
+    names = " or ".join(path.name for path in paths)
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not any(path.exists() for path in paths):
         if job.poll() is not None:
-            pytest.fail(f"the job ended before {path.name} existed:\n{job.communicate()[0]}")
+            pytest.fail(f"the job ended before {names} existed:\n{job.communicate()[0]}")
         if time.monotonic() > deadline:
             job.kill()
-            pytest.fail(f"no {path.name} after {timeout} s:\n{job.communicate()[0]}")
+            pytest.fail(f"no {names} after {timeout} s:\n{job.communicate()[0]}")
         time.sleep(0.1)
 
 
@@ -147,11 +150,7 @@ def _wait_for_slowed(folder: Path, job: subprocess.Popen[str]) -> None:
     """Until a rank is in its minute-long step. One is enough, and waiting for both could
     take the minute: a rank that looked for "slow" just before it existed goes on into its
     step's collective, where it waits for the sleeping one without ever seeing the file."""
-    deadline = time.monotonic() + 180
-    while not any((folder / f"slowed-{rank}").exists() for rank in (0, 1)):
-        assert job.poll() is None, f"the job ended before a rank slowed:\n{job.communicate()[0]}"
-        assert time.monotonic() < deadline, "no rank slowed within 180 s"
-        time.sleep(0.1)
+    _wait_for(folder / "slowed-0", folder / "slowed-1", job=job)
 
 
 def _pid(folder: Path, rank: int) -> int:
@@ -233,7 +232,7 @@ def test_gpukit_train_stops_once_saved_and_exits_143(tmp_path: Path, pattern: Pa
         tmp_path,
     )
     checkpoints = tmp_path / "run" / "checkpoints"
-    _wait_for(checkpoints / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(checkpoints / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     pattern(job, tmp_path)
     output, _ = _stopped(job, checkpoints)
     assert output.count("gpukit train: stopped on request (exit 143)") == 1, output
@@ -291,7 +290,7 @@ def _cut_and_resume(train: list[str], cut: Path, steps: int) -> None:
     # step before the last however late the signal comes.
     (cut / "hold").touch()
     job = _start(train, cut)
-    _wait_for(cut / "run" / "checkpoints" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(cut / "run" / "checkpoints" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     _send([_pid(cut, 0), _pid(cut, 1)], signal.SIGTERM)
     (cut / "go").touch()
     _, step = _stopped(job, cut / "run" / "checkpoints")
@@ -327,7 +326,7 @@ def test_gpukit_launch_one_rank_signalled(tmp_path: Path, program: Path) -> None
         ],
         tmp_path,
     )
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     _send([_pid(tmp_path, 1)], signal.SIGTERM)
     output, _ = _stopped(job, tmp_path / "ck")
     assert output.count("gpukit launch: stopped on request (exit 143)") == 1, output
@@ -345,7 +344,7 @@ def test_ranks_that_cannot_save_within_the_grace_period_are_killed_and_it_says_s
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     (tmp_path / "slow").touch()  # the next step takes a minute: no save can come in time
     _wait_for_slowed(tmp_path, job)
     job.send_signal(signal.SIGTERM)
@@ -364,7 +363,7 @@ def test_a_second_ctrl_c_to_the_launcher_stops_the_ranks_at_once(
     tmp_path: Path, program: Path
 ) -> None:
     job = _start([sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(program)], tmp_path)
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     (tmp_path / "slow").touch()  # the step under way outlasts the test: only a kill ends it
     _wait_for_slowed(tmp_path, job)
     job.send_signal(signal.SIGINT)
@@ -395,7 +394,7 @@ def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
         ],
         tmp_path,
     )
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     ranks = [_pid(tmp_path, 0), _pid(tmp_path, 1)]
     _send([job.pid, *ranks] if everyone else ranks[1:], signal.SIGTERM)
     output = job.communicate(timeout=120)[0]
@@ -415,7 +414,7 @@ def test_torchrun_ranks_save_and_the_agent_does_not_restart_them(
 @pytest.mark.parametrize("whom", ["parent", "one-rank"])
 def test_rt_launch_raises_preempted_in_the_parent(tmp_path: Path, program: Path, whom: str) -> None:
     job = _start(_warm([sys.executable, str(program), "launch"]), tmp_path)
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     parent = int((tmp_path / "pid-parent").read_text())
     _send([parent if whom == "parent" else _pid(tmp_path, 1)], signal.SIGTERM)
     _stopped(job, tmp_path / "ck")
@@ -460,7 +459,7 @@ def test_a_signal_to_the_whole_process_group_spares_the_loaders_workers(tmp_path
         text=True,
         start_new_session=True,  # its own process group, as a scheduler's job step
     )
-    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job)
+    _wait_for(tmp_path / "ck" / f"step-{PERIODIC:08d}" / "manifest.json", job=job)
     os.killpg(job.pid, signal.SIGTERM)
     output, _ = _stopped(job, tmp_path / "ck")
     assert "exited unexpectedly" not in output, output
