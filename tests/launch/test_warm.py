@@ -3,6 +3,7 @@ arguments and folder they get, their exit codes, their death with the launcher, 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ from gpukit.launch.workers import Worker, start_worker
 pytestmark = pytest.mark.processes
 
 SRC = str(Path(gpukit.__file__).resolve().parents[1])
+ROOT = Path(__file__).resolve().parents[2]
 
 REPORT = """
 import json, os, sys
@@ -34,7 +36,8 @@ with open(os.environ["OUT"], "w") as file:
 """
 
 
-PRELOADED = ("colorsys",)  # what this module's own server imports besides torch and gpukit
+# What this module's own server imports besides torch and gpukit.
+PRELOADED = ("colorsys", "tests.launch.released_probe")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,9 @@ def test_a_warm_rank_gets_exactly_what_a_cold_one_gets(
     ("body", "code"),
     [
         ("import sys; sys.exit(3)", 3),
+        ("import sys; sys.exit(259)", 3),
+        ("import sys; sys.exit('stopped')", 1),
+        ("raise KeyboardInterrupt", -signal.SIGINT),
         ("raise ValueError('no')", 1),
         ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),
@@ -155,6 +161,81 @@ def test_a_rank_is_waited_for_without_the_start_timeout(server: str, tmp_path: P
     rank = warm_client.start_rank(server, [str(tmp_path / "short.py")], {"PYTHONPATH": SRC})
     assert rank._conn.gettimeout() is None
     assert rank.wait() == 0
+
+
+EXITS = """
+import atexit, ctypes, gzip, os, sys, threading, time
+import gpukit
+import tests.launch.released_probe
+
+left = open(os.path.join(sys.argv[1], "left.txt"), "w")
+left.write("left open in a global")
+held = gzip.open(os.path.join(sys.argv[1], "held.gz"), "wt")
+held.write("held only through gpukit")
+gpukit._held_by_the_test = held
+del held
+
+
+class Finalized:
+    def __init__(self, what):
+        self.what = what
+
+    def __del__(self):
+        print(self.what, flush=True)
+
+
+finalized = Finalized("a global's finalizer ran")
+gpukit._finalized_by_the_test = Finalized("an object only gpukit holds was released")
+atexit.register(print, "atexit ran", flush=True)
+
+
+def late():
+    time.sleep(0.2)
+    print("a thread ended", flush=True)
+
+
+threading.Thread(target=late).start()
+ctypes.CDLL(None).printf(b"C stdio flushed\\n")
+print("main ended", flush=True)
+"""
+
+
+def test_a_warm_rank_ends_as_a_cold_one_without_releasing_the_servers_modules(
+    own_server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # Releasing the server's modules would copy every page the fork shares (a third of a
+    # second of CPU per rank), so a warm rank skips only that: its threads, atexit handlers,
+    # its objects' finalizers (one held only by gpukit's module too), the files it left open
+    # and C's stdio buffers end as in a cold interpreter.
+    (tmp_path / "exits.py").write_text(EXITS)
+    env = {"PYTHONPATH": os.pathsep.join([SRC, str(ROOT)]), "RELEASED_PROBE": "1"}
+    printed = {}
+    for how, socket in (("warm", own_server), ("cold", None)):
+        out = tmp_path / how
+        out.mkdir()
+        ran = start(monkeypatch, socket, [str(tmp_path / "exits.py"), str(out)], env)
+        assert ran.returncode == 0, how
+        printed[how] = capfd.readouterr().out.splitlines()
+        assert (out / "left.txt").read_text() == "left open in a global", how
+        assert gzip.decompress((out / "held.gz").read_bytes()) == b"held only through gpukit", how
+    released = "a module the server imported was released"
+    assert released in printed["cold"] and released not in printed["warm"]
+    # Where C's buffered line lands depends on how the server's C stdio was buffered.
+    python_only = {"C stdio flushed", released}
+    assert "C stdio flushed" in printed["warm"]
+    assert [line for line in printed["warm"] if line not in python_only] == [
+        "main ended",
+        "a thread ended",
+        "atexit ran",
+        "a global's finalizer ran",
+        "an object only gpukit holds was released",
+    ]
+    assert [line for line in printed["cold"] if line not in python_only] == [
+        line for line in printed["warm"] if line not in python_only
+    ]
 
 
 # A launcher that starts one warm rank, which starts a process of its own (in its group).

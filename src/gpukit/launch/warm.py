@@ -19,11 +19,12 @@ been: a session (so a process group) of its own, default signal handlers, ``os.e
 replaced, the working folder, the three descriptors, ``sys.argv`` and ``sys.path[0]`` as the
 interpreter sets them; it runs the runner as ``__main__`` and ends the way an interpreter ends
 (non-daemon threads joined, ``atexit`` handlers run, the exit code of ``SystemExit`` or 1 for an
-uncaught error). The child tells the launcher its pid once it leads its own group (the
-launcher may ``killpg`` it from then on); the server reaps it and sends its exit status on the
-same connection. Workers die with the launcher still: when a launcher's connection closes
-(its process ended, even by SIGKILL) the server SIGKILLs that rank's process group; a rank
-dies with the server (``PR_SET_PDEATHSIG``), and the server with the process that started it.
+uncaught error), less the release of the server's modules (``gpukit.launch.warm_exit``). The
+child tells the launcher its pid once it leads its own group (the launcher may ``killpg`` it
+from then on); the server reaps it and sends its exit status on the same connection. Workers
+die with the launcher still: when a launcher's connection closes (its process ended, even by
+SIGKILL) the server SIGKILLs that rank's process group; a rank dies with the server
+(``PR_SET_PDEATHSIG``), and the server with the process that started it.
 
 What a fork cannot give: what was decided when the server imported torch and Python started.
 Variables read then come from the server's environment, not the rank's: Python's
@@ -51,13 +52,13 @@ import importlib
 import io
 import locale
 import os
-import runpy
 import select
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 
+from gpukit.launch import warm_exit
 from gpukit.launch.warm_client import EXIT, MAX_REQUEST, PID, Request, reply
 
 
@@ -345,7 +346,7 @@ def main(argv: list[str]) -> None:
     if started is not None:
         request, fds, conn = started
         become_rank(request, fds, conn, server.pid)
-        runpy.run_path(request.runner, run_name="__main__")
+        warm_exit.run(request.runner)
 
 
 if __name__ == "__main__":
