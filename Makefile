@@ -18,6 +18,11 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # Both spread the tests over TEST_WORKERS pytest-xdist workers; the tests that time signals,
 # grace periods and hangs share one worker (`xdist_group("timing")`), so they run one at a time.
 TEST_WORKERS ?= 2
+# The tests write Python's bytecode caches even where PYTHONDONTWRITEBYTECODE asks not to (an
+# empty value turns it off): gpukit's modules are then compiled once, not again in each of the
+# hundreds of interpreters the tests start, and pytest's rewritten test modules once per
+# checkout rather than in every worker of every run.
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
 
 .PHONY: install test test-fast demo lint clean gpu-check
 
@@ -32,10 +37,10 @@ install: $(STAMP)
 # `make test` lints first (ruff, the formatter's check, mypy: seconds once mypy's cache is
 # warm), so a change that breaks the style or the types fails before the suite starts.
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not processes"
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not processes"
 
 # About a minute on 2 CPU cores: 150 steps of the gpt workload into runs/demo/, started afresh.
 DEMO_OUT ?= runs/demo
