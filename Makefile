@@ -18,18 +18,22 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # Both spread the tests over TEST_WORKERS pytest-xdist workers; the tests that time signals,
 # grace periods and hangs share one worker (`xdist_group("timing")`), so they run one at a time.
 TEST_WORKERS ?= 2
-# The tests write Python's bytecode caches even where PYTHONDONTWRITEBYTECODE asks not to (an
-# empty value turns it off): gpukit's modules are then compiled once, not again in each of the
-# hundreds of interpreters the tests start, and pytest's rewritten test modules once per
-# checkout rather than in every worker of every run.
-TEST_ENV := PYTHONDONTWRITEBYTECODE=
+
+# Every command here writes Python's bytecode caches, even where PYTHONDONTWRITEBYTECODE asks
+# not to: a module is compiled the first time it is imported, and never again by the hundreds
+# of interpreters the tests start (pytest's rewritten test modules included). So the packages
+# are installed without compiling them (pip would compile every module of every package, most
+# never imported, for half the install's time).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install test test-fast demo lint clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH_SPEC)" -e ".[dev]"
+	@# The install works, and what every process imports is compiled once, before the
+	@# test workers would each compile it side by side.
+	$(BIN)/python -c "import gpukit, gpukit.cli.__main__, torch.distributed.fsdp"
 	touch $@
 
 install: $(STAMP)
@@ -37,10 +41,10 @@ install: $(STAMP)
 # `make test` lints first (ruff, the formatter's check, mypy: seconds once mypy's cache is
 # warm), so a change that breaks the style or the types fails before the suite starts.
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not processes"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not processes"
 
 # About a minute on 2 CPU cores: 150 steps of the gpt workload into runs/demo/, started afresh.
 DEMO_OUT ?= runs/demo
