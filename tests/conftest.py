@@ -116,9 +116,10 @@ class WarmStart:
     """One warm-start server per test process (each pytest-xdist worker), exported as
     ``GPUKIT_WARM_START`` for every test: the ranks that launchers start, in this process or in
     the ``gpukit launch`` and ``gpukit train`` processes tests start, are forked from it rather
-    than importing torch afresh (seconds each). Started once the tests are known, only when
-    some start processes, before any runs (the process guard is not armed yet). Tests marked
-    ``cold_start`` run without it.
+    than importing torch afresh (seconds each). Started as the session starts, so that it warms
+    while the tests are collected; kept only when some of them start processes, and ready
+    before any runs (the process guard is not armed yet). Tests marked ``cold_start`` run
+    without it.
 
     On by default; ``--cold-start`` turns it off for a whole run. A forked rank is not a fresh
     interpreter in every respect (its parent is the server; variables that glibc, Python and
@@ -135,17 +136,39 @@ class WarmStart:
         self.server: subprocess.Popen[bytes] | None = None
         self.folder: str | None = None
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # Started before collection, the server imports torch while this process collects the
+        # tests (seconds each, side by side rather than one after the other); whether a test
+        # needs it is known only once they are collected. Not on pytest-xdist's controller,
+        # which collects nothing, nor where the marks asked for leave out every test that
+        # starts processes (`make test-fast`).
+        config = session.config
+        controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(
+            config, "workerinput"
+        )
+        if not controller and _may_select(config, "processes"):
+            self._spawn()
+
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        starts = any(item.get_closest_marker("processes") for item in session.items)
-        if not starts or self.server is not None or os.environ.get("GPUKIT_WARM_START"):
+        if not any(item.get_closest_marker("processes") for item in session.items):
+            self._stop()
+            return
+        self._spawn()
+        if self.server is None or self.folder is None:  # the caller's, in GPUKIT_WARM_START
+            return
+        path = os.path.join(self.folder, "socket")
+        warm_client.wait_for_server(self.server, path)
+        os.environ["GPUKIT_WARM_START"] = path
+
+    def _spawn(self) -> None:
+        if self.server is not None or os.environ.get("GPUKIT_WARM_START"):
             return
         # A short path: a Unix socket's path holds about 100 bytes.
         self.folder = tempfile.mkdtemp(prefix="gpukit-warm-")
         path = os.path.join(self.folder, "socket")
-        self.server = warm_client.start_server(path, preload=WARM_PRELOAD)
-        os.environ["GPUKIT_WARM_START"] = path
+        self.server = warm_client.spawn_server(path, preload=WARM_PRELOAD)
 
-    def pytest_sessionfinish(self) -> None:
+    def _stop(self) -> None:
         if self.server is not None:
             os.environ.pop("GPUKIT_WARM_START", None)
             self.server.terminate()
@@ -153,6 +176,24 @@ class WarmStart:
             self.server = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def pytest_sessionfinish(self) -> None:
+        self._stop()
+
+
+def _may_select(config: pytest.Config, mark: str) -> bool:
+    """Whether ``-m`` may select a test marked ``mark`` (and nothing else): False only where
+    the expression surely leaves every such test out."""
+    expression = config.option.markexpr
+    if not expression:
+        return True
+    try:  # pytest's own parser of -m expressions (pytest is pinned in pyproject.toml)
+        from _pytest.mark.expression import Expression
+
+        return bool(Expression.compile(expression).evaluate(lambda name, **_: name == mark))
+    except Exception:
+        return True
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

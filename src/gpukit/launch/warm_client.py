@@ -189,10 +189,25 @@ def start_server(
 ) -> subprocess.Popen[bytes]:
     """Start a warm-start server at ``path`` (it dies with this process), once it answers;
     it imports the modules in ``preload`` as well as torch and gpukit."""
-    path = str(path)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gpukit.launch.warm", path, *preload], stdin=subprocess.DEVNULL
+    return wait_for_server(spawn_server(path, preload), path, timeout)
+
+
+def spawn_server(path: str | Path, preload: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start a warm-start server at ``path`` without waiting for it: it imports torch, gpukit
+    and ``preload`` (seconds) while the caller does something else, then
+    :func:`wait_for_server`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpukit.launch.warm", str(path), *preload],
+        stdin=subprocess.DEVNULL,
     )
+
+
+def wait_for_server(
+    server: subprocess.Popen[bytes], path: str | Path, timeout: float = 120.0
+) -> subprocess.Popen[bytes]:
+    """``server`` once it answers at ``path``; killed, and a LaunchError, if it ends or does
+    not answer within ``timeout`` seconds."""
+    path = str(path)
     deadline = time.monotonic() + timeout
     while server.poll() is None and time.monotonic() < deadline:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
