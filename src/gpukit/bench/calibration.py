@@ -1,7 +1,7 @@
 """``calibration``: the planner's step time, calibrated on this machine and from the datasheet,
 against the step time ``gpukit train`` measures here.
 
-For every built-in workload (mlp, cnn, gpt; the mlp alone with ``--quick``) and every strategy
+For every small built-in workload (mlp, cnn, gpt; the mlp alone with ``--quick``) and every strategy
 that runs on this machine's CPU (single on one device; ddp and fsdp as two gloo processes,
 dp and dp-balanced as one process driving two CPU devices, ``--devices cpu,cpu``), all at the
 workload's global batch:

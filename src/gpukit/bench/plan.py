@@ -1,7 +1,7 @@
 """``plan``: how close the planner's predictions come to what training really holds.
 
-Every built-in workload (mlp, cnn, gpt; the mlp alone with ``--quick``) trains with single, ddp
-and fsdp on 1 and 2 ranks (gloo on this machine's CPU) through ``gpukit train`` (3 steps,
+Every small built-in workload (mlp, cnn, gpt; the mlp alone with ``--quick``) trains with single,
+ddp and fsdp on 1 and 2 ranks (gloo on this machine's CPU) through ``gpukit train`` (3 steps,
 float32, the workload's batch split over the ranks), which records each rank's peak of live
 tensors (``peak_tensors`` in ``metrics.json``). Beside each measurement: the simulation's
 prediction and the closed form's, and their errors. The simulation runs gpukit's training code

@@ -93,7 +93,7 @@ def register(sub: Any) -> None:
         if name == "trace":
             one.add_argument(
                 "--workload",
-                help="mlp, cnn, gpt, module:function, or nanogpt (default: gpt and nanogpt)",
+                help="mlp, cnn, gpt, gpt2, module:function, or nanogpt (default: gpt and nanogpt)",
             )
     everything = add_command(experiments, "all", "every experiment, then report.md", __doc__)
     _add_run_flags(everything)

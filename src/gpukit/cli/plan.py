@@ -44,7 +44,7 @@ def register(sub: Any) -> None:
         sub, NAME, "predict memory and step time per strategy and GPU count", __doc__
     )
     add_json_flag(parser)
-    parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt or module:function")
+    parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt, gpt2 or module:function")
     parser.add_argument("--devices", default="1,2", help="device counts, comma-separated")
     parser.add_argument(
         "--strategies",

@@ -63,7 +63,9 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--blocking", action="store_true", help="CUDA_LAUNCH_BLOCKING=1: errors at the right line"
     )
-    parser.add_argument("--workload", help="trace gpukit train's loop on mlp, cnn, gpt or yours")
+    parser.add_argument(
+        "--workload", help="trace gpukit train's loop on mlp, cnn, gpt, gpt2 or yours"
+    )
     parser.add_argument(
         "--steps", type=int, default=20, metavar="N", help="optimizer steps of --workload (20)"
     )

@@ -1,10 +1,10 @@
 """gpukit train: train a built-in or your own workload on every device, with the same loop.
 
-Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default),
-or package.module:function returning a Workload or (model, dataset, loss). With more than one
-device, one DDP process per device is started, or an fsdp one where the planner says ddp
-cannot fit the model (--strategy fsdp: always sharded; dp or dp-balanced: one process drives
-them all). Rank 0 shows a progress bar (loss,
+Workloads: mlp, cnn, gpt (character-level transformer on bundled public-domain text, default), gpt2
+(GPT-2 small as nanoGPT trains it: 124M parameters, for a GPU), or package.module:function
+returning a Workload or (model, dataset, loss). With more than one device, one DDP process per
+device is started, or an fsdp one where the planner says ddp cannot fit the model (--strategy fsdp:
+always sharded; dp or dp-balanced: one process drives them all). Rank 0 shows a progress bar (loss,
 samples/s, ETA); when stdout is not a terminal (CI, a pipe, a file) it prints a plain line
 instead (steps, epoch, loss, samples/s, ETA) every --progress-every SECONDS (default 30; 0:
 after every step) and at the start and end of each epoch. The loss shown is the last one read
@@ -115,7 +115,7 @@ NAME = "train"
 
 def register(sub: Any) -> None:
     parser = add_command(
-        sub, NAME, "train a workload (mlp, cnn, gpt or yours) on one or many devices", __doc__
+        sub, NAME, "train a workload (mlp, cnn, gpt, gpt2 or yours) on one or many devices", __doc__
     )
     # gpukit train's own options (--workload, --max-steps, --out, ...): from their one
     # declaration, gpukit.train.options.
@@ -306,7 +306,7 @@ def _summary(m: dict[str, Any]) -> None:
     out = console()
     mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "- (CPU or unknown GPU peak)"
     rows = [
-        ["workload", m["workload"]],
+        ["workload", m["workload"] + (f" ({m['data']})" if m.get("data") else "")],
         ["strategy / precision", f"{m['strategy']} x{len(m['devices'])} / {m['precision']}"],
         ["steps (global batch)", f"{m['steps']} ({m['global_batch']})"],
         ["final loss", f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "-"],

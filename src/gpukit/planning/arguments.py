@@ -38,7 +38,7 @@ def workload(workload: Any) -> Workload:
             f"the workload function returned {type(built).__name__}: return a gpukit Workload"
         )
     raise ConfigError(
-        f"workload={type(workload).__name__}: give a built-in's name (mlp, cnn, gpt), "
+        f"workload={type(workload).__name__}: give a built-in's name (mlp, cnn, gpt, gpt2), "
         "'module:function', a Workload or a function returning one"
     )
 

@@ -65,7 +65,7 @@ class TrainConfig:
     :func:`gpukit.train.loop.fit` reads the ``"loop"`` options; the others are the command's,
     which it turns into the Runtime's keywords, the strategy, or the launcher's settings."""
 
-    workload: str = train_option("gpt", help="mlp, cnn, gpt or module:function")
+    workload: str = train_option("gpt", help="mlp, cnn, gpt, gpt2 or module:function")
     config: str | None = train_option(
         None,
         reader="command",

@@ -79,6 +79,7 @@ def metrics(
     last = validation[-1] if validation else {}
     return {
         "workload": workload.name,
+        "data": workload.data or None,
         "final_loss": losses[-1] if losses else None,
         "final_val_loss": last.get("val_loss"),
         "final_val_accuracy": last.get("val_accuracy"),

@@ -8,10 +8,11 @@ torch.Size([])
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -23,13 +24,15 @@ from gpukit.runtime.settings_checks import SEED_RANGE
 from gpukit.workloads.checks import check_parts
 from gpukit.workloads.user_functions import failed_at, first_line, takes_seed, user_function
 
-WorkloadName = Literal["mlp", "cnn", "gpt"]
-WORKLOADS: tuple[WorkloadName, ...] = ("mlp", "cnn", "gpt")
+WorkloadName = Literal["mlp", "cnn", "gpt", "gpt2"]
+WORKLOADS: tuple[WorkloadName, ...] = ("mlp", "cnn", "gpt", "gpt2")
 
 # What a ``module:function`` workload that returns a bare (model, dataset, loss) tuple gets.
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_LR = 1e-3
 DEFAULT_EPOCHS = 1
+
+SizesT = TypeVar("SizesT")
 
 _ALLOWED = (
     f"use one of {', '.join(WORKLOADS)}, or 'package.module:function' for a function that "
@@ -47,7 +50,9 @@ class Workload:
     with the trained model on the given device. ``validation``, where set, holds held-out
     ``(input, target)`` items that ``gpukit train`` evaluates at the end of every epoch (its
     ``val_loss``); ``accuracy`` True adds ``val_accuracy``, the share of items whose output's
-    argmax over the last dimension is the target (a classifier's).
+    argmax over the last dimension is the target (a classifier's). ``data``, where set, says
+    what the dataset holds when that depends on the machine or the options (gpt2's tokens:
+    GPT-2's BPE, or bytes where tiktoken is missing); ``gpukit train`` shows it.
 
     >>> import torch
     >>> from torch import nn
@@ -68,6 +73,7 @@ class Workload:
     sample: Callable[[nn.Module, torch.device], str] | None = None
     validation: Dataset[Any] | None = None  # held out: never in ``dataset``
     accuracy: bool = False  # val_accuracy too: argmax of the output against the target
+    data: str = ""  # what the dataset holds, where it depends on the machine or the options
 
     def __post_init__(self) -> None:
         problems = [
@@ -200,6 +206,39 @@ def _as_workload(spec: str, result: object) -> Workload:
     )
 
 
+def replaced(config: SizesT, changes: Mapping[str, object]) -> SizesT:
+    """``config`` (a frozen dataclass of a model's sizes) with ``changes`` made, each checked
+    against the field's kind: a whole number field takes an int >= 1, a flag a bool, a
+    fraction a number >= 0. A name that is not a field, or a value of the wrong kind, is a
+    :class:`~gpukit.errors.ConfigError` naming the fields.
+
+    >>> from gpukit.workloads.gpt import GPTConfig
+    >>> replaced(GPTConfig(vocab_size=65), {"n_layer": 1}).n_layer
+    1
+    >>> replaced(GPTConfig(vocab_size=65), {"layers": 1})  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    gpukit.errors.ConfigError: GPTConfig has no field layers: ...
+    """
+    names = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
+    kind = type(config).__name__
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"{kind} has no field {', '.join(unknown)}: its fields are {', '.join(names)}"
+        )
+    for name, value in changes.items():
+        current = getattr(config, name)
+        if isinstance(current, bool):
+            ok, rule = isinstance(value, bool), "True or False"
+        elif isinstance(current, int):
+            ok, rule = _is_int(value, 1), "an int >= 1"
+        else:
+            ok, rule = _is_number(value) and float(value) >= 0, "a number >= 0"  # type: ignore[arg-type]
+        if not ok:
+            raise ConfigError(f"{kind}: {name}={described(value)} must be {rule}")
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]
+
+
 def _is_int(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -216,4 +255,5 @@ __all__ = [
     "Workload",
     "WorkloadName",
     "load_workload",
+    "replaced",
 ]

@@ -54,6 +54,7 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 64
     dropout: float = 0.0
+    bias: bool = True  # in the linear layers and LayerNorms (nanoGPT trains GPT-2 without)
 
 
 def corpus(name: str = "corpus") -> str:
@@ -118,8 +119,8 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model={config.d_model} is not a multiple of n_head")
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
@@ -136,13 +137,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.d_model)
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.d_model)
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias),
             nn.GELU(),
-            nn.Linear(4 * config.d_model, config.d_model),
+            nn.Linear(4 * config.d_model, config.d_model, bias=config.bias),
             nn.Dropout(config.dropout),
         )
 
@@ -166,7 +167,7 @@ class GPT(nn.Module):
         self.position_embedding = nn.Embedding(config.context, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.Sequential(*(Block(config) for _ in range(config.n_layer)))
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: fewer parameters, learns faster
         self.apply(self._init_weights)

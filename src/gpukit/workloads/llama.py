@@ -21,9 +21,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
 
-from gpukit.workloads.base import Workload
+from gpukit.workloads.base import Workload, replaced
+from gpukit.workloads.tokens import RandomTokens
 
 
 @dataclass(frozen=True)
@@ -129,24 +129,6 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-class _Tokens(Dataset[Any]):
-    """``size`` sequences of ``seq_len`` random token ids below ``vocab`` (sequence ``i`` drawn
-    from seed ``i``, so every rank and run sees the same) and their next-token targets."""
-
-    def __init__(self, seq_len: int, size: int, vocab: int) -> None:
-        self.seq_len, self.size, self.vocab = seq_len, size, vocab
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.size:
-            raise IndexError(index)
-        generator = torch.Generator().manual_seed(index)
-        tokens = torch.randint(self.vocab, (self.seq_len + 1,), generator=generator)
-        return tokens[:-1], tokens[1:]
-
-
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
@@ -165,7 +147,7 @@ def llama(
     return Workload(
         name=name,
         model=model,
-        dataset=_Tokens(seq_len, 1024, shape.vocab),
+        dataset=RandomTokens(seq_len, 1024, shape.vocab),
         loss=_loss,
         batch_size=batch_size,
         lr=3e-4,
@@ -174,18 +156,25 @@ def llama(
     )
 
 
-def llama3_8b(seq_len: int = 8192, batch_size: int = 16) -> Workload:
-    """Llama 3 8B's shape at ``seq_len`` tokens per sample, global ``batch_size``."""
-    return llama(LlamaShape(), seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
+def llama3_8b(seq_len: int = 8192, batch_size: int = 16, **sizes: Any) -> Workload:
+    """Llama 3 8B's shape at ``seq_len`` tokens per sample, global ``batch_size``; ``sizes``
+    change fields of :class:`LlamaShape` (``layers=2`` for a test)."""
+    shape = replaced(LlamaShape(), sizes)
+    return llama(shape, seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
 
 
-def llama3_2_1b(seq_len: int = 2048, batch_size: int = 4) -> Workload:
+def llama3_2_1b(seq_len: int = 2048, batch_size: int = 4, **sizes: Any) -> Workload:
     """Llama 3.2 1B's shape (16 blocks of width 2048, 32 query and 8 key/value heads, a
     feed-forward of 8192, the 128256-token vocabulary, the head tied to the embedding: 1.24e9
     parameters) at ``seq_len`` tokens per sample, global ``batch_size``: a model one GPU trains.
+    ``sizes`` change fields of :class:`LlamaShape`: a CPU test runs a few narrow layers.
 
     >>> round(sum(p.numel() for p in llama3_2_1b().model.parameters()) / 1e9, 2)
     1.24
+    >>> small = llama3_2_1b(seq_len=32, layers=2, dim=64, heads=4, kv_heads=2, hidden=128,
+    ...                     vocab=512)
+    >>> len(small.model.layers), small.model.output.weight.shape
+    (2, torch.Size([512, 64]))
     """
     shape = LlamaShape(dim=2048, layers=16, heads=32, kv_heads=8, hidden=8192, tied=True)
-    return llama(shape, seq_len=seq_len, batch_size=batch_size, name="llama3.2-1b")
+    return llama(replaced(shape, sizes), seq_len=seq_len, batch_size=batch_size, name="llama3.2-1b")
