@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpukit.bench import matmul, multidevice, precision, strategies, sync, transfer
+from gpukit.bench import matmul, multidevice, precision, speed, strategies, sync, transfer
 from gpukit.bench.result import BenchResult
 from gpukit.cli.__main__ import main
 
@@ -31,6 +31,7 @@ QUICK_RESULTS = (
     "quick_strategies",
     "quick_precision",
     "quick_calibration_printed",
+    "quick_speed",
 )
 
 
@@ -86,6 +87,12 @@ def quick_strategies() -> BenchResult:
 def quick_precision() -> BenchResult:
     """`gpukit bench precision --quick` on this machine's CPU."""
     return precision.run(quick=True, devices=[CPU])
+
+
+@pytest.fixture(scope="session")
+def quick_speed() -> BenchResult:
+    """`gpukit bench speed --quick` on this machine's CPU."""
+    return speed.run(quick=True, devices=[CPU])
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ def quick_all(
     quick_strategies: BenchResult,
     quick_precision: BenchResult,
     quick_calibration: BenchResult,
+    quick_speed: BenchResult,
 ) -> Path:
     """One `gpukit bench all --quick --out DIR` for the whole module (it takes minutes).
     Without a GPU, the quick runs of the experiments other test modules read are exactly the
@@ -47,6 +48,7 @@ def quick_all(
         "strategies": quick_strategies,
         "precision": quick_precision,
         "calibration": quick_calibration,
+        "speed": quick_speed,
     }
     with pytest.MonkeyPatch.context() as patch:
         if not torch.cuda.is_available():

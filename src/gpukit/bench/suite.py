@@ -36,6 +36,7 @@ _MODULES = {
     "precision": "gpukit.bench.precision",
     "overhead": "gpukit.bench.overhead",
     "trace": "gpukit.bench.trace_cost",
+    "speed": "gpukit.bench.speed",
     "plan": "gpukit.bench.plan",
     "calibration": "gpukit.bench.calibration",
     "restarts": "gpukit.bench.restarts",

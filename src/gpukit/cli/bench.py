@@ -18,6 +18,10 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     overhead     the per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain
                  PyTorch, on a tiny MLP, CPU, one thread
     trace        the cost of gk.trace() on gpukit train's loop and on a nanoGPT-style loop
+    speed        tokens/s, MFU and peak memory of gpt2 (GPT-2 small on a GPU; two narrow layers
+                 on a CPU) through gpukit train's loop, gk.Runtime in a user's loop and a
+                 nanoGPT-style plain loop, side by side, with each one's ratio to the plain loop
+                 and its first losses checked against the plain loop's
     plan         the planner's predicted peak tensor memory per rank (simulation and closed
                  form) against gpukit train's measured one, every built-in workload x single,
                  ddp, fsdp x 1, 2 ranks; 8 and 64 ranks simulated
@@ -41,6 +45,7 @@ Example:
     gpukit bench compare old/matmul.json new/matmul.json
     gpukit bench overhead --steps 200 --rounds 40
     gpukit bench trace --workload nanogpt --steps 20 --rounds 7
+    gpukit bench speed --quick
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ _ONE_LINERS = {
     "precision": "fp32 vs mixed precision, channels_last, torch.compile",
     "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
     "trace": "cost of gk.trace() on a training loop (traced / untraced)",
+    "speed": "tokens/s of gpt2: gpukit train, gk.Runtime and a hand-tuned plain loop",
     "plan": "the planner's predicted peak memory against gpukit train's measured one",
     "calibration": "the planner's step time (calibrated, datasheet) against gpukit train's",
     "restarts": "what a restart under gpukit's launcher costs, phase by phase, vs a cold start",
@@ -85,7 +91,7 @@ def register(sub: Any) -> None:
     for name in names():
         one = add_command(experiments, name, _ONE_LINERS[name], __doc__)
         _add_run_flags(one)
-        if name in ("overhead", "trace"):
+        if name in ("overhead", "trace", "speed"):
             one.add_argument("--steps", type=int, metavar="N", help="steps timed per round")
             one.add_argument("--rounds", type=int, metavar="R", help="rounds")
         if name == "calibration":

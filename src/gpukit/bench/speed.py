@@ -1,0 +1,265 @@
+"""``speed``: what gpukit costs in throughput at a real model size, against the loop a user
+would otherwise tune by hand, measured side by side.
+
+The ``gpt2`` workload (GPT-2 small: 124M parameters, 1,024 tokens a sequence, 12 sequences a
+step; with ``--quick``, or on a machine without a GPU, two narrow layers on the CPU) trains on
+random tokens through the three loops of :mod:`gpukit.bench.speed_loops`: ``nanogpt`` (plain
+PyTorch in nanoGPT's habits, the reference), ``runtime`` (``gk.Runtime`` in a user's loop) and
+``train`` (``gpukit train``'s loop and defaults). Every loop starts from the same weights, sees
+the same batches and uses the same optimizer, all in this one process; TF32 matmuls are on
+for all of them on a GPU (as nanoGPT sets them), and restored after.
+
+Method (see :mod:`gpukit.bench.timing`): each loop's first call (``steps`` steps) measures its
+peak GPU memory and keeps every step's loss; then, after one more untimed call each, ``rounds``
+rotated rounds time ``steps`` steps of every loop, the GPU synchronised before each clock read.
+Per loop: tokens/s (the median over the rounds), its ratio to ``nanogpt`` (the median of the
+per-round ratios), MFU against the GPU's datasheet dense bf16 peak, the peak memory, and the
+largest relative difference of its first steps' losses from ``nanogpt``'s: exactly 0 in
+float32 without compiling (the same computation), within bfloat16's rounding otherwise.
+
+>>> result = run(quick=True, steps=2, rounds=1)
+>>> [row["variant"] for row in result.rows]
+['nanogpt', 'runtime', 'train']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpukit.bench import speed_loops as loops
+from gpukit.bench.environment import environment_of
+from gpukit.bench.measure import check_devices, device_name
+from gpukit.bench.plotting import figure
+from gpukit.bench.result import BenchResult, Column
+from gpukit.bench.timing import Timings, check_count, synchronizer, time_rounds
+from gpukit.workloads.flops import mfu
+
+TITLE = "tokens/s of gpt2 through gpukit train, gk.Runtime and a nanoGPT-style plain loop"
+REFERENCE = "nanogpt"
+# Largest relative difference of a loop's first losses from the reference's that still counts
+# as the same training, where bfloat16 or compiling reorders the arithmetic (bfloat16 keeps
+# about 3 significant digits); in float32 without compiling the losses must be equal.
+TOLERANCE = 2e-2
+FIRST_STEPS = 3  # the first steps' losses compared
+
+COLUMNS = (
+    Column("device"),
+    Column("variant"),
+    Column("tokens_per_s", "tokens/s", "", 0),
+    Column("ratio", "x nanogpt", "", 3),
+    Column("mfu", "MFU", "", 3),
+    Column("peak_memory", "peak memory", "B", 0),
+    Column("loss_delta", "first losses vs nanogpt", "", 6),
+    Column("status"),
+)
+
+
+@dataclass(frozen=True)
+class SpeedTiming:
+    """How much to run: gpt2's sizes (``{}``: GPT-2 small), sequences per step, steps per
+    timed call, rounds, and whether the loops compile."""
+
+    sizes: dict[str, Any]
+    batch: int
+    steps: int
+    rounds: int
+    compile: bool
+
+
+def settings(quick: bool, device: torch.device) -> SpeedTiming:
+    """GPT-2 small on a GPU; two narrow layers on a CPU or with ``quick``.
+
+    >>> settings(quick=True, device=torch.device("cpu")).batch
+    4
+    """
+    if quick:
+        return SpeedTiming(loops.TINY, batch=4, steps=10, rounds=2, compile=False)
+    if device.type == "cuda":
+        return SpeedTiming({}, batch=12, steps=20, rounds=5, compile=True)
+    return SpeedTiming(loops.TINY, batch=12, steps=20, rounds=5, compile=False)
+
+
+def run(
+    quick: bool = False,
+    devices: Sequence[torch.device] | None = None,
+    steps: int | None = None,
+    rounds: int | None = None,
+) -> BenchResult:
+    """Compare the loops on each of ``devices`` (default: a GPU where there is one, else the
+    CPU); ``steps`` and ``rounds`` override the settings' (see the module docstring)."""
+    chosen = check_devices(devices or _default_devices(), "speed")
+    rows: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    used: list[dict[str, Any]] = []
+    for device in chosen:
+        s = settings(quick, device)
+        s = SpeedTiming(
+            s.sizes,
+            s.batch,
+            s.steps if steps is None else steps,
+            s.rounds if rounds is None else rounds,
+            s.compile,
+        )
+        check_count("steps", s.steps, "steps per timed call")
+        check_count("rounds", s.rounds, "rotated rounds over the loops")
+        device_rows, device_raw = compare(device, s)
+        rows += device_rows
+        raw.append(device_raw)
+        used.append({"device": device_name(device), **s.__dict__})
+    return BenchResult(
+        experiment="speed",
+        title=TITLE,
+        keys=("device", "variant"),
+        columns=COLUMNS,
+        rows=rows,
+        summary=_summary(rows),
+        notes=_notes(),
+        parameters={"quick": quick, "runs": used, "seed": loops.SEED},
+        environment=environment_of(chosen),
+        raw={"devices": raw},
+    )
+
+
+def _default_devices() -> list[torch.device]:
+    return [torch.device("cuda", 0)] if torch.cuda.is_available() else [torch.device("cpu")]
+
+
+def compare(device: torch.device, s: SpeedTiming) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every loop on ``device``: its rows and its raw timings and losses."""
+    setup = loops.Setup(device, s.sizes, s.batch, s.compile)
+    workload = setup.workload()
+    context = workload.dataset[0][0].numel()  # tokens a sequence
+    tokens = s.batch * context
+    batches = loops.make_batches(setup, s.steps)
+    with _tf32(device):
+        built = {name: build(setup, batches) for name, build in loops.BUILDERS.items()}
+        peaks = {name: _first_call(loop, batches, device) for name, loop in built.items()}
+        runs = {name: functools.partial(loop, batches) for name, loop in built.items()}
+        timings = time_rounds(
+            runs, s.rounds, per=s.steps, warmup=1, synchronize=synchronizer(device)
+        )
+    reference = built[REFERENCE].first[:FIRST_STEPS]
+    exact = setup.precision == "32" and not s.compile
+    rows = []
+    for name, loop in built.items():
+        seconds = timings.median(name)
+        flops = workload.flops_per_sample * s.batch / seconds
+        delta = _largest_difference(loop.first[:FIRST_STEPS], reference)
+        agrees = delta == 0.0 if exact else delta <= TOLERANCE
+        rows.append(
+            {
+                "device": device_name(device),
+                "variant": name,
+                "tokens_per_s": tokens / seconds,
+                "ratio": timings.ratio(REFERENCE, name),  # its speed over the reference's
+                "mfu": _mfu(flops, device),
+                "peak_memory": peaks[name],
+                "loss_delta": delta,
+                "status": "ok" if agrees else "losses differ from nanogpt's",
+            }
+        )
+    raw = {
+        "device": device_name(device),
+        "precision": setup.precision,
+        "tokens_per_step": tokens,
+        "seconds_per_step_by_round": dict(timings.seconds),
+        "speed_over_nanogpt_by_round": {n: _speedups(timings, n) for n in built},
+        "first_losses": {name: loop.first for name, loop in built.items()},
+        "losses_read_back": {name: loop.losses for name, loop in built.items()},
+    }
+    return rows, raw
+
+
+def _first_call(loop: loops.Loop, batches: list[loops.Batch], device: torch.device) -> int | None:
+    """Run ``loop``'s first call; the peak of GPU memory allocated during it (None on a CPU)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    loop(batches)
+    if not cuda:
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def _speedups(timings: Timings, name: str) -> list[float]:
+    return list(timings.ratios(REFERENCE, name))
+
+
+def _largest_difference(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference between ``losses`` and ``reference``, step by step.
+
+    >>> _largest_difference([2.0, 1.0], [2.0, 1.1]) == abs(1.0 - 1.1) / 1.1
+    True
+    """
+    pairs = list(zip(losses, reference, strict=True))
+    return max((abs(a - b) / abs(b) if b else abs(a - b) for a, b in pairs), default=0.0)
+
+
+def _mfu(flops_per_s: float, device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return mfu(flops_per_s, torch.cuda.get_device_name(device), gpus=1)
+
+
+@contextlib.contextmanager
+def _tf32(device: torch.device) -> Iterator[None]:
+    """TF32 matmuls and convolutions on a GPU, as nanoGPT sets them, restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for row in rows:
+        if row["variant"] != REFERENCE:
+            key = f"{row['device']} {row['variant']}"
+            summary[f"{key} x nanogpt"] = row["ratio"]
+            summary[f"{key} losses"] = row["status"]
+    return summary
+
+
+def _notes() -> list[str]:
+    return [
+        "x nanogpt: the loop's tokens/s over the nanoGPT-style plain loop's, per round, "
+        "median over the rounds (above 1: faster than the hand-written loop).",
+        "Every loop uses nanoGPT's AdamW (decay on matrices, betas 0.9/0.95, fused on a GPU) "
+        "from the same weights on the same batches: only the loop differs. gpukit train's "
+        "defaults do not compile yet; on a GPU the plain loop and runtime compile.",
+        "MFU: model FLOPs (6 per parameter and token, plus attention) per second over the GPU's "
+        "datasheet dense bf16 peak; none on a CPU.",
+        "Not measured here yet: Llama 3.2 1B through a plain FSDP2 loop (torchtitan's).",
+    ]
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Tokens/s per loop and device, each bar labelled with its ratio to nanogpt."""
+    rows = result.rows
+    labels = [f"{r['variant']}\n{r['device']}" for r in rows]
+    with figure(
+        path, "Training speed of gpt2, side by side", "tokens/s (median of the rounds)", "loop"
+    ) as ax:
+        bars = ax.barh(labels, [r["tokens_per_s"] for r in rows], color="tab:blue", alpha=0.8)
+        ax.invert_yaxis()
+        for bar, row in zip(bars, rows, strict=True):
+            ax.annotate(
+                f"x{row['ratio']:.3f}",
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                va="center",
+                fontsize=8,
+            )
