@@ -15,6 +15,7 @@ upcasts the logits to float32 before the cross entropy, as large-vocabulary trai
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -156,25 +157,33 @@ def llama(
     )
 
 
-def llama3_8b(seq_len: int = 8192, batch_size: int = 16, **sizes: Any) -> Workload:
+def llama3_8b(
+    seq_len: int = 8192, batch_size: int = 16, sizes: Mapping[str, Any] | None = None
+) -> Workload:
     """Llama 3 8B's shape at ``seq_len`` tokens per sample, global ``batch_size``; ``sizes``
-    change fields of :class:`LlamaShape` (``layers=2`` for a test)."""
-    shape = replaced(LlamaShape(), sizes)
+    changes fields of :class:`LlamaShape` (``{"layers": 2}`` for a test)."""
+    shape = replaced(LlamaShape(), sizes or {})
     return llama(shape, seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
 
 
-def llama3_2_1b(seq_len: int = 2048, batch_size: int = 4, **sizes: Any) -> Workload:
+def llama3_2_1b(
+    seq_len: int = 2048, batch_size: int = 4, sizes: Mapping[str, Any] | None = None
+) -> Workload:
     """Llama 3.2 1B's shape (16 blocks of width 2048, 32 query and 8 key/value heads, a
     feed-forward of 8192, the 128256-token vocabulary, the head tied to the embedding: 1.24e9
     parameters) at ``seq_len`` tokens per sample, global ``batch_size``: a model one GPU trains.
-    ``sizes`` change fields of :class:`LlamaShape`: a CPU test runs a few narrow layers.
+    ``sizes`` changes fields of :class:`LlamaShape`: a CPU test runs a few narrow layers. (A
+    mapping, not keywords: ``load_workload`` hands ``seed=`` to a function that takes any
+    keyword, and a meta-device model has no weights to seed.)
 
     >>> round(sum(p.numel() for p in llama3_2_1b().model.parameters()) / 1e9, 2)
     1.24
-    >>> small = llama3_2_1b(seq_len=32, layers=2, dim=64, heads=4, kv_heads=2, hidden=128,
-    ...                     vocab=512)
+    >>> small = llama3_2_1b(seq_len=32, sizes={"layers": 2, "dim": 64, "heads": 4,
+    ...                     "kv_heads": 2, "hidden": 128, "vocab": 512})
     >>> len(small.model.layers), small.model.output.weight.shape
     (2, torch.Size([512, 64]))
     """
     shape = LlamaShape(dim=2048, layers=16, heads=32, kv_heads=8, hidden=8192, tied=True)
-    return llama(replaced(shape, sizes), seq_len=seq_len, batch_size=batch_size, name="llama3.2-1b")
+    return llama(
+        replaced(shape, sizes or {}), seq_len=seq_len, batch_size=batch_size, name="llama3.2-1b"
+    )

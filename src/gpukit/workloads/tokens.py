@@ -28,16 +28,11 @@ TOKENIZERS: tuple[Tokenizer, ...] = ("auto", "gpt2", "bytes")
 GPT2_VOCAB = 50257  # tokens of GPT-2's BPE; models pad their vocabulary past it (nanoGPT: 50304)
 
 
-class TokenizerUnavailable(ConfigError):
-    """GPT-2's BPE was asked for by name and cannot be loaded here."""
-
-
 def encode(text: str, tokenizer: Tokenizer = "auto") -> tuple[torch.Tensor, str, str]:
     """``text`` as int64 token ids, what tokenized it: ``"gpt2"`` (tiktoken's BPE, ids below
     50,257) or ``"bytes"`` (UTF-8 bytes, ids below 256), and why bytes where ``"auto"`` fell
     back to them (``"tiktoken is not installed"``; else ``""``). ``"auto"`` takes GPT-2's BPE
-    where it loads; ``"gpt2"`` asked by name and not loadable is a
-    :class:`TokenizerUnavailable`."""
+    where it loads; ``"gpt2"`` asked by name and not loadable is a ConfigError saying why."""
     if tokenizer not in TOKENIZERS:
         raise ConfigError(
             f"tokenizer={tokenizer!r} is not one of {', '.join(TOKENIZERS)}: 'auto' takes "
@@ -49,7 +44,7 @@ def encode(text: str, tokenizer: Tokenizer = "auto") -> tuple[torch.Tensor, str,
     if loaded is not None:
         return torch.tensor(loaded.encode_ordinary(text), dtype=torch.long), "gpt2", ""
     if tokenizer == "gpt2":
-        raise TokenizerUnavailable(
+        raise ConfigError(
             f"tokenizer='gpt2' needs tiktoken's gpt2 encoding, which {why}: install tiktoken "
             "(pip install tiktoken) on a machine that can download its encoding once, or use "
             "tokenizer='bytes'"
