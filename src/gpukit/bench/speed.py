@@ -12,6 +12,8 @@ for all of them on a GPU (as nanoGPT sets them), and restored after.
 Method (see :mod:`gpukit.bench.timing`): each loop's first call (``steps`` steps) measures its
 peak GPU memory and keeps every step's loss; then, after one more untimed call each, ``rounds``
 rotated rounds time ``steps`` steps of every loop, the GPU synchronised before each clock read.
+On a CPU each loop is built 3 times and its copies take turns over the rounds, as in
+``overhead``.
 Per loop: tokens/s (the median over the rounds), its ratio to ``nanogpt`` (the median of the
 per-round ratios), MFU against the GPU's datasheet dense bf16 peak, the peak memory, and the
 largest relative difference of its first steps' losses from ``nanogpt``'s: exactly 0 in
@@ -25,8 +27,8 @@ float32 without compiling (the same computation), within bfloat16's rounding oth
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ REFERENCE = "nanogpt"
 # about 3 significant digits); in float32 without compiling the losses must be equal.
 TOLERANCE = 2e-2
 FIRST_STEPS = 3  # the first steps' losses compared
+INSTANCES = 3  # copies of each loop taking turns on a CPU (see _instances)
 
 COLUMNS = (
     Column("device"),
@@ -139,12 +142,20 @@ def compare(device: torch.device, s: SpeedTiming) -> tuple[list[dict[str, Any]],
     tokens = s.batch * context
     batches = loops.make_batches(setup, s.steps)
     with _tf32(device):
-        built = {name: build(setup, batches) for name, build in loops.BUILDERS.items()}
-        peaks = {name: _first_call(loop, batches, device) for name, loop in built.items()}
-        runs = {name: functools.partial(loop, batches) for name, loop in built.items()}
+        copies = {
+            name: [build(setup, batches) for _ in range(_instances(device))]
+            for name, build in loops.BUILDERS.items()
+        }
+        peaks: dict[str, int | None] = {}
+        for name, made in copies.items():
+            # Every copy's first call; the first copy's gives the peak (one copy on a GPU).
+            measured = [_first_call(loop, batches, device) for loop in made]
+            peaks[name] = measured[0]
+        runs = {name: _take_turns(made, batches) for name, made in copies.items()}
         timings = time_rounds(
             runs, s.rounds, per=s.steps, warmup=1, synchronize=synchronizer(device)
         )
+    built = {name: made[0] for name, made in copies.items()}
     reference = built[REFERENCE].first[:FIRST_STEPS]
     exact = setup.precision == "32" and not s.compile
     rows = []
@@ -175,6 +186,20 @@ def compare(device: torch.device, s: SpeedTiming) -> tuple[list[dict[str, Any]],
         "losses_read_back": {name: loop.losses for name, loop in built.items()},
     }
     return rows, raw
+
+
+def _instances(device: torch.device) -> int:
+    """Copies of each loop taking turns over the rounds: on a CPU one model's place in memory
+    can make it a few percent faster or slower than an identical one (as in ``overhead``), and
+    taking turns spreads that over the rounds; on a GPU the kernels' time dwarfs it, and each
+    copy would cost a compilation and its memory."""
+    return INSTANCES if device.type == "cpu" else 1
+
+
+def _take_turns(made: list[loops.Loop], batches: list[loops.Batch]) -> Callable[[], None]:
+    """One call over ``batches`` per run, by each copy in turn."""
+    turns = itertools.cycle(made)
+    return lambda: next(turns)(batches)
 
 
 def _first_call(loop: loops.Loop, batches: list[loops.Batch], device: torch.device) -> int | None:
