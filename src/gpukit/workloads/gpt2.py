@@ -4,8 +4,9 @@ The model is the ``gpt`` workload's :class:`~gpukit.workloads.gpt.GPT` with nano
 settings: 12 layers of 12 heads, width 768, a context of 1,024 tokens, a vocabulary of 50,304
 (GPT-2's 50,257 padded to a multiple of 64, as nanoGPT pads it), no biases in the linear layers
 and LayerNorms, no dropout, the output layer tied to the token embedding and attention through
-``scaled_dot_product_attention`` (flash attention on a GPU): 124M parameters. Its modules are
-built and initialised in nanoGPT's order, so the same seed draws the same weights.
+``scaled_dot_product_attention`` (flash attention on a GPU): 124M parameters, initialised as
+GPT-2 is (normal with standard deviation 0.02, the residual projections scaled down by
+``sqrt(2 * n_layer)``).
 
 Its data, by ``data``:
 
