@@ -40,7 +40,6 @@ median of the per-round ratios.
 from __future__ import annotations
 
 import importlib
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from gpukit.bench import overhead_loops as loops
 from gpukit.bench.environment import environment
 from gpukit.bench.overhead_result import OverheadResult, VariantResult, as_result
 from gpukit.bench.result import BenchResult
-from gpukit.bench.timing import check_count, time_rounds, torch_threads
+from gpukit.bench.timing import check_count, take_turns, time_rounds, torch_threads
 
 TITLE = "what a training wrapper adds to every step (gpukit, Accelerate, Fabric vs plain PyTorch)"
 # Steps per round and rounds: the full run's (gpukit bench overhead's defaults) and --quick's.
@@ -135,7 +134,7 @@ def run_overhead(steps: int = 200, rounds: int = 15) -> OverheadResult:
         torch.set_num_threads(1)  # in case a framework's setup changed it
         env = environment("cpu", threads=torch.get_num_threads())
         # Each run is ``steps`` steps over the same batches; warm-up included (one run each).
-        runs = {name: _take_turns(instances, batches) for name, instances in built.items()}
+        runs = {name: take_turns(instances, batches) for name, instances in built.items()}
         timings = time_rounds(runs, rounds, per=steps, warmup=INSTANCES)
     results = tuple(
         VariantResult(v.name, versions[v.name], note=notes[v.name], settings=v.settings())
@@ -152,12 +151,6 @@ def run_overhead(steps: int = 200, rounds: int = 15) -> OverheadResult:
         for v in VARIANTS
     )
     return OverheadResult(steps, rounds, results, env)
-
-
-def _take_turns(instances: list[loops.Loop], batches: list[loops.Batch]) -> Callable[[], None]:
-    """One run over ``batches`` per call, by each instance in turn."""
-    turns = itertools.cycle(instances)
-    return lambda: next(turns)(batches)
 
 
 def _instances(variant: _Variant) -> list[loops.Loop]:

@@ -27,8 +27,7 @@ float32 without compiling (the same computation), within bfloat16's rounding oth
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import check_devices, device_name
 from gpukit.bench.plotting import figure
 from gpukit.bench.result import BenchResult, Column
-from gpukit.bench.timing import Timings, check_count, synchronizer, time_rounds
+from gpukit.bench.timing import Timings, check_count, synchronizer, take_turns, time_rounds
 from gpukit.workloads.flops import mfu
 
 TITLE = "tokens/s of gpt2 through gpukit train, gk.Runtime and a nanoGPT-style plain loop"
@@ -151,7 +150,7 @@ def compare(device: torch.device, s: SpeedTiming) -> tuple[list[dict[str, Any]],
             # Every copy's first call; the first copy's gives the peak (one copy on a GPU).
             measured = [_first_call(loop, batches, device) for loop in made]
             peaks[name] = measured[0]
-        runs = {name: _take_turns(made, batches) for name, made in copies.items()}
+        runs = {name: take_turns(made, batches) for name, made in copies.items()}
         timings = time_rounds(
             runs, s.rounds, per=s.steps, warmup=1, synchronize=synchronizer(device)
         )
@@ -194,12 +193,6 @@ def _instances(device: torch.device) -> int:
     taking turns spreads that over the rounds; on a GPU the kernels' time dwarfs it, and each
     copy would cost a compilation and its memory."""
     return INSTANCES if device.type == "cpu" else 1
-
-
-def _take_turns(made: list[loops.Loop], batches: list[loops.Batch]) -> Callable[[], None]:
-    """One call over ``batches`` per run, by each copy in turn."""
-    turns = itertools.cycle(made)
-    return lambda: next(turns)(batches)
 
 
 def _first_call(loop: loops.Loop, batches: list[loops.Batch], device: torch.device) -> int | None:
