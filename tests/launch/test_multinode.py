@@ -217,15 +217,17 @@ def test_a_node_joining_an_elastic_job_is_taken_after_a_save(tmp_path: Path) -> 
     assert together in elastic
     (tmp_path / "train.py").write_text(elastic)
     port = free_port()
-    # The first meeting waits 2 s for more nodes once node 0 is there (torch's default: 30).
-    first = _node(0, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="2")
+    # Each meeting waits 5 s for more nodes once node 0 is there (torch's default: 30): on a
+    # loaded machine node 1's agent can take more than 2 s to come back to the meeting node 0
+    # reopens for it, and node 0 would then go on alone once more before taking it.
+    first = _node(0, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="5")
     deadline = time.monotonic() + 300
     while not (tmp_path / "ck" / f"step-{2 * PERIODIC:08d}").exists():
         if first.poll() is not None or time.monotonic() > deadline:
             first.kill()
             pytest.fail(f"node 0 did not train alone:\n{first.communicate()[0]}")
         time.sleep(0.1)
-    second = _node(1, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="2")
+    second = _node(1, "1:2", port, tmp_path, ["train.py", "1000"], GPUKIT_RENDEZVOUS_LAST_CALL="5")
     outputs = _ends([first, second], timeout=600)
     assert [first.returncode, second.returncode] == [0, 0], outputs
     assert "nodes are waiting to join: the ranks saved, the job goes on with them" in outputs[0]
