@@ -137,7 +137,7 @@ def test_fsdp_compiles_each_block_and_dp_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("value", "match"),
-    [(3, "compile=3: give True"), ("", "give True"), ("nope", "not a torch.compile backend")],
+    [(3, "compile=3: give True"), ("", "give True"), ("nope", "neither a torch.compile mode")],
 )
 def test_bad_compile_values_are_refused(value: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -225,3 +225,62 @@ def test_fsdp_on_two_ranks_compiles_each_block_before_sharding() -> None:
     assert result["names"] == sorted(_Blocks().state_dict())
     graphs = result["graphs"]
     assert graphs == [graphs[0]] * STEPS, graphs  # no recompile after the first step
+
+
+# -- torch.compile's modes -------------------------------------------------------------------
+
+
+def test_a_mode_compiles_in_that_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: asked.append(kw))
+    rt = gk.Runtime(devices="cpu", compile="max-autotune-no-cudagraphs")
+    rt.setup(_model())
+    assert asked == [{"mode": "max-autotune-no-cudagraphs"}]
+    assert not rt._compiler.graphs  # the mode records no CUDA graphs
+
+
+def test_cuda_graph_modes_on_a_cpu_compile_without_graphs_and_say_so() -> None:
+    with pytest.warns(UserWarning, match=r"CUDA graphs need a CUDA device.*trains on cpu"):
+        rt = gk.Runtime(devices="cpu", compile="reduce-overhead")
+    assert rt._compiler.mode == "reduce-overhead" and not rt._compiler.graphs
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_over_several_devices_are_refused(mode: str) -> None:
+    with pytest.raises(ConfigError, match=rf"compile='{mode}' records CUDA graphs.*'ddp' \(over 2"):
+        gk.Runtime(strategy="ddp", devices=["cpu", "cpu"], compile=mode)
+    with pytest.raises(ConfigError, match=r"fsdp compiles each repeated block with .*default"):
+        gk.Runtime(strategy="fsdp", devices=["cpu", "cpu"], compile=mode)
+
+
+def test_a_loader_with_a_short_last_batch_is_refused_under_cuda_graphs() -> None:
+    from torch.utils.data import DataLoader
+
+    rt = gk.Runtime(devices="cpu")
+    rt._compiler.graphs, rt._compiler.mode = True, "reduce-overhead"  # as on a GPU
+    with pytest.raises(ConfigError, match=r"last batch has 2 samples, not batch_size=4.*drop_last"):
+        rt.setup_loader(DataLoader(list(range(10)), batch_size=4))
+    rt.setup_loader(DataLoader(list(range(10)), batch_size=4, drop_last=True))
+    rt.setup_loader(DataLoader(list(range(8)), batch_size=4))  # every batch the same size
+
+
+def test_under_cuda_graphs_a_step_begins_a_new_replay_and_returns_its_own_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    begun: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
+    rt = gk.Runtime(devices="cpu")
+    rt._compiler.graphs = True  # as on a GPU
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    returned: list[torch.Tensor] = []
+
+    def loss_of(batch: Any) -> torch.Tensor:
+        returned.append(nn.functional.cross_entropy(model(batch[0]), batch[1]))
+        return returned[-1]
+
+    losses = [rt.train_step(optimizer, batch, loss_of) for batch in _batches(2)]
+    assert len(begun) == 2
+    # A copy, so the next replay cannot overwrite what rt.log holds; the same value.
+    assert all(got is not made for got, made in zip(losses, returned, strict=True))
+    assert [g.item() for g in losses] == [m.item() for m in returned]

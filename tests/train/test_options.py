@@ -63,8 +63,10 @@ def test_the_flags_are_the_declared_options_and_the_runtime_settings() -> None:
                 meta.choices,
                 meta.metavar,
             )
-    # The API's own options have no flag (seed's is the Runtime setting's).
-    assert {f.name for f in options.fields()} - set(actions) == {"progress", "sample", "validate"}
+    # The API's own options have no flag (seed's is the Runtime setting's; compile_why is what
+    # the command made of --compile).
+    unflagged = {f.name for f in options.fields()} - set(actions)
+    assert unflagged == {"progress", "sample", "validate", "compile_why"}
 
 
 def test_every_declared_flag_but_config_is_a_key_of_a_config_file(tmp_path: Path) -> None:
@@ -124,8 +126,9 @@ def test_metrics_json_records_the_loops_options() -> None:
         "progress_every",
         "sample",
         "validate",
+        "compile_why",
     }
-    config = TrainConfig(workload="mlp", lr=0.5, max_restarts=3, compile=True)
+    config = TrainConfig(workload="mlp", lr=0.5, max_restarts=3, compile="on")
     recorded = options.record(config)
     assert set(recorded) == loop and (recorded["workload"], recorded["lr"]) == ("mlp", 0.5)
 

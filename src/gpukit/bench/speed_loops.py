@@ -10,8 +10,9 @@ from the same weights, with the same optimizer, three ways.
 - ``runtime``: ``gk.Runtime`` in a user's loop, set to what the nanogpt loop does (its
   precision, compile): ``rt.setup(model, optimizer, loader)``, ``rt.backward``, ``rt.step``,
   ``rt.log(loss=loss)``;
-- ``train``: ``gpukit train``'s loop with its default settings (read from its parser):
-  ``rt.train_step`` then ``rt.log(loss=loss)``.
+- ``train``: ``gpukit train``'s loop with its default settings (read from its parser) and the
+  compile its ``--compile auto`` chooses for a long run: ``rt.train_step`` then
+  ``rt.log(loss=loss)``.
 
 Every loop uses nanoGPT's optimizer (AdamW with weight decay on the matrices only, betas 0.9 and
 0.95, fused on a GPU), so the loop is all that differs. Each loop keeps the losses it read back
@@ -38,6 +39,7 @@ from torch import nn
 
 from gpukit.bench.train_defaults import runtime_settings
 from gpukit.runtime.runtime import Runtime
+from gpukit.train import fast
 from gpukit.workloads import gpt2
 from gpukit.workloads.base import Workload
 
@@ -196,8 +198,17 @@ def runtime_loop(setup: Setup, batches: Sequence[Batch]) -> Loop:
 
 
 def train_loop(setup: Setup, batches: Sequence[Batch]) -> Loop:
-    """``gpukit train``'s loop with its default Runtime settings on ``setup.device``."""
-    rt = Runtime(**runtime_settings(devices=str(setup.device)))
+    """``gpukit train``'s loop with its default Runtime settings on ``setup.device``, and the
+    compile ``--compile auto`` chooses for a run long enough to repay it (on a GPU)."""
+    chosen = fast.compile_choice(
+        "auto",
+        cuda=setup.device.type == "cuda",
+        strategy="single",
+        devices=1,
+        steps=fast.COMPILE_FROM_STEPS,
+        parameters=sum(p.numel() for p in setup.workload().model.parameters()),
+    )
+    rt = Runtime(**runtime_settings(devices=str(setup.device)), compile=chosen.setting)
     return _runtime_loop(rt, setup, batches, train_step=True)
 
 

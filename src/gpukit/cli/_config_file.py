@@ -130,6 +130,9 @@ def _toml_module(path: Path) -> Any:
 def _value(action: argparse.Action, key: str, value: object, where: str) -> Any:
     """``value`` as the flag ``action`` would give it, checked against its type and choices."""
     switch = action.nargs == 0  # store_true and its kind take no value
+    # A flag that may also be given alone (--compile) takes true and false too, as its type
+    # reads them ("True": on).
+    optional = action.nargs == "?"
     kind = action.type
     if switch:
         ok, wanted = isinstance(value, bool), "true or false"
@@ -138,7 +141,7 @@ def _value(action: argparse.Action, key: str, value: object, where: str) -> Any:
     elif kind is float:
         ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     else:
-        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (str, int, float)) and (optional or not isinstance(value, bool))
         wanted = "text (in quotes) or a number"
     if not ok:
         raise ConfigError(

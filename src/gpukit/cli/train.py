@@ -61,6 +61,10 @@ the strategy (fsdp: each rank's shards only) and initialised by its modules' res
 wrapper included, so gradients are still averaged during the backward), each repeated block
 under fsdp; dp and dp-balanced refuse it (they copy the model onto the devices every step).
 The first steps are slower while it compiles; checkpoints are the same as without it.
+--compile takes auto (the default: on a GPU, compiled from 500 steps, with CUDA graphs for a
+model of up to 20M parameters on one GPU; eager on a CPU), on (--compile alone), off, or a
+torch.compile mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs).
+On a GPU it also turns on TF32 matmuls and fused AdamW; the summary says what it used.
 
 --strategy ddp on one device runs one DDP process (a process group of one, no launcher).
 --workload module:function finds module.py in the current folder, as `python -m` would.
@@ -93,6 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
+from gpukit._util import placement
 from gpukit._util.text import format_bytes, make_table
 from gpukit.cli._common import add_command, console
 from gpukit.cli._settings import add_setting_flags, command_line, values
@@ -103,10 +108,12 @@ from gpukit.errors import ConfigError, OutOfMemory, RunComplete
 from gpukit.launch import _launched_script, run_job
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
+from gpukit.runtime.settings_checks import resolve_devices
 from gpukit.strategies import FSDP
 from gpukit.train import options
+from gpukit.train.fast import Compile, compile_choice
 from gpukit.train.loggers import train_loggers
-from gpukit.train.loop import check, fit
+from gpukit.train.loop import check, fit, planned
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import check_out, claim_out
 
@@ -124,6 +131,9 @@ def register(sub: Any) -> None:
         if options.is_switch(f):
             parser.add_argument(options.flag_name(f), action="store_true", help=meta.help)
             continue
+        alone: dict[str, Any] = {}
+        if meta.const is not None:  # given alone, the flag means this value
+            alone = {"nargs": "?", "const": meta.const}
         parser.add_argument(
             options.flag_name(f),
             type=meta.parse,
@@ -131,6 +141,7 @@ def register(sub: Any) -> None:
             default=f.default,
             metavar=meta.metavar,
             help=meta.help,
+            **alone,
         )
     # The run's settings (--strategy, --precision, --devices, --accumulate, --seed, ...): from
     # their one declaration, gpukit.runtime.settings.
@@ -177,10 +188,11 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
         raise ConfigError("--save-every needs --out DIR: the checkpoints go in DIR/checkpoints")
     # The settings without a flag keep gk.Runtime's defaults, but checkpoints: under --out.
     loggers = train_loggers(args.logger, args.out)
-    chosen = {"strategy": _strategy(args), "checkpoints": checkpoints, "compile": args.compile}
-    rt = Runtime(**{**values(args), **chosen}, loggers=loggers)
     asked = {f.name: getattr(args, f.name) for f in options.flags()}
-    config = TrainConfig(**asked, seed=args.seed)
+    compiled = _compile_choice(args, TrainConfig(**asked, seed=args.seed))
+    chosen = {"strategy": _strategy(args), "checkpoints": checkpoints, "compile": compiled.setting}
+    rt = Runtime(**{**values(args), **chosen}, loggers=loggers)
+    config = TrainConfig(**asked, seed=args.seed, compile_why=compiled.why)
     oom: tuple[BaseException, dict[str, Any] | None] | None = None
     try:
         check(config, rt.world_size, rt.accumulate)
@@ -231,6 +243,26 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     if metrics:  # rank 0's; the other ranks of a launched job return nothing
         _summary(metrics)
     return 0
+
+
+def _compile_choice(args: argparse.Namespace, config: TrainConfig) -> Compile:
+    """What ``--compile`` makes of this run (gpukit.train.fast): auto looks at the devices it
+    trains on and, on GPUs, at how many steps it takes of how large a model."""
+    launched = placement.launched()
+    devices = resolve_devices(values(args)["devices"], launched is not None)
+    cuda = all(d.type == "cuda" for d in devices)
+    steps = parameters = 0
+    if args.compile == "auto" and cuda:  # the workload is loaded only where it decides
+        steps, parameters = planned(config)
+    count = launched.world_size if launched else len(devices)
+    return compile_choice(
+        args.compile,
+        cuda=cuda,
+        strategy=args.strategy,
+        devices=count,
+        steps=steps,
+        parameters=parameters,
+    )
 
 
 def _run_settings(args: argparse.Namespace, rt: Runtime) -> dict[str, Any] | None:
@@ -319,6 +351,14 @@ def _summary(m: dict[str, Any]) -> None:
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
     ]
+    chosen = m.get("fast") or {}
+    if chosen.get("tf32") or chosen.get("compile", {}).get("used"):  # a GPU's, or asked for
+        rows.append(["torch.compile", chosen["compile"]["why"]])
+        kernels = [
+            k for k, on in (("TF32", chosen["tf32"]), ("fused AdamW", chosen["fused_adamw"])) if on
+        ]
+        if kernels:
+            rows.append(["GPU kernels", ", ".join(kernels)])
     if m.get("model_state"):  # weights + gradients + optimizer state, as each rank holds them
         held = ", ".join(format_bytes(b) for b in m["model_state"])
         rows.append(["model state per rank", held])

@@ -259,6 +259,7 @@ class Runtime:
         """Shard, re-seed every epoch, and move batches to the device (see
         ``gpukit.runtime.data.loader``)."""
         self._ensure_ready()
+        self._compiler.check_loader(loader)
         shards, shard = self.strategy.sampler_placement()
         wrapped = DeviceLoader(
             loader,
@@ -317,7 +318,8 @@ class Runtime:
         self._ensure_ready()
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        return self._stepper.train_step(optimizer, batch, compute_loss)
+        # Under CUDA graphs the compiler begins each replay (gpukit.runtime.compiling).
+        return self._compiler.step(lambda: self._stepper.train_step(optimizer, batch, compute_loss))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass in the run's precision, averaged over accumulated micro-batches."""

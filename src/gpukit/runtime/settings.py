@@ -290,15 +290,17 @@ class Settings:
     compile: bool | str = setting(
         False,
         help="torch.compile the model: single and ddp (the whole model), fsdp (each block)",
-        allowed="False, True, or a torch.compile backend's name",
+        allowed="False, True, a torch.compile mode, or a backend's name",
         doc="``torch.compile`` the model at ``rt.setup``: True (torch's default backend, "
-        'inductor) or a backend\'s name ("aot_eager"). Under single and ddp the whole model '
+        'inductor), a mode ("reduce-overhead": CUDA graphs, for a small model on one GPU; '
+        '"max-autotune", "max-autotune-no-cudagraphs", "default") or a backend\'s name '
+        '("aot_eager"). Under single and ddp the whole model '
         "(DDP's wrapper included, as torch recommends), under fsdp each repeated block before "
         "it is sharded; dp and dp-balanced refuse it. Parameter names and checkpoints are an "
         "uncompiled run's (see ``gpukit.runtime.compiling``).",
         check=check_compile,
         flag=False,
-        no_flag="--compile (True: torch's default backend)",
+        no_flag="--compile auto|on|off|MODE (auto: compiled on a GPU for 500 steps or more)",
     )
 
     init: Callable[[Any], Any] | None = setting(

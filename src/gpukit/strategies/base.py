@@ -155,9 +155,10 @@ class Strategy(abc.ABC):
     def check_precision(self, precision: str) -> None:  # noqa: B027
         """Refuse a run ``precision`` (its name) this strategy's own settings cannot go with."""
 
-    def enable_compile(self, backend: str | None) -> bool:
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
         """The run compiles its model with ``torch.compile`` (``backend``: None for torch's
-        default); raise ConfigError where this strategy cannot. True: the Runtime compiles, in
+        default; ``mode``: inductor's mode, None for its default); raise ConfigError where
+        this strategy cannot. True: the Runtime compiles, in
         place, what ``setup_module`` returns (so DDP's wrapper is inside the compiled call, as
         torch recommends); False: this strategy compiles in ``setup_module`` itself."""
         return True

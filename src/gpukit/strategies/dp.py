@@ -185,7 +185,7 @@ class DP(Strategy):
         0.5,
     )
 
-    def enable_compile(self, backend: str | None) -> bool:
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
         raise ConfigError(
             f"compile: strategy {self.name!r} copies the model onto every device at each step "
             "(torch's DataParallel), which torch.compile cannot follow: use strategy='ddp' (one "

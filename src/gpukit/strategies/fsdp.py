@@ -165,9 +165,15 @@ class FSDP(DDP):
         self._roots: dict[int, list[Any]] = {}  # id(set-up module) -> its sharded roots
         self.precision_name = "32"  # the run's precision, once the Runtime has checked it
 
-    def enable_compile(self, backend: str | None) -> bool:
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
         # Compiled as torchtitan does: each repeated block before it is sharded, so that
         # fully_shard's hooks stay between compiled blocks, outside the graphs.
+        if mode not in (None, "default"):
+            raise ConfigError(
+                f"compile={mode!r}: fsdp compiles each repeated block with torch.compile's "
+                "default mode (its collectives sit between the blocks, outside any graph): "
+                "use compile=True under fsdp"
+            )
         self.options = dataclasses.replace(self.options, compile="blocks")
         self.compile_backend = backend
         return False

@@ -40,7 +40,7 @@ from gpukit.errors import ConfigError, RunComplete
 from gpukit.runtime.outputs.progress_displays import Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
-from gpukit.train import options
+from gpukit.train import fast, options
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import complete_message
 from gpukit.train.report import (
@@ -69,22 +69,25 @@ def fit(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
     # a run that fails inside that window takes the counter off too.
     peaks = PeakTensors([d.torch for d in rt.strategy.driven_devices])
     try:
-        return _fit(rt, config, peaks)
+        with fast.tf32(rt.device) as tf32:  # on CUDA (gpukit.train.fast)
+            return _fit(rt, config, peaks, tf32)
     finally:
         peaks.stop()
 
 
-def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]:
+def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> dict[str, Any]:
     started = time.perf_counter()
     workload = load_workload(config.workload, seed=config.seed, meta=True)
     epochs = config.epochs or workload.epochs
     per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
     model = workload.model
     lr = config.lr if config.lr is not None else workload.lr
-    # fused: the only AdamW that can skip a step on the device (nonfinite="skip"); otherwise
-    # torch's default, as a plain program gets it.
-    fused: dict[str, Any] = {"fused": True} if rt.nonfinite == "skip" else {}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **fused)
+    # fused: one kernel per update on CUDA (gpukit.train.fast), and the only AdamW that can
+    # skip a step on the device (nonfinite="skip"); otherwise torch's default, as a plain
+    # program gets it.
+    fused = fast.fused_adamw(rt.device) or rt.nonfinite == "skip"
+    chosen: dict[str, Any] = {"fused": True} if fused else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **chosen)
     # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
     # accumulation micro-batches (and into more if memory runs out).
     loader = torch.utils.data.DataLoader(
@@ -116,7 +119,9 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
             complete_message(config.out, rt.global_step, total, epochs, config.max_steps)
         )
     global_batch = per_rank * rt.world_size * rt.accumulate
-    recorded = _recorded(rt, config, epochs=epochs, batch_size=global_batch, lr=lr)
+    recorded = _recorded(
+        rt, config, epochs=epochs, batch_size=global_batch, lr=lr, compile=config.compile
+    )
     # The loggers get the run's own values as hyper-parameters (the Runtime sends its settings
     # by itself): the workload, epochs, global batch size and learning rate it used.
     rt.log_hyperparams(
@@ -140,6 +145,8 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     validation = workload.validation if config.validate else None
     checked_at, validation_seconds = None, 0.0
     first_step, start = rt.global_step, time.perf_counter()
+    if rt.device.type == "cuda" and config.progress:  # where the choice is made
+        rt.print(f"gpukit: torch.compile {_compiled(rt, config)['why']}")
     bar = _progress(rt, config, total, steps_per_epoch, global_batch)
     with bar:
         while rt.global_step < total:
@@ -206,6 +213,8 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     )
     summary["validation_seconds"] = validation_seconds
     summary["model_state"] = model_state
+    # What gpukit train chose for speed on a GPU (gpukit.train.fast), and why.
+    summary["fast"] = {"tf32": tf32, "fused_adamw": fused, "compile": _compiled(rt, config)}
     if rt.nonfinite is not None:
         summary["skipped_steps"] = rt.skipped_steps()
     if sample is not None:
@@ -213,6 +222,13 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors) -> dict[str, Any]
     if config.out:
         write_outputs(Path(config.out), summary, history, resumed)
     return summary
+
+
+def _compiled(rt: Runtime, config: TrainConfig) -> dict[str, Any]:
+    """``--compile`` as asked, the Runtime's setting it became, and why."""
+    used = rt.settings.compile
+    why = config.compile_why or f"{used} (the Runtime's compile setting)"
+    return {"asked": config.compile, "used": used, "why": why}
 
 
 def _recorded(rt: Runtime, config: TrainConfig, **used: Any) -> dict[str, Any]:
@@ -254,6 +270,22 @@ def check(config: TrainConfig, world_size: int, accumulate: int) -> None:
             f"progress_every={config.progress_every!r}: give the seconds between progress "
             "lines, 0 or more (0: a line after every step)"
         )
+
+
+def planned(config: TrainConfig) -> tuple[int, int]:
+    """The optimizer steps ``config`` asks for and its model's parameters: what deciding to
+    compile weighs (gpukit.train.fast). A step takes one global batch, whatever the split.
+
+    >>> planned(TrainConfig(workload="mlp", max_steps=40))
+    (40, 6532)
+    """
+    workload = load_workload(config.workload, seed=config.seed, meta=True)
+    batch = config.batch_size or workload.batch_size
+    samples = len(workload.dataset) if hasattr(workload.dataset, "__len__") else batch
+    steps = (config.epochs or workload.epochs) * max(1, samples // batch)
+    if config.max_steps is not None:
+        steps = min(steps, config.max_steps)
+    return steps, sum(p.numel() for p in workload.model.parameters())
 
 
 def _resume_folder(config: TrainConfig) -> Path:

@@ -18,7 +18,7 @@ Who reads an option (its :class:`TrainOption`'s ``reader``):
 >>> [flag_name(f) for f in fields() if option(f).reader == "launcher"]
 ['--max-restarts', '--hang-timeout', '--startup-timeout']
 >>> sorted(record(TrainConfig(workload="mlp", max_restarts=2)))[:4]
-['batch_size', 'epochs', 'lr', 'max_steps']
+['batch_size', 'compile_why', 'epochs', 'lr']
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gpukit.runtime.compiling import MODES
 from gpukit.runtime.outputs.progress_displays import DEFAULT_EVERY
+from gpukit.train.fast import COMPILE_CHOICES, parse_compile
 
 # Seconds between progress lines when stdout is not a terminal
 # (gpukit.runtime.outputs.progress_displays).
@@ -47,6 +49,7 @@ class TrainOption:
     parse: Callable[[str], Any] = str  # the flag's text to the value
     choices: tuple[str, ...] | None = None  # the flag's closed set of values
     metavar: str | None = None
+    const: str | None = None  # the flag may be given alone: it then means this value
     at_least: int | None = None  # the command refuses a smaller value
     rerun: bool = True  # config.toml repeats it (with the value the run used)
     # config.toml's value: the one the strategy used, its option of this name (where it has one).
@@ -88,12 +91,16 @@ class TrainConfig:
         strategy_option="mixed",
         help="fsdp only: FSDP2's mixed precision, bf16 parameters and compute, fp32 reduction",
     )
-    compile: bool = train_option(
-        False,
+    compile: str = train_option(
+        "auto",
         reader="runtime",
-        strategy_option="compile",
-        help="torch.compile the model (single, ddp: all of it; fsdp: each repeated block; "
-        "not dp or dp-balanced)",
+        parse=parse_compile,
+        choices=COMPILE_CHOICES,
+        const="on",
+        metavar="MODE",
+        help="torch.compile the model: auto (on a GPU for a run of 500 steps or more; CUDA "
+        "graphs for a small model on one GPU), on (--compile alone), off, or a mode: "
+        f"{', '.join(MODES)} (single, ddp: all of it; fsdp: each repeated block; not dp)",
     )
     epochs: int | None = train_option(None, parse=int, at_least=1, help="default: the workload's")
     max_steps: int | None = train_option(
@@ -152,6 +159,8 @@ class TrainConfig:
         help="under gpukit's launcher, end the run when a rank has not begun this long after "
         "its start while another has (default GPUKIT_STARTUP_TIMEOUT, else 900; 0: never)",
     )
+    # What --compile made of this run and why (gpukit.train.fast), for its summary.
+    compile_why: str = train_option("", flag=False, rerun=False)
     sample: bool = train_option(True, flag=False)  # generate text at the end, where it can
     # Evaluate the workload's validation set, where it has one.
     validate: bool = train_option(True, flag=False)
