@@ -42,6 +42,7 @@ from gpukit.runtime.runtime import Runtime
 from gpukit.train import fast
 from gpukit.workloads import gpt2
 from gpukit.workloads.base import Workload
+from gpukit.workloads.llama import llama3_2_1b
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SEED = 0
@@ -63,6 +64,8 @@ class Setup:
     batch: int
     compile: bool
     log_every: int = field(default_factory=lambda: int(runtime_settings()["log_every"]))
+    model: str = "gpt2"  # or "llama": Llama 3.2 1B's shape (gpukit.bench.speed_fsdp)
+    seq_len: int = 2048  # llama's tokens a sequence (gpt2's is its context, in sizes)
 
     @property
     def precision(self) -> str:
@@ -72,7 +75,10 @@ class Setup:
         return "32"
 
     def workload(self) -> Workload:
-        """gpt2 at these sizes on random tokens, the weights drawn from :data:`SEED`."""
+        """gpt2 at these sizes on random tokens, the weights drawn from :data:`SEED`; llama's
+        shape on the meta device (its weights are drawn as it is given memory)."""
+        if self.model == "llama":
+            return llama3_2_1b(seq_len=self.seq_len, batch_size=self.batch, sizes=self.sizes)
         return gpt2.build(seed=SEED, data="random", **self.sizes)
 
 
@@ -81,12 +87,13 @@ class Loop:
     """A loop ready to run: ``loop(batches)`` trains one step per batch. ``losses``: what it
     read back, in order; ``first``: every step's loss of its first call (kept on the device
     during the call and read after it, so that no step waits for it), to compare the loops'
-    first steps one by one."""
+    first steps one by one. ``close()`` lets go of what the loop set up (a Runtime's)."""
 
     run: Callable[[Sequence[Batch]], None]
     losses: list[float] = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     kept: list[torch.Tensor] | None = field(default_factory=list)
+    close: Callable[[], None] = lambda: None
 
     def __call__(self, batches: Sequence[Batch]) -> None:
         self.run(batches)
@@ -215,6 +222,21 @@ def train_loop(setup: Setup, batches: Sequence[Batch]) -> Loop:
 def _runtime_loop(rt: Runtime, setup: Setup, batches: Sequence[Batch], train_step: bool) -> Loop:
     workload = setup.workload()
     optimizer = nanogpt_optimizer(workload.model, gpt2.LR, setup.device)
+    return runtime_loop_of(rt, workload.model, optimizer, _sequence_loss, batches, train_step)
+
+
+def runtime_loop_of(
+    rt: Runtime,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: Sequence[Batch],
+    train_step: bool,
+) -> Loop:
+    """A user's loop over ``rt``: ``model`` and ``optimizer`` set up with a loader of each
+    call's batches (``batches``: the first call's, which ``rt.setup`` checks), the loss
+    ``loss_of(logits, targets)``, a step by ``rt.train_step`` or by ``rt.backward`` and
+    ``rt.step``, then ``rt.log(loss=loss)``."""
     feed = _Feed()
     feed.batches = batches
     data: torch.utils.data.DataLoader[Batch] = torch.utils.data.DataLoader(
@@ -222,8 +244,8 @@ def _runtime_loop(rt: Runtime, setup: Setup, batches: Sequence[Batch], train_ste
         batch_size=None,
         shuffle=False,
     )
-    model, optimizer, loader = rt.setup(workload.model, optimizer, data)
-    loop = Loop(lambda batches: None)
+    model, optimizer, loader = rt.setup(model, optimizer, data)
+    loop = Loop(lambda batches: None, close=rt.teardown)
     read = 0  # the history records already handed to loop.losses
 
     def collect() -> None:
@@ -234,11 +256,11 @@ def _runtime_loop(rt: Runtime, setup: Setup, batches: Sequence[Batch], train_ste
 
     def compute_loss(batch: Batch) -> torch.Tensor:
         x, y = batch
-        return _sequence_loss(model(x), y)
+        return loss_of(model(x), y)
 
     def train(batches: Sequence[Batch]) -> None:
         feed.batches = batches
-        for batch in loader:
+        for batch in loader:  # on the device: the loader moves it
             if train_step:
                 loss = rt.train_step(optimizer, batch, compute_loss)
             else:

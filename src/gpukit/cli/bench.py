@@ -18,10 +18,11 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     overhead     the per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain
                  PyTorch, on a tiny MLP, CPU, one thread
     trace        the cost of gk.trace() on gpukit train's loop and on a nanoGPT-style loop
-    speed        tokens/s, MFU and peak memory of gpt2 (GPT-2 small on a GPU; two narrow layers
-                 on a CPU) through gpukit train's loop, gk.Runtime in a user's loop and a
-                 nanoGPT-style plain loop, side by side, with each one's ratio to the plain loop
-                 and its first losses checked against the plain loop's
+    speed        tokens/s, MFU and peak memory of gpt2 (GPT-2 small) and Llama 3.2 1B's shape
+                 under FSDP2 (on a CPU: a few narrow layers) through gpukit train's loop,
+                 gk.Runtime in a user's loop and the plain loop of nanoGPT (gpt2) or
+                 torchtitan (llama), side by side, with each one's ratio to the plain loop and
+                 its first losses checked against the plain loop's
     plan         the planner's predicted peak tensor memory per rank (simulation and closed
                  form) against gpukit train's measured one, every built-in workload x single,
                  ddp, fsdp x 1, 2 ranks; 8 and 64 ranks simulated
@@ -74,7 +75,7 @@ _ONE_LINERS = {
     "precision": "fp32 vs mixed precision, channels_last, torch.compile",
     "overhead": "per-step cost of gpukit's Runtime (and Accelerate, Fabric) over plain PyTorch",
     "trace": "cost of gk.trace() on a training loop (traced / untraced)",
-    "speed": "tokens/s of gpt2: gpukit train, gk.Runtime and a hand-tuned plain loop",
+    "speed": "tokens/s of gpt2 and Llama 1B (fsdp): gpukit train, gk.Runtime, plain loops",
     "plan": "the planner's predicted peak memory against gpukit train's measured one",
     "calibration": "the planner's step time (calibrated, datasheet) against gpukit train's",
     "restarts": "what a restart under gpukit's launcher costs, phase by phase, vs a cold start",
