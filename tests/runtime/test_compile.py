@@ -284,3 +284,38 @@ def test_under_cuda_graphs_a_step_begins_a_new_replay_and_returns_its_own_loss(
     # A copy, so the next replay cannot overwrite what rt.log holds; the same value.
     assert all(got is not made for got, made in zip(losses, returned, strict=True))
     assert [g.item() for g in losses] == [m.item() for m in returned]
+
+
+class _ReturnsItsLoss(nn.Module):
+    """A model that computes its own loss (as nanoGPT's does): under CUDA graphs the loss is
+    one of the graph's outputs, which the next replay overwrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_on_a_gpu_trains_as_eager_and_keeps_every_logged_loss() -> None:
+    def run(compile: bool | str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        rt = gk.Runtime(devices="cuda", compile=compile, log_every=3)
+        model = _ReturnsItsLoss()
+        model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for batch in _batches(6):
+            batch = gk.to(batch, rt.device)
+            loss = rt.train_step(optimizer, batch, lambda b: model(b[0], b[1]))
+            rt.log(loss=loss)  # held across 3 replays before it is read back
+        history = [r["loss"] for r in rt.history]
+        weights = _weights(rt, model)
+        rt.teardown()
+        return history, weights
+
+    graphs, graph_weights = run("reduce-overhead")
+    eager, eager_weights = run(False)
+    assert len(graphs) == len(eager) == 2
+    torch.testing.assert_close(graphs, eager, rtol=1e-4, atol=1e-5)
+    for name, want in eager_weights.items():
+        torch.testing.assert_close(graph_weights[name], want, rtol=1e-4, atol=1e-5)

@@ -9,7 +9,8 @@ pytest for the tests):
 - ``doctor``: ``gpukit doctor --json``;
 - ``oom``: a real out-of-memory error recovered (see :mod:`gpukit.bench.oom_probe`);
 - ``train-auto`` and ``train-32``: ``gpukit train --workload gpt`` in ``auto`` and ``32``
-  precision, with samples/s and MFU from its metrics.json;
+  precision, with samples/s and MFU from its metrics.json (its whole run is long enough for
+  ``--compile auto`` to compile it with CUDA graphs; ``--quick``'s 30 steps stay eager);
 - ``tests``: every test marked ``gpu`` or ``multigpu``;
 - ``bench``: ``gpukit bench all`` at full sizes (``--quick``: CI sizes), with report.md, but for
   the experiments that run on the CPU alone (``plan``).
