@@ -125,6 +125,28 @@ def test_the_device_wait_is_read_from_completed_events_only(
     assert values["data_wait_device_fraction"] == pytest.approx(0.5)
 
 
+def test_a_loop_that_never_flushes_keeps_few_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _Event(10_000.0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    meter = DataWait(clock=iter(range(1000)).__next__)
+    meter.warned = True
+    cuda = torch.device("cuda:0")
+    for i in range(100):  # each waited 10 ms for its copy
+        meter.device_marks(cuda, _Event(100.0 * i), _Event(100.0 * i + 10))
+        assert len(meter._marks) <= wait._PENDING + 1
+    pending = _Event(20_000.0, done=False)
+    meter.device_marks(cuda, _Event(19_000.0), pending)
+    list(meter.timed(iter("a"), loader=None))
+    meter.before_read()
+    assert "data_wait_device" not in meter.close(step=1)  # one copy not complete yet
+    pending.done = True
+    list(meter.timed(iter("b"), loader=None))
+    meter.before_read()
+    values = meter.close(step=2)
+    assert values["data_wait_device"] == pytest.approx(100 * 0.01 + 1.0)
+    assert values["data_wait_device_fraction"] == pytest.approx(2.0 / 10.0)
+
+
 def test_a_slow_loader_is_warned_about_once_with_its_settings() -> None:
     rt = gk.Runtime(devices="cpu", log_every=3)
     # 4 windows of 3 steps, each batch 2 items of 20 ms: about 0.12 s of waiting a window.
@@ -237,3 +259,15 @@ def test_measuring_the_wait_adds_no_read_copy_or_op_to_the_step() -> None:
     assert wrapped["transfers"] == []
     assert wrapped["ops"] == plain["ops"]
     assert wrapped["losses"] == plain["losses"]  # bitwise: the same floats
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_window_records_the_devices_wait() -> None:
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    rt = gk.Runtime(devices="cuda:0", log_every=4)
+    _train(rt, data, batch_size=4)  # 16 steps: 4 windows, each read back after its events
+    assert len(rt.history) == 4
+    device_keys = {"data_wait_device", "data_wait_device_fraction"}
+    assert all((KEYS | device_keys).issubset(r) for r in rt.history)
+    for r in rt.history:
+        assert r["data_wait_device"] >= 0 and 0 <= r["data_wait_device_fraction"] <= 1

@@ -48,6 +48,8 @@ from gpukit.errors import warn_user
 # pass's end) cannot tell a slow loader from the machine's noise.
 WARN_ABOVE = 0.05
 WARN_AT_LEAST = 0.1
+# CUDA marks held before the completed ones are added up (without waiting for any).
+_PENDING = 32
 
 
 class DataWait:
@@ -59,7 +61,11 @@ class DataWait:
         self._first_ask: float | None = None  # when the window's first batch was asked for
         self._waited = 0.0
         self._by_loader: dict[int, tuple[Any, float]] = {}  # id -> (loader, seconds waited)
-        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (asked, got)
+        # On CUDA: the window's first event, the device's wait added up from the marks that
+        # completed, and the marks (asked, got) not yet seen complete.
+        self._first_asked: torch.cuda.Event | None = None
+        self._device_waited = 0.0
+        self._marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._mark_device: torch.device | None = None
         self._end: torch.cuda.Event | None = None
         self._windows = 0  # windows closed with a wait in them
@@ -91,13 +97,25 @@ class DataWait:
     ) -> None:
         """Two events recorded on ``device``'s current stream around its wait for a copy."""
         self._mark_device = device
+        if self._first_asked is None:
+            self._first_asked = asked
         self._marks.append((asked, got))
+        if len(self._marks) > _PENDING:  # a loop that never flushes keeps few events alive
+            self._fold()
+
+    def _fold(self) -> bool:
+        """Add up the waits of the marks that completed (``query()``: no waiting); True when
+        none is left pending."""
+        while self._marks and self._marks[0][1].query():
+            asked, got = self._marks.pop(0)  # asked came before got on the stream: complete
+            self._device_waited += asked.elapsed_time(got) / 1000
+        return not self._marks
 
     # -- what the read-back of a window does -------------------------------------------------
     def before_read(self) -> None:
         """Just before a window's values are read back: on CUDA, the event that ends the
         device's time for the window (complete once the read-back has waited)."""
-        if self._marks and self._mark_device is not None:
+        if self._first_asked is not None and self._mark_device is not None:
             self._end = torch.cuda.Event(enable_timing=True)
             self._end.record(torch.cuda.current_stream(self._mark_device))
 
@@ -120,14 +138,14 @@ class DataWait:
         return values
 
     def _device_window(self) -> dict[str, float]:
-        end = self._end
-        if end is None or not self._marks:
+        end, first = self._end, self._first_asked
+        if end is None or first is None:
             return {}
-        if not (end.query() and all(got.query() for _, got in self._marks)):
+        if not (self._fold() and end.query()):
             return {}  # not complete yet (another stream): read with the next window
-        waited = sum(asked.elapsed_time(got) for asked, got in self._marks) / 1000
-        span = self._marks[0][0].elapsed_time(end) / 1000
-        self._marks, self._end = [], None
+        span = first.elapsed_time(end) / 1000
+        waited, self._device_waited = self._device_waited, 0.0
+        self._first_asked, self._end = None, None
         return {
             "data_wait_device": waited,
             "data_wait_device_fraction": waited / span if span > 0 else 0.0,
