@@ -182,7 +182,7 @@ def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
     class Stream:
         device = torch.device("cuda:0")
 
-        def wait_stream(self, other: object) -> None:
+        def wait_event(self, event: object) -> None:
             pass
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
@@ -190,5 +190,5 @@ def test_every_tensor_copied_on_the_side_stream_is_recorded_on_the_current_one(
     for t in tensors:
         t.record_stream = lambda stream, t=t: recorded.append(id(t))  # type: ignore[method-assign]
     batch = [_Batch(tensors[0], _Frozen({"a": tensors[1], "b": tensors[2]})), "label"]
-    assert prefetch._ready(batch, Stream()) is batch  # type: ignore[arg-type]
+    assert prefetch._ready(batch, object(), Stream()) is batch  # type: ignore[arg-type]
     assert sorted(recorded) == sorted(id(t) for t in tensors)

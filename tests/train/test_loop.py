@@ -36,8 +36,27 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     assert row["device"] == "cpu" and row["peak"] > 0 and row["total"] > row["peak"]
     assert metrics["memory"]["imbalance"] is None and metrics["oom_retries"] == []
     rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
-    assert list(rows[0]) == ["step", "epoch", "elapsed", "lr", "loss", "val_accuracy", "val_loss"]
+    assert list(rows[0]) == [
+        "step",
+        "epoch",
+        "elapsed",
+        "lr",
+        "loss",
+        "val_accuracy",
+        "val_loss",
+        "data_wait",
+        "data_wait_fraction",
+    ]
     trained = [r for r in rows if r["loss"]]
+    # Each training row's window says how long its steps waited for their batches; the run's
+    # total is in metrics.json, over the training time samples_per_s is measured over.
+    waits = [float(r["data_wait"]) for r in trained]
+    assert all(w >= 0 for w in waits) and all(
+        0 <= float(r["data_wait_fraction"]) <= 1 for r in trained
+    )
+    assert metrics["data_wait"] == pytest.approx(sum(waits))
+    assert metrics["data_wait_fraction"] == pytest.approx(sum(waits) / metrics["seconds"])
+    assert metrics["data_wait_device"] is None  # CUDA only
     assert len(trained) == 64 // 4 and all(float(r["lr"]) == 3e-3 for r in rows)
     # A validation row at the end of each epoch, after that step's training row.
     checked = [(int(r["step"]), int(r["epoch"])) for r in rows if r["val_loss"]]
@@ -51,6 +70,7 @@ def test_train_writes_metrics_csv_plot_and_checkpoints(tmp_path: Path, capsys) -
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000064"
     summary = capsys.readouterr().out
     assert "Training summary" in summary and "samples/s" in summary
+    assert re.search(r"waiting for data +│ \d+\.\d\d s \(\d+\.\d% of the time\)", summary)
     assert "Memory per device" in summary
 
 

@@ -9,8 +9,9 @@ samples/s, ETA); when stdout is not a terminal (CI, a pipe, a file) it prints a 
 instead (steps, epoch, loss, samples/s, ETA) every --progress-every SECONDS (default 30; 0:
 after every step) and at the start and end of each epoch. The loss shown is the last one read
 back (--log-every): showing progress never makes the host wait for the device. At the end: a
-summary with throughput, MFU on GPUs, and memory per device with the imbalance between devices
-(max/min peak).
+summary with throughput, the time spent waiting for data, MFU on GPUs, and memory per device
+with the imbalance between devices (max/min peak). When the steps wait for their batches more
+than 5% of the time, it warns once, naming the DataLoader settings to change.
 
 When a device runs out of memory in a single-process run, the step is redone with the batch cut
 into more micro-batches (--oom auto, the default: recovery costs nothing per step there); under
@@ -25,17 +26,18 @@ of every epoch and where --max-steps stops the run, over every rank's share with
 counted once: val_loss, and val_accuracy for mlp and cnn.
 
 With --out DIR: DIR/metrics.json (with final_val_loss and every value the run used),
-DIR/metrics.csv (columns step, epoch, elapsed, lr, loss, val_accuracy, val_loss: a row per
-read-back, written as they come, and one per validation pass), DIR/loss.png (training and
-validation loss), DIR/config.toml (every flag as the run used it: --config DIR/config.toml
-trains the same run again) and DIR/checkpoints/ (one per epoch, and every --save-every N steps
-or time such as 10m; the newest --keep kept). DIR is checked before anything starts: a folder
-that already holds checkpoints is refused unless --resume (continue) or --overwrite (start
-over; the old checkpoints are moved aside, not deleted). --resume continues from the newest
-good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after
-that checkpoint, which a run that died had logged) and draws loss.png from the whole run. A run
-already complete (its checkpoint at the last step asked for) says so and exits 0, changing
-nothing: raise --max-steps or --epochs to train further, or --overwrite to start over.
+DIR/metrics.csv (columns step, epoch, elapsed, lr, loss, val_accuracy, val_loss, data_wait,
+data_wait_fraction: a row per read-back, written as they come, and one per validation pass;
+data_wait: the seconds the steps of the row's window waited for their batches), DIR/loss.png
+(training and validation loss), DIR/config.toml (every flag as the run used it: --config
+DIR/config.toml trains the same run again) and DIR/checkpoints/ (one per epoch, and every
+--save-every N steps or time such as 10m; the newest --keep kept). DIR is checked before anything
+starts: a folder that already holds checkpoints is refused unless --resume (continue) or
+--overwrite (start over; the old checkpoints are moved aside, not deleted). --resume continues from
+the newest good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for
+steps after that checkpoint, which a run that died had logged) and draws loss.png from the whole
+run. A run already complete (its checkpoint at the last step asked for) says so and exits 0,
+changing nothing: raise --max-steps or --epochs to train further, or --overwrite to start over.
 --logger tensorboard,wandb,mlflow also writes DIR/tensorboard/, DIR/wandb/ (offline without
 WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 
@@ -334,6 +336,20 @@ def _worker_command(args: argparse.Namespace, strategy: str) -> list[str]:
     return command
 
 
+def _waited(m: dict[str, Any]) -> str:
+    """The summary's row of how long the steps waited for their batches.
+
+    >>> _waited({"data_wait": 0.5, "data_wait_fraction": 0.04, "data_wait_device": 0.3})
+    '0.50 s (4.0% of the time); the GPU waited 0.30 s for copies'
+    """
+    shown = f"{m['data_wait']:.2f} s"
+    if m.get("data_wait_fraction") is not None:
+        shown += f" ({m['data_wait_fraction']:.1%} of the time)"
+    if m.get("data_wait_device") is not None:
+        shown += f"; the GPU waited {m['data_wait_device']:.2f} s for copies"
+    return shown
+
+
 def _summary(m: dict[str, Any]) -> None:
     out = console()
     mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "- (CPU or unknown GPU peak)"
@@ -351,6 +367,8 @@ def _summary(m: dict[str, Any]) -> None:
         ["throughput", f"{m['samples_per_s']:.1f} samples/s over {m['seconds']:.1f} s"],
         ["MFU", mfu],
     ]
+    if m.get("data_wait") is not None:
+        rows.insert(-1, ["waiting for data", _waited(m)])
     chosen = m.get("fast") or {}
     if chosen.get("tf32") or chosen.get("compile", {}).get("used"):  # a GPU's, or asked for
         rows.append(["torch.compile", chosen["compile"]["why"]])

@@ -75,15 +75,23 @@ def write_history(path: Path, history: list[dict[str, float]]) -> None:
 
 
 # Columns that say where a record stands come first, in this order (gpukit train's metrics.csv
-# has them); the metrics follow by name.
+# has them); the metrics follow by name, then what the Runtime measured of each window itself
+# (how long its steps waited for their batches, ``gpukit.runtime.data.wait``).
 FIRST_COLUMNS = ("epoch", "elapsed", "lr")
+LAST_COLUMNS = ("data_wait", "data_wait_fraction", "data_wait_device", "data_wait_device_fraction")
 
 
 def column_names(history: list[dict[str, float]]) -> list[str]:
     """The columns of ``history`` after ``step``: those of ``FIRST_COLUMNS`` it has, then every
-    other name, sorted."""
+    other name, sorted, then those of ``LAST_COLUMNS``.
+
+    >>> column_names([{"step": 1, "data_wait": 0.1, "loss": 0.5, "epoch": 1, "acc": 0.9}])
+    ['epoch', 'acc', 'loss', 'data_wait']
+    """
     found = {k for row in history for k in row} - {"step"}
-    return [n for n in FIRST_COLUMNS if n in found] + sorted(found - set(FIRST_COLUMNS))
+    named = sorted(found - set(FIRST_COLUMNS) - set(LAST_COLUMNS))
+    first = [n for n in FIRST_COLUMNS if n in found]
+    return first + named + [n for n in LAST_COLUMNS if n in found]
 
 
 def write_rows(writer: Any, history: list[dict[str, float]], names: list[str]) -> None:

@@ -44,6 +44,7 @@ from gpukit.runtime.assembly import make_lifecycle, make_reporting, strategy_and
 from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
+from gpukit.runtime.data.wait import DataWait
 from gpukit.runtime.open_runtimes import OPEN
 from gpukit.runtime.open_runtimes import teardown_open_runtimes as teardown_open_runtimes
 from gpukit.runtime.outputs.evaluation import Evaluation
@@ -107,7 +108,9 @@ class Runtime:
         self.lifecycle, self._stepper, self._checkpointing = make_lifecycle(
             settings, self.state, self.strategy, self.precision, calls
         )
-        self._metrics = Metrics(self.strategy.device.torch, settings.log_every, self.strategy)
+        self._data_wait = DataWait()  # data_wait in rt.history (gpukit.runtime.data.wait)
+        device, wait = self.strategy.device.torch, self._data_wait
+        self._metrics = Metrics(device, settings.log_every, self.strategy, wait)
         self._registry = Registry(settings, self.state)
         self._evaluation = Evaluation(self.strategy, self._before_collective)
         self._progress = Progress(self.strategy, self._metrics.history)
@@ -187,7 +190,8 @@ class Runtime:
         function ``rt.launch`` runs returns (points every rank reaches together, so the last
         partial window is there at the end and any rank may read this alone); reading it never
         reads anything back itself, so a progress display may read it every step.
-        ``rt.flush_logs()`` closes the window now."""
+        ``rt.flush_logs()`` closes the window now. A window with batches from ``rt.setup``'s
+        loaders also holds how long they were waited for (``gpukit.runtime.data.wait``)."""
         return self._metrics.history
 
     # -- setup ----------------------------------------------------------------------------------
@@ -272,6 +276,7 @@ class Runtime:
             on_pass_start=self.lifecycle.before_first_pass,
             on_batch=self.lifecycle.at_boundary,
             on_handed=self._evaluation.batch_handed,
+            wait=self._data_wait,
         )
         self.state.loaders.append(wrapped)
         return wrapped
@@ -318,7 +323,6 @@ class Runtime:
         self._ensure_ready()
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
-        # Under CUDA graphs the compiler begins each replay (gpukit.runtime.compiling).
         return self._compiler.step(lambda: self._stepper.train_step(optimizer, batch, compute_loss))
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -12,7 +12,8 @@ from the whole run.
 
 A workload's validation set is evaluated at the end of every epoch and where ``max_steps``
 stops the run (:mod:`gpukit.train.validation`), into ``rt.log_metrics``; ``seconds`` and
-``samples_per_s`` leave that time out (``validation_seconds`` holds it).
+``samples_per_s`` leave that time out (``validation_seconds`` holds it). ``data_wait`` is how
+long the steps waited for their batches (see :func:`gpukit.train.report.data_wait`).
 
 >>> import gpukit as gk
 >>> config = TrainConfig(workload="mlp", max_steps=3, progress=False)
@@ -45,6 +46,7 @@ from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import complete_message
 from gpukit.train.report import (
     MetricsCsv,
+    data_wait,
     learning_rate,
     metrics,
     read_history,
@@ -197,6 +199,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
     if not rt.is_global_zero:
         return {}
     history = rt.history
+    waited = data_wait(history, seconds)  # this session's records, as seconds is this session's
     if csv_log is not None:
         csv_log.update(history, stamp)
         history = csv_log.whole(history)
@@ -212,6 +215,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
         resumed_from_step=resumed,
     )
     summary["validation_seconds"] = validation_seconds
+    summary.update(waited)
     summary["model_state"] = model_state
     # What gpukit train chose for speed on a GPU (gpukit.train.fast), and why.
     summary["fast"] = {"tf32": tf32, "fused_adamw": fused, "compile": _compiled(rt, config)}

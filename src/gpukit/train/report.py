@@ -102,6 +102,26 @@ def metrics(
     }
 
 
+def data_wait(history: list[dict[str, float]], seconds: float) -> dict[str, float | None]:
+    """How long this session's steps waited for their batches, as ``metrics.json`` holds it:
+    ``data_wait``, the seconds of every window of ``history`` (this process's records; see
+    :mod:`gpukit.runtime.data.wait`) added up; ``data_wait_fraction``, that over ``seconds``
+    (the training time ``samples_per_s`` is measured over); ``data_wait_device``, on CUDA, the
+    seconds the device waited for the batches' copies. None where nothing was measured.
+
+    >>> data_wait([{"step": 10, "data_wait": 0.5}, {"step": 20, "data_wait": 1.5}], 20.0)
+    {'data_wait': 2.0, 'data_wait_fraction': 0.1, 'data_wait_device': None}
+    """
+    host = [r["data_wait"] for r in history if "data_wait" in r]
+    device = [r["data_wait_device"] for r in history if "data_wait_device" in r]
+    waited = sum(host) if host else None
+    return {
+        "data_wait": waited,
+        "data_wait_fraction": waited / seconds if waited is not None and seconds else None,
+        "data_wait_device": sum(device) if device else None,
+    }
+
+
 def validation_record(record: Mapping[str, float]) -> dict[str, float]:
     """A validation record of the history as ``metrics.json`` lists it: its step, epoch and
     values.

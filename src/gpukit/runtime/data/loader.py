@@ -10,7 +10,8 @@ What it adds: it shards the data across ranks (see ``gpukit.runtime.data.samplin
 sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
 SIGINT to the main process in its workers (``workers.MainStops``: a preemption then saves),
 hands out batches already on the device (``prefetch``: on CUDA from pinned memory, the next
-batch copied on a side stream while the current one is used), and remembers where the
+batch copied on a side stream while the current one is used), measures how long each batch
+was waited for (``wait``: ``data_wait`` in ``rt.history``), and remembers where the
 training pass is, so a resumed run continues with the next batch and the same random numbers.
 
 >>> import torch, gpukit as gk
@@ -25,6 +26,7 @@ training pass is, so a resumed run continues with the next batch and the same ra
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from gpukit.runtime.data import sampling
 from gpukit.runtime.data.checks import check_has_batches
 from gpukit.runtime.data.prefetch import on_device
 from gpukit.runtime.data.sampling import PassSampler
+from gpukit.runtime.data.wait import DataWait
 from gpukit.runtime.data.workers import MainStops
 
 # The DataLoader arguments carried over when the loader is rebuilt around a new sampler.
@@ -84,7 +87,9 @@ class DeviceLoader:
     ``on_batch`` before each batch is read (where a save the last step left pending is made),
     ``on_handed(loader, position, batch)`` after each batch is handed out (what evaluation's
     gathering reads: which loader, which batch of its pass). ``on_pass_end`` is told whether
-    the pass trained (a backward pass ran during it) or evaluated.
+    the pass trained (a backward pass ran during it) or evaluated. ``wait`` (the Runtime's
+    meter, :class:`~gpukit.runtime.data.wait.DataWait`) is told how long each batch was
+    waited for.
     """
 
     def __init__(
@@ -99,8 +104,10 @@ class DeviceLoader:
         on_pass_start: Callable[[], None] | None = None,
         on_batch: Callable[[], None] | None = None,
         on_handed: Callable[[DeviceLoader, int, Any], None] | None = None,
+        wait: DataWait | None = None,
     ) -> None:
         self.device = device
+        self._wait = wait
         self._on_batch = on_batch
         self._on_handed = on_handed
         self._on_pass_end = on_pass_end
@@ -242,7 +249,16 @@ class DeviceLoader:
             batches = self._start(resume.position if resume else 0)
         started.position = resume.position if resume else 0
         self._live.append(started)
-        return _PassIterator(self, started, on_device(batches, self.device), resume)
+        return _PassIterator(self, started, self._on_device(batches), resume)
+
+    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The pass's batches on the device, each wait for one measured when a meter is
+        given (``gpukit.runtime.data.wait``: the host's clock around ``next()``, and on CUDA
+        events the device records on its own stream: nothing read back here)."""
+        if self._wait is None:
+            return on_device(batches, self.device)
+        marks = functools.partial(self._wait.device_marks, self.device)
+        return on_device(self._wait.timed(batches, self), self.device, marks)
 
     def _start(self, skip: int) -> Iterator[Any]:
         if self._sampler is None:  # an iterable dataset: skip a resumed pass's batches by reading

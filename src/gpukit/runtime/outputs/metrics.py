@@ -27,6 +27,7 @@ from __future__ import annotations
 import numbers
 import zlib
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -40,13 +41,33 @@ CAPACITY = 256
 _CHECKS = 5  # the count of names and the four bytes of their CRC-32
 
 
-class Metrics:
-    """Running sums of logged values on ``device``, read back every ``log_every`` calls."""
+class Window(Protocol):
+    """What else a flush records about its window, measured on the host as the window went
+    (the Runtime's ``gpukit.runtime.data.wait.DataWait``)."""
 
-    def __init__(self, device: torch.device, log_every: int, strategy: Strategy) -> None:
+    def before_read(self) -> None:
+        """Just before the window's read-back."""
+
+    def close(self, step: int) -> dict[str, float]:
+        """After the read-back: the window's values, added to its record."""
+        ...
+
+
+class Metrics:
+    """Running sums of logged values on ``device``, read back every ``log_every`` calls;
+    ``window`` adds its own values to each record a flush makes."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        log_every: int,
+        strategy: Strategy,
+        window: Window | None = None,
+    ) -> None:
         self.device = device
         self.log_every = log_every
         self.strategy = strategy
+        self.window = window
         self.history: list[dict[str, float]] = []
         self._sums: dict[str, torch.Tensor] = {}  # name -> sum since the flush, on the device
         self._counts: dict[str, int] = {}
@@ -87,6 +108,8 @@ class Metrics:
         processes every rank must call it together), and append them to ``history``."""
         names = tuple(sorted(self._sums))
         self._calls = 0
+        if self.window is not None:
+            self.window.before_read()
         if not self.strategy.distributed:
             if not names:
                 return {}
@@ -105,6 +128,11 @@ class Metrics:
             if not names:
                 return {}
         record: dict[str, float] = {"step": step, **dict(zip(names, values, strict=True))}
+        if self.window is not None:
+            # Measured on the host, read after the read-back: nothing more is read. A name
+            # the program logged itself keeps its value.
+            measured = self.window.close(step).items()
+            record.update({k: v for k, v in measured if k not in record})
         self.history.append(record)
         self._sums.clear()
         self._counts.clear()
