@@ -268,9 +268,11 @@ class _Noisy(nn.Module):
         return self.net(x)
 
 
-def _noisy_run(split: int, fail_once_on_micro_batch: int | None) -> dict[str, torch.Tensor]:
+def _noisy_run(
+    split: int, fail_once_on_micro_batch: int | None, accumulate: int = 2
+) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    rt = gk.Runtime(devices="cpu", accumulate=2, oom="recover")
+    rt = gk.Runtime(devices="cpu", accumulate=accumulate, oom="recover")
     rt.oom_split = split
     model = _Noisy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -298,6 +300,16 @@ def test_a_failed_attempt_leaves_no_trace_in_buffers_or_random_numbers() -> None
     recovered = _noisy_run(split=1, fail_once_on_micro_batch=2)
     for name, value in clean.items():
         assert torch.allclose(recovered[name].float(), value.float(), atol=1e-6), name
+
+
+def test_a_whole_batch_that_fails_in_one_process_is_put_back_before_it_is_cut() -> None:
+    """One micro-batch per step, recovering in one process: the step runs as a plain loop's
+    (the whole batch, no cutting machinery); its failure after the forward is undone (buffers,
+    random numbers, gradients) before the batch is cut in two."""
+    clean = _noisy_run(split=2, fail_once_on_micro_batch=None, accumulate=1)
+    recovered = _noisy_run(split=1, fail_once_on_micro_batch=1, accumulate=1)
+    for name, value in clean.items():
+        assert torch.equal(recovered[name], value), name
 
 
 def _ddp_train_step(rt: gk.Runtime) -> dict[str, np.ndarray]:

@@ -208,6 +208,8 @@ def _as_tensor(name: str, value: object) -> torch.Tensor:
     (tensor(1.), tensor(2.5000))
     """
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_complex():  # a loss: every step's case, no view
+            return value.detach()
         if value.numel() == 1 and not value.is_complex():
             return value.detach().reshape(())  # a [[x]] must stack with the other means
         shown = (

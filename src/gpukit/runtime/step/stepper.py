@@ -48,7 +48,7 @@ from gpukit.runtime.step.loss_checks import check_loss, checked_loss_fn
 from gpukit.runtime.step.nonfinite import NonFiniteGuard
 from gpukit.runtime.step.optimizer_adoption import StaleOptimizers
 from gpukit.runtime.step.precision import Precision
-from gpukit.runtime.step.retry import Attempt, Retry
+from gpukit.runtime.step.retry import Attempt, Retry, Saved
 from gpukit.strategies import Strategy
 
 log = logging.getLogger("gpukit")
@@ -242,9 +242,23 @@ class Stepper:
         self.boundaries.step_begins(state.global_step)
         if self.boundaries.poison_loss() or self.guard is not None:
             compute_loss = self._watched(compute_loss)
-        if self.whole_batches and state.oom_split == 1:  # a split a checkpoint brought is kept
-            return self._whole_batch_step(optimizer, batch, n, compute_loss)
         retry = self.retry
+        if self.whole_batches and state.oom_split == 1:  # a split a checkpoint brought is kept
+            taken = self._whole_batch_step(optimizer, batch, n, compute_loss)
+            assert not isinstance(taken, str)  # without a save, running out of memory raises
+            return taken
+        if self.recover and not self.hold_back and config.accumulate * state.oom_split == 1:
+            # Recovery in one process, the batch whole: the plain loop's step after saving what
+            # a retry needs (the buffers steps change, the random generators). Out of memory,
+            # the step is put back and the batch cut, and the loop below goes on from there.
+            kept = retry.save()
+            loss = self._whole_batch_step(optimizer, batch, n, compute_loss, kept)
+            if not isinstance(loss, str):
+                return loss
+            self._put_back(optimizer, kept)
+            if n <= 1:
+                raise self.out_of_memory(loss, 1)
+            retry.cut_smaller(n, [n], Attempt(failed_size=n, message=loss))
         if self.hold_back:
             retry.refuse_collective_forward()
         while True:
@@ -254,11 +268,8 @@ class Stepper:
             failed, exhausted, anywhere = retry.agree(attempt)
             if not failed:
                 break
-            optimizer.zero_grad(set_to_none=True)
             assert saved is not None  # failures come back only when recovering
-            for module in state.modules:
-                self.recovery.reset_module(module)
-            retry.restore(saved)
+            self._put_back(optimizer, saved)
             if exhausted:
                 raise self.out_of_memory(attempt.message or "out of memory on another rank", 1)
             retry.cut_smaller(n, sizes, attempt)
@@ -274,15 +285,26 @@ class Stepper:
         assert attempt.loss is not None  # the loop leaves only once every micro-batch fitted
         return attempt.loss
 
+    def _put_back(self, optimizer: torch.optim.Optimizer, saved: Saved) -> None:
+        """Undo a failed try: its gradients, the modules' state, its buffers and generators."""
+        optimizer.zero_grad(set_to_none=True)
+        for module in self.state.modules:
+            self.recovery.reset_module(module)
+        self.retry.restore(saved)
+
     def _whole_batch_step(
         self,
         optimizer: torch.optim.Optimizer,
         batch: Any,
         n: int,
         compute_loss: Callable[[Any], torch.Tensor],
-    ) -> torch.Tensor:
-        """The step as a plain loop writes it, for runs that never cut a batch (no accumulation,
-        no recovery): nothing more than that loop does (the loop above costs microseconds)."""
+        saved: Saved | None = None,
+    ) -> torch.Tensor | str:
+        """The step as a plain loop writes it, for a batch not cut (no accumulation; no
+        recovery, or recovery in one process that has not needed to cut): nothing more than
+        that loop does (the loop above costs microseconds). With ``saved`` (recovering), out
+        of memory returns the error's message instead, the step not taken."""
+        message = None
         try:
             self.fault.check(n)
             loss = compute_loss(batch)
@@ -297,7 +319,14 @@ class Stepper:
             self._previous_loss = None
             if not is_oom(err):
                 reraise_readable(err)
-            raise self.out_of_memory(err, n) from err
+            if saved is None:
+                raise self.out_of_memory(err, n) from err
+            # Only the message leaves this block: the traceback holds every activation.
+            message = str(err)
+        if message is not None:
+            return message
+        if saved is not None:
+            self.retry.succeeded(saved)
         self.check_gradients_once()
         self.state.micro_step += 1
         self.state.stepped_at = self.state.micro_step
