@@ -8,10 +8,17 @@ inspection but marked bad in its manifest: ``latest`` keeps naming the last good
 nothing is pruned. A write the disk refuses (full, read-only, not permitted, a file too large)
 leaves nothing behind and ``latest`` as it was, and every rank raises one
 ``CheckpointWriteError`` that says why (see ``failure``).
+
+Given a :class:`~gpukit.checkpoint.background.Background` (``async_save``), a save of whole
+weights does its collective part as above (the ranks' random states, the checks, the
+agreement) and copies what it writes to host memory; the files are then written, fsynced,
+renamed and published by a thread while training goes on, in the same format (see
+``background``). Sharded checkpoints are always written in the foreground.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -21,10 +28,11 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
-from gpukit.checkpoint import files, finite, objects, sharded
+from gpukit.checkpoint import files, finite, objects, sharded, snapshot
 from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.export import export as export_weights
 from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
 from gpukit.checkpoint.fit import (
@@ -47,12 +55,15 @@ def save(
     accumulate: int = 1,
     keep: int = 3,
     export: bool = True,
+    background: Background | None = None,
 ) -> Path:
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
     too). Under fsdp ``export`` says whether it also holds the full weights (the shards
     alone resume the run). See :mod:`gpukit.checkpoint`.
+    With ``background`` (not under fsdp), rank 0's files are written by its thread after
+    this returns (the collective part and the host copies done here).
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -85,6 +96,20 @@ def save(
             directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
+    if background is not None and not shards:
+        return _save_behind(
+            background,
+            directory,
+            final,
+            failures,
+            state,
+            strategy,
+            precision,
+            rng,
+            extras,
+            accumulate=accumulate,
+            keep=keep,
+        )
     bad: list[str] = []
     exported: list[str] = []  # rank 0: the weights files the export wrote
     # Optimizers that have not stepped yet: laying out their state for the shards gives them
@@ -132,15 +157,7 @@ def save(
             known.update(part)
     if strategy.rank == 0 and failures.ok and failures.agreed:
         with failures.noted():
-            for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders in them
-                if f.relative_to(tmp).as_posix() not in known:
-                    files.fsync(f)
-            files.write_manifest(tmp, state.global_step, bad, known)  # last: means complete
-            files.fsync(tmp)
-            if bad:
-                _keep_bad(directory, tmp, final, bad)
-            else:
-                _publish(directory, tmp, final, keep)
+            _finish(directory, final, state.global_step, bad, known, keep)
     found = failures.agree(strategy)  # also the barrier: every rank leaves with the outcome
     if found:
         needed = 0
@@ -151,6 +168,97 @@ def save(
         raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
     failures.release()
     return final
+
+
+def _save_behind(
+    background: Background,
+    directory: Path,
+    final: Path,
+    failures: Failures,
+    state: RunState,
+    strategy: Strategy,
+    precision: Precision,
+    rng: list[dict[str, Any]],
+    extras: dict[str, Any],
+    *,
+    accumulate: int,
+    keep: int,
+) -> Path:
+    """The foreground of a save written by ``background``'s thread: rank 0 checks the values,
+    finds room for them and copies them to host memory; the ranks agree on that part's
+    failures (collective), then rank 0's thread writes and publishes."""
+    tmp = directory / f".tmp-{final.name}"
+    models = user_models(state, strategy, precision)
+    write = None
+    needed = 0
+    if strategy.rank == 0 and failures.ok:
+        with failures.noted():
+            needed = needed_bytes(models, state.optimizers)
+            _check_room(directory, needed)
+            progress = _progress(state, strategy, precision, rng, False, accumulate)
+            progress["fresh_optimizers"] = []
+            progress |= extras
+            bad = finite.problems(_entries(models, state, progress))  # the values saved now
+            weights = [snapshot.weights(model) for model in models]
+            progress = snapshot.tree(progress)
+            snapshot.wait_copies(strategy.device.torch)
+            step = state.global_step
+
+            def write() -> None:
+                for i, (tensors, metadata) in enumerate(weights):
+                    name = weights_name(i, len(weights))
+                    save_file(tensors, str(tmp / name), metadata=metadata)
+                    files.ordinary_mode(tmp / name)
+                torch.save(progress, tmp / files.STATE)
+                _finish(directory, final, step, bad, {}, keep)
+
+    found = failures.agree(strategy)  # what went wrong here, before the thread starts
+    if found:
+        if strategy.rank == 0 and not failures.busy:
+            clean_up(directory, tmp)
+        failures.release()
+        raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
+    if write is None:  # ranks other than 0: nothing to write
+        failures.release()
+        return final
+    background.start(
+        write,
+        step=state.global_step,
+        directory=directory,
+        tmp=tmp,
+        failures=failures,
+        needed=needed,
+    )
+    return final
+
+
+def _check_room(directory: Path, needed: int) -> None:
+    """A write in the background must not find the disk full half way through while training
+    goes on: refused now, as the full disk it would meet (every rank raises it)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space for the checkpoint to be written in the background "
+            f"({free} bytes free, about {needed} needed)",
+        )
+
+
+def _finish(
+    directory: Path, final: Path, step: int, bad: list[str], known: dict[str, Any], keep: int
+) -> None:
+    """Rank 0, the files written: fsync them, write the manifest last, and publish (or keep
+    aside a checkpoint with non-finite values)."""
+    tmp = directory / f".tmp-{final.name}"
+    for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders in them
+        if f.relative_to(tmp).as_posix() not in known:
+            files.fsync(f)
+    files.write_manifest(tmp, step, bad, known)  # last: means complete
+    files.fsync(tmp)
+    if bad:
+        _keep_bad(directory, tmp, final, bad)
+    else:
+        _publish(directory, tmp, final, keep)
 
 
 def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:

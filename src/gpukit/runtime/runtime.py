@@ -93,6 +93,7 @@ class Runtime:
         loggers: LoggersSpec = None,
         compile: bool | str = False,
         init: Callable[[Any], Any] | None = None,
+        async_save: bool = False,
     ) -> None:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -384,15 +385,18 @@ class Runtime:
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
         OPEN.discard(self)
-        self.lifecycle.close()
-        self.state.clear()
-        self._stepper.close()
-        # The ignore: torch declares cuda.is_initialized without annotations.
-        if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            gc.collect()
-        self.strategy.teardown()
-        # Last: a logger that fails to finalize must not leave the process group behind.
-        self._reporting.finish("failed" if sys.exc_info()[0] else "success")  # if not before
+        try:  # a checkpoint still being written finishes first (async_save)
+            self._checkpointing.end(failing=sys.exc_info()[0] is not None)
+        finally:
+            self.lifecycle.close()
+            self.state.clear()
+            self._stepper.close()
+            # The ignore: torch declares cuda.is_initialized without annotations.
+            if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                gc.collect()
+            self.strategy.teardown()
+            # Last: a logger that fails to finalize must not leave the process group behind.
+            self._reporting.finish("failed" if sys.exc_info()[0] else "success")  # if not before
 
     def _ensure_ready(self) -> None:
         if self._ready:
