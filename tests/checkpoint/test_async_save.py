@@ -142,6 +142,24 @@ def test_training_after_async_saves_goes_on_exactly_as_after_synchronous_ones(
     assert loaded[0] == loaded[1] == async_losses[8]
 
 
+def test_a_checkpoint_with_nan_is_kept_aside_as_a_synchronous_save_keeps_it(
+    tmp_path: Path,
+) -> None:
+    manifests = []
+    for mode in ("async", "sync"):
+        rt, _ = _run(tmp_path / mode, async_save=mode == "async", steps=2, save_at=(1,))
+        with torch.no_grad():
+            rt.state.modules[0].embed.weight[0, 0] = float("nan")  # tied: two names
+        with pytest.warns(UserWarning, match="holds non-finite values"):
+            rt.save()
+            rt._checkpointing.background.wait()  # the thread's warning, inside this block
+        rt.teardown()
+        assert (tmp_path / mode / "latest").read_text().strip() == "step-00000001"
+        manifests.append((tmp_path / mode / "step-00000002" / "manifest.json").read_bytes())
+    assert b"embed.weight has 1 NaN" in manifests[0] and b"out.weight has 1 NaN" in manifests[0]
+    assert manifests[0] == manifests[1]
+
+
 def test_a_second_save_waits_for_the_first_and_says_so(
     tmp_path: Path, held_writes: threading.Event, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,6 +30,9 @@ from gpukit.checkpoint import files
 from gpukit.checkpoint.failure import Failures, clean_up, raise_agreed
 
 _POLL_S = 0.05  # how often a wait looks again at its deadline (a stop may set one meanwhile)
+# A wait this long or longer is said: a save that waited for the one before is a slower save
+# (the interval is shorter than a write); shorter waits (a prune finishing) are not news.
+_SAID_S = 0.1
 
 
 class Background:
@@ -88,6 +91,8 @@ class Background:
         """Wait for the write in flight, until it ends or the time ``deadline`` gives (on
         ``time.monotonic``'s clock, asked again as the wait goes on; None: no limit); returns
         the seconds waited. Local to this rank: no collective."""
+        if not self.writing:
+            return 0.0
         began = time.monotonic()
         while self.writing:
             limit = deadline()
@@ -124,7 +129,7 @@ class Background:
                     f"after {waited:.1f} s and is not saved; '{files.LATEST}' still names "
                     "the previous checkpoint"
                 )
-            else:
+            elif waited >= _SAID_S:
                 say(f"gpukit: {why} waited {waited:.1f} s for the checkpoint of step {step}")
         self._thread, self.step, self._failures = None, None, Failures()
         found = failures.agree(strategy)

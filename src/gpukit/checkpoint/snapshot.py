@@ -15,6 +15,7 @@ file written from the copy holds the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,6 +54,19 @@ def weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
             metadata.setdefault(name, kept)
             del state[name]
     return {name: host_copy(t) for name, t in state.items()}, metadata
+
+
+def named(
+    order: Iterable[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+) -> dict[str, torch.Tensor]:
+    """The copies under every name in ``order`` (the model's state's), tied names included:
+    for checks that name each, as they would name the live tensors.
+
+    >>> list(named(["b", "a"], {"a": torch.zeros(1)}, {"b": "a"}))
+    ['b', 'a']
+    """
+    tied = metadata or {}
+    return {name: tensors[name] if name in tensors else tensors[tied[name]] for name in order}
 
 
 def tree(obj: Any) -> Any:

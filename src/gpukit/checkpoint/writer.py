@@ -198,13 +198,18 @@ def _save_behind(
             progress = _progress(state, strategy, precision, rng, False, accumulate)
             progress["fresh_optimizers"] = []
             progress |= extras
-            bad = finite.problems(_entries(models, state, progress))  # the values saved now
             weights = [snapshot.weights(model) for model in models]
             progress = snapshot.tree(progress)
+            # The check reads the copies, on the thread: the values saved, off the step's path.
+            named = [
+                snapshot.named(m.state_dict(), *w) for m, w in zip(models, weights, strict=True)
+            ]
+            entries = _entries(models, state, progress, named)
             snapshot.wait_copies(strategy.device.torch)
             step = state.global_step
 
             def write() -> None:
+                bad = finite.problems(entries)
                 for i, (tensors, metadata) in enumerate(weights):
                     name = weights_name(i, len(weights))
                     save_file(tensors, str(tmp / name), metadata=metadata)
@@ -316,10 +321,18 @@ def _keep_bad(directory: Path, tmp: Path, final: Path, bad: list[str]) -> None:
     )
 
 
-def _entries(models: list[Any], state: RunState, progress: dict[str, Any]) -> list[finite.Entry]:
+def _entries(
+    models: list[Any],
+    state: RunState,
+    progress: dict[str, Any],
+    weights: Sequence[dict[str, Any]] | None = None,
+) -> list[finite.Entry]:
+    """What the finiteness check reads: the models' weights (``weights``, their host copies,
+    when given), the optimizers' and the precision's state in ``progress``."""
     entries: list[finite.Entry] = []
     for i, model in enumerate(models):
-        entries += finite.model_entries(weights_name(i, len(models)), model.state_dict(), model)
+        tensors = model.state_dict() if weights is None else weights[i]
+        entries += finite.model_entries(weights_name(i, len(models)), tensors, model)
     names = parameter_names(models)
     for i, (optimizer, kept) in enumerate(
         zip(state.optimizers, progress["optimizers"], strict=True)

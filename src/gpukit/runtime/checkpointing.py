@@ -199,6 +199,17 @@ class Checkpointing:
         self.strategy.check_every_rank_calls("rt.full_state_dict")
         return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
 
+    def wait_for_save(self) -> float:
+        """Wait until the checkpoint being written in the background (``async_save``), if
+        any, is in place; returns the seconds waited. This rank only, no collective: a write
+        that failed is raised, on every rank, at the next save, load or the end of the run.
+
+        >>> import gpukit as gk
+        >>> gk.Runtime(devices="cpu").wait_for_save()
+        0.0
+        """
+        return self.background.wait()
+
     def settle(self, why: str) -> None:
         """Collective: wait for the write in flight, if any, and raise its failure on every
         rank. Once a stop was asked for (SIGTERM), within half of ``GPUKIT_STOP_GRACE`` (the

@@ -180,6 +180,7 @@ class Runtime:
     load_weights = Delegate("_checkpointing", Checkpointing.load_weights)
     full_state_dict = Delegate("_checkpointing", Checkpointing.full_state_dict)
     resume = Delegate("_checkpointing", Checkpointing.resume)
+    wait_for_save = Delegate("_checkpointing", Checkpointing.wait_for_save)
 
     @property
     def history(self) -> list[dict[str, float]]:
