@@ -178,6 +178,35 @@ def test_a_second_save_waits_for_the_first_and_says_so(
     assert gk_checkpoint.problem(tmp_path / "step-00000002") is None
 
 
+def test_steps_while_a_write_is_in_flight_read_nothing_more(
+    tmp_path: Path, held_writes: threading.Event
+) -> None:
+    """The write runs beside the steps: they read back only what logging reads (one per
+    flush), as without it."""
+    rt = gk.Runtime(devices="cpu", seed=0, checkpoints=tmp_path, async_save=True, log_every=5)
+    net = Tied()
+    model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+    x = torch.randint(0, 16, (4, 5))
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        rt.backward(loss)
+        rt.step(opt)
+        rt.log(loss=loss)
+
+    for _ in range(5):
+        step()
+    rt.flush_logs()
+    rt.save()
+    with gk.trace() as t:
+        for _ in range(10):
+            step()
+    assert rt._checkpointing.background.writing  # held all along
+    assert sum(s.count for s in t.syncs) == 2, [(s.op, s.function) for s in t.syncs]
+    held_writes.set()
+    rt.teardown()
+
+
 def test_teardown_waits_for_the_write_in_flight(
     tmp_path: Path, held_writes: threading.Event, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -465,3 +494,52 @@ def test_a_stop_waits_for_the_write_in_flight_within_its_grace(
         assert not (folder / "step-00000004").exists()
         assert "the checkpoint of step 4 was still being written" in out, out
         assert "is not saved" in out, out
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_copies_are_pinned_and_the_checkpoint_loads_as_a_synchronous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpukit.checkpoint import snapshot
+
+    pinned: list[bool] = []
+    real_copy = snapshot.host_copy
+
+    def noted(tensor: torch.Tensor) -> torch.Tensor:
+        out = real_copy(tensor)
+        if tensor.device.type == "cuda":
+            pinned.append(out.is_pinned())
+        return out
+
+    monkeypatch.setattr(snapshot, "host_copy", noted)
+    losses = {}
+    for mode in ("async", "sync"):
+        rt = gk.Runtime(
+            devices=["cuda:0"], seed=0, checkpoints=tmp_path / mode, async_save=mode == "async"
+        )
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+        model, opt = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+        for _ in range(3):
+            rt.backward(model(torch.randn(8, 256, device=rt.device)).pow(2).mean())
+            rt.step(opt)
+        rt.save()
+        with torch.no_grad():
+            net[0].weight.add_(1.0)  # training goes on while the thread writes
+        rt.teardown()
+        loaded = gk.Runtime(devices=["cuda:0"], seed=0, checkpoints=tmp_path / mode)
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+        model, opt = loaded.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+        assert loaded.load()["step"] == 3
+        loss = model(torch.ones(8, 256, device=loaded.device)).pow(2).mean()
+        loaded.backward(loss)
+        loaded.step(opt)
+        losses[mode] = [loss.item(), *(p.detach().cpu() for p in net.parameters())]
+        loaded.teardown()
+    assert pinned and all(pinned)
+    a, s = tmp_path / "async" / "step-00000003", tmp_path / "sync" / "step-00000003"
+    assert (a / "model.safetensors").read_bytes() == (s / "model.safetensors").read_bytes()
+    assert losses["async"][0] == losses["sync"][0]
+    for left, right in zip(losses["async"][1:], losses["sync"][1:], strict=True):
+        assert torch.equal(left, right)
