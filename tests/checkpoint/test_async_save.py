@@ -543,3 +543,48 @@ def test_on_a_gpu_the_copies_are_pinned_and_the_checkpoint_loads_as_a_synchronou
     assert losses["async"][0] == losses["sync"][0]
     for left, right in zip(losses["async"][1:], losses["sync"][1:], strict=True):
         assert torch.equal(left, right)
+
+
+def _full_disk(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _two_ranks(rt: gk.Runtime, folder: str) -> list[str]:
+    net = nn.Linear(32, 32)
+    model, opt = rt.setup(net, torch.optim.AdamW(net.parameters()))
+
+    def step() -> None:
+        rt.backward(model(torch.ones(2, 32)).sum())
+        rt.step(opt)
+
+    step()
+    rt.save(folder)  # step 1: written
+    step()
+    real = writer.save_file
+    if rt.rank == 0:  # only rank 0 writes: its thread meets the full disk
+        writer.save_file = _full_disk  # type: ignore[assignment]
+    rt.save(folder)  # step 2: returns on both ranks
+    rt.wait_for_save()  # (this rank's thread has met the full disk)
+    writer.save_file = real
+    step()
+    try:
+        rt.save(folder)  # step 3: both ranks learn of step 2 first
+        mine = f"rank {rt.rank}: saved"
+    except CheckpointWriteError as err:
+        mine = f"rank {rt.rank}: {err.errno}: {err}"
+    rt.save(folder)  # then the next one goes through
+    return rt.strategy.all_gather_object(mine)  # both came back: neither hangs
+
+
+@pytest.mark.processes
+def test_under_two_ranks_a_failed_background_write_is_raised_on_both(tmp_path: Path) -> None:
+    rt = gk.Runtime(strategy="ddp", devices=2, seed=0, async_save=True)
+    reports = rt.launch(_two_ranks, str(tmp_path))
+    assert len(reports) == 2, reports
+    for rank, line in enumerate(reports):
+        assert line.startswith(
+            f"rank {rank}: {errno.ENOSPC}: could not write the checkpoint of step 2 in {tmp_path}"
+        ), line
+    assert reports[0].split(": ", 2)[2] == reports[1].split(": ", 2)[2]  # one message
+    assert (tmp_path / "latest").read_text().strip() == "step-00000003"  # the launch's end waited
+    assert not list(tmp_path.glob(".tmp*"))
