@@ -19,7 +19,6 @@ renamed and published by a thread while training goes on, in the same format (se
 from __future__ import annotations
 
 import errno
-import os
 import random
 import shutil
 from collections.abc import Sequence
@@ -30,8 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file, save_model
 
-from gpukit.checkpoint import files, finite, objects, sharded, snapshot
-from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint import files, finite, objects, publish, sharded, snapshot
 from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.export import export as export_weights
 from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
@@ -157,7 +155,7 @@ def save(
             known.update(part)
     if strategy.rank == 0 and failures.ok and failures.agreed:
         with failures.noted():
-            _finish(directory, final, state.global_step, bad, known, keep)
+            publish.finish(directory, final, state.global_step, bad, known, keep)
     found = failures.agree(strategy)  # also the barrier: every rank leaves with the outcome
     if found:
         needed = 0
@@ -215,7 +213,7 @@ def _save_behind(
                     save_file(tensors, str(tmp / name), metadata=metadata)
                     files.ordinary_mode(tmp / name)
                 torch.save(progress, tmp / files.STATE)
-                _finish(directory, final, step, bad, {}, keep)
+                publish.finish(directory, final, step, bad, {}, keep)
 
     found = failures.agree(strategy)  # what went wrong here, before the thread starts
     if found:
@@ -247,78 +245,6 @@ def _check_room(directory: Path, needed: int) -> None:
             f"not enough free space for the checkpoint to be written in the background "
             f"({free} bytes free, about {needed} needed)",
         )
-
-
-def _finish(
-    directory: Path, final: Path, step: int, bad: list[str], known: dict[str, Any], keep: int
-) -> None:
-    """Rank 0, the files written: fsync them, write the manifest last, and publish (or keep
-    aside a checkpoint with non-finite values)."""
-    tmp = directory / f".tmp-{final.name}"
-    for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders in them
-        if f.relative_to(tmp).as_posix() not in known:
-            files.fsync(f)
-    files.write_manifest(tmp, step, bad, known)  # last: means complete
-    files.fsync(tmp)
-    if bad:
-        _keep_bad(directory, tmp, final, bad)
-    else:
-        _publish(directory, tmp, final, keep)
-
-
-def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Move a good checkpoint into place, point ``latest`` at it, prune."""
-    later = files.newest_step(directory)
-    step = files.step_of(final) or 0
-    old = directory / f".old-{final.name}"
-    if final.exists():  # the same step saved again: swap, so `latest` never dangles long
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    try:
-        files.point_latest(directory, final)
-    except OSError:
-        # `latest` could not be written (a full disk): not published after all. The new one
-        # goes back where the failed save's leftovers are removed, the one it replaced returns.
-        os.replace(final, tmp)
-        if old.is_dir():
-            os.replace(old, final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    files.fsync(directory)
-    files.prune(directory, keep, final, leftovers=folder_lock.held_here(directory))
-    if later is not None and later > step:
-        warn_user(
-            f"{directory} also holds checkpoints of later steps (up to step {later}): "
-            f"'{files.LATEST}' now names {final.name}, and pruning keeps the highest steps, "
-            "so this run keeps only its newest checkpoint; give each run its own folder"
-        )
-
-
-def _keep_bad(directory: Path, tmp: Path, final: Path, bad: list[str]) -> None:
-    """Keep a checkpoint with non-finite values aside from the good ones: never over an
-    existing folder, never named by ``latest``, and nothing pruned for it."""
-    found = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
-    pointer = directory / files.LATEST
-    good = pointer.read_text().strip() if pointer.is_file() else None
-    after = (
-        f"'{files.LATEST}' still names {good}, the last good one, which resuming uses"
-        if good
-        else f"no '{files.LATEST}' was written, so there is nothing to resume from yet"
-    )
-    if final.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-        warn_user(
-            f"the checkpoint of step {files.step_of(final)} holds non-finite values ({found}); "
-            f"it was not written over {final}, which stays as it was; {after}"
-        )
-        return
-    os.replace(tmp, final)
-    files.fsync(directory)
-    warn_user(
-        f"checkpoint {final} holds non-finite values ({found}): it is kept for inspection, "
-        f"marked bad in its {files.MANIFEST}, and {after}"
-    )
 
 
 def _entries(
