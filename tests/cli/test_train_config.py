@@ -66,6 +66,20 @@ def test_a_switch_in_the_file_resume_true_continues(tmp_path: Path) -> None:
     assert metrics["resumed_from_step"] == 4 and metrics["steps"] == 8
 
 
+def test_an_on_off_flag_is_true_or_false_in_the_file(tmp_path: Path) -> None:
+    run = tmp_path / "run.toml"
+    run.write_text(f'workload = "mlp"\nmax_steps = 2\nout = "{tmp_path / "a"}"\n')
+    assert main(["train", "--config", str(run), "--async-save", "off"]) == 0
+    assert "async_save = false" in (tmp_path / "a" / "config.toml").read_text()
+    assert _metrics(tmp_path / "a")["config"]["runtime"]["async_save"] is False
+    again = tmp_path / "a" / "config.toml"
+    assert main(["train", "--config", str(again), "--out", str(tmp_path / "b")]) == 0
+    assert _metrics(tmp_path / "b")["config"]["runtime"]["async_save"] is False
+    assert torch.equal(
+        _weights(tmp_path / "a", 2)["0.weight"], _weights(tmp_path / "b", 2)["0.weight"]
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -75,6 +89,7 @@ def test_a_switch_in_the_file_resume_true_continues(tmp_path: Path) -> None:
         ("lr = true\n", "lr = true is bool: give a number"),
         ("resume = 1\n", "resume = 1 is int: give true or false"),
         ('oom = "maybe"\n', "oom = \"maybe\": give one of 'auto', 'recover', 'raise'"),
+        ('async_save = "maybe"\n', "async_save = \"maybe\": 'maybe': use on or off"),
         ("workload = \n", "not valid TOML: "),
         ("[train]\nlr = 1\n", "line 1: [train] is a table"),
         ('config = "other.toml"\n', "unknown key 'config'"),

@@ -322,7 +322,7 @@ def test_every_method_a_part_does_is_that_parts_own_method() -> None:
     rt = gk.Runtime(devices="cpu")
     delegates = {n: d for n, d in vars(gk.Runtime).items() if isinstance(d, Delegate)}
     assert {"gather_for_metrics", "progress", "profile", "track", "barrier"} <= set(delegates)
-    checkpoints = {"save", "load", "load_weights", "full_state_dict", "resume"}
+    checkpoints = {"save", "load", "load_weights", "full_state_dict", "resume", "wait_for_save"}
     assert {n for n, d in delegates.items() if d.part == "_checkpointing"} == checkpoints
     assert gk.Runtime.__bases__ == (object,)  # its parts are held, never inherited
     for name, delegate in delegates.items():

@@ -40,6 +40,7 @@ _MODULES = {
     "plan": "gpukit.bench.plan",
     "calibration": "gpukit.bench.calibration",
     "restarts": "gpukit.bench.restarts",
+    "save": "gpukit.bench.save_stall",
 }
 
 

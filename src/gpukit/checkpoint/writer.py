@@ -8,11 +8,17 @@ inspection but marked bad in its manifest: ``latest`` keeps naming the last good
 nothing is pruned. A write the disk refuses (full, read-only, not permitted, a file too large)
 leaves nothing behind and ``latest`` as it was, and every rank raises one
 ``CheckpointWriteError`` that says why (see ``failure``).
+
+Given a :class:`~gpukit.checkpoint.background.Background` (``async_save``), a save of whole
+weights does its collective part as above (the ranks' random states, the checks, the
+agreement) and copies what it writes to host memory; the files are then written, fsynced,
+renamed and published by a thread while training goes on, in the same format (see
+``background``). Sharded checkpoints are always written in the foreground.
 """
 
 from __future__ import annotations
 
-import os
+import errno
 import random
 import shutil
 from collections.abc import Sequence
@@ -21,10 +27,10 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
-from gpukit.checkpoint import files, finite, objects, sharded
-from gpukit.checkpoint import lock as folder_lock
+from gpukit.checkpoint import files, finite, objects, publish, sharded, snapshot
+from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.export import export as export_weights
 from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
 from gpukit.checkpoint.fit import (
@@ -47,12 +53,15 @@ def save(
     accumulate: int = 1,
     keep: int = 3,
     export: bool = True,
+    background: Background | None = None,
 ) -> Path:
     """Write a checkpoint of ``state``'s models, optimizers and progress; returns its folder.
 
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
     too). Under fsdp ``export`` says whether it also holds the full weights (the shards
     alone resume the run). See :mod:`gpukit.checkpoint`.
+    With ``background`` (not under fsdp), rank 0's files are written by its thread after
+    this returns (the collective part and the host copies done here).
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -85,6 +94,20 @@ def save(
             directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
+    if background is not None and not shards:
+        return _save_behind(
+            background,
+            directory,
+            final,
+            failures,
+            state,
+            strategy,
+            precision,
+            rng,
+            extras,
+            accumulate=accumulate,
+            keep=keep,
+        )
     bad: list[str] = []
     exported: list[str] = []  # rank 0: the weights files the export wrote
     # Optimizers that have not stepped yet: laying out their state for the shards gives them
@@ -132,15 +155,7 @@ def save(
             known.update(part)
     if strategy.rank == 0 and failures.ok and failures.agreed:
         with failures.noted():
-            for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders in them
-                if f.relative_to(tmp).as_posix() not in known:
-                    files.fsync(f)
-            files.write_manifest(tmp, state.global_step, bad, known)  # last: means complete
-            files.fsync(tmp)
-            if bad:
-                _keep_bad(directory, tmp, final, bad)
-            else:
-                _publish(directory, tmp, final, keep)
+            publish.finish(directory, final, state.global_step, bad, known, keep)
     found = failures.agree(strategy)  # also the barrier: every rank leaves with the outcome
     if found:
         needed = 0
@@ -153,65 +168,97 @@ def save(
     return final
 
 
-def _publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Move a good checkpoint into place, point ``latest`` at it, prune."""
-    later = files.newest_step(directory)
-    step = files.step_of(final) or 0
-    old = directory / f".old-{final.name}"
-    if final.exists():  # the same step saved again: swap, so `latest` never dangles long
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    try:
-        files.point_latest(directory, final)
-    except OSError:
-        # `latest` could not be written (a full disk): not published after all. The new one
-        # goes back where the failed save's leftovers are removed, the one it replaced returns.
-        os.replace(final, tmp)
-        if old.is_dir():
-            os.replace(old, final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    files.fsync(directory)
-    files.prune(directory, keep, final, leftovers=folder_lock.held_here(directory))
-    if later is not None and later > step:
-        warn_user(
-            f"{directory} also holds checkpoints of later steps (up to step {later}): "
-            f"'{files.LATEST}' now names {final.name}, and pruning keeps the highest steps, "
-            "so this run keeps only its newest checkpoint; give each run its own folder"
+def _save_behind(
+    background: Background,
+    directory: Path,
+    final: Path,
+    failures: Failures,
+    state: RunState,
+    strategy: Strategy,
+    precision: Precision,
+    rng: list[dict[str, Any]],
+    extras: dict[str, Any],
+    *,
+    accumulate: int,
+    keep: int,
+) -> Path:
+    """The foreground of a save written by ``background``'s thread: rank 0 checks the values,
+    finds room for them and copies them to host memory; the ranks agree on that part's
+    failures (collective), then rank 0's thread writes and publishes."""
+    tmp = directory / f".tmp-{final.name}"
+    models = user_models(state, strategy, precision)
+    write = None
+    needed = 0
+    if strategy.rank == 0 and failures.ok:
+        with failures.noted():
+            needed = needed_bytes(models, state.optimizers)
+            _check_room(directory, needed)
+            progress = _progress(state, strategy, precision, rng, False, accumulate)
+            progress["fresh_optimizers"] = []
+            progress |= extras
+            weights = [snapshot.weights(model) for model in models]
+            progress = snapshot.tree(progress)
+            # The check reads the copies, on the thread: the values saved, off the step's path.
+            named = [
+                snapshot.named(m.state_dict(), *w) for m, w in zip(models, weights, strict=True)
+            ]
+            entries = _entries(models, state, progress, named)
+            snapshot.wait_copies(strategy.device.torch)
+            step = state.global_step
+
+            def write() -> None:
+                bad = finite.problems(entries)
+                for i, (tensors, metadata) in enumerate(weights):
+                    name = weights_name(i, len(weights))
+                    save_file(tensors, str(tmp / name), metadata=metadata)
+                    files.ordinary_mode(tmp / name)
+                torch.save(progress, tmp / files.STATE)
+                publish.finish(directory, final, step, bad, {}, keep)
+
+    found = failures.agree(strategy)  # what went wrong here, before the thread starts
+    if found:
+        if strategy.rank == 0 and not failures.busy:
+            clean_up(directory, tmp)
+        failures.release()
+        raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
+    if write is None:  # ranks other than 0: nothing to write
+        failures.release()
+        return final
+    background.start(
+        write,
+        step=state.global_step,
+        directory=directory,
+        tmp=tmp,
+        failures=failures,
+        needed=needed,
+    )
+    return final
+
+
+def _check_room(directory: Path, needed: int) -> None:
+    """A write in the background must not find the disk full half way through while training
+    goes on: refused now, as the full disk it would meet (every rank raises it)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space for the checkpoint to be written in the background "
+            f"({free} bytes free, about {needed} needed)",
         )
 
 
-def _keep_bad(directory: Path, tmp: Path, final: Path, bad: list[str]) -> None:
-    """Keep a checkpoint with non-finite values aside from the good ones: never over an
-    existing folder, never named by ``latest``, and nothing pruned for it."""
-    found = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
-    pointer = directory / files.LATEST
-    good = pointer.read_text().strip() if pointer.is_file() else None
-    after = (
-        f"'{files.LATEST}' still names {good}, the last good one, which resuming uses"
-        if good
-        else f"no '{files.LATEST}' was written, so there is nothing to resume from yet"
-    )
-    if final.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-        warn_user(
-            f"the checkpoint of step {files.step_of(final)} holds non-finite values ({found}); "
-            f"it was not written over {final}, which stays as it was; {after}"
-        )
-        return
-    os.replace(tmp, final)
-    files.fsync(directory)
-    warn_user(
-        f"checkpoint {final} holds non-finite values ({found}): it is kept for inspection, "
-        f"marked bad in its {files.MANIFEST}, and {after}"
-    )
-
-
-def _entries(models: list[Any], state: RunState, progress: dict[str, Any]) -> list[finite.Entry]:
+def _entries(
+    models: list[Any],
+    state: RunState,
+    progress: dict[str, Any],
+    weights: Sequence[dict[str, Any]] | None = None,
+) -> list[finite.Entry]:
+    """What the finiteness check reads: the models' weights (``weights``, their host copies,
+    when given), the optimizers' and the precision's state in ``progress``."""
     entries: list[finite.Entry] = []
     for i, model in enumerate(models):
-        entries += finite.model_entries(weights_name(i, len(models)), model.state_dict(), model)
+        tensors = model.state_dict() if weights is None else weights[i]
+        entries += finite.model_entries(weights_name(i, len(models)), tensors, model)
     names = parameter_names(models)
     for i, (optimizer, kept) in enumerate(
         zip(state.optimizers, progress["optimizers"], strict=True)

@@ -140,6 +140,8 @@ def _value(action: argparse.Action, key: str, value: object, where: str) -> Any:
         ok, wanted = isinstance(value, int) and not isinstance(value, bool), "a whole number"
     elif kind is float:
         ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(value, bool) and _takes_bool(kind):
+        ok, wanted = True, "true or false"  # an on/off flag: --async-save on
     else:
         ok = isinstance(value, (str, int, float)) and (optional or not isinstance(value, bool))
         wanted = "text (in quotes) or a number"
@@ -163,6 +165,15 @@ def _value(action: argparse.Action, key: str, value: object, where: str) -> Any:
             f"{', '.join(repr(c) for c in action.choices)}"
         )
     return parsed
+
+
+def _takes_bool(kind: Any) -> bool:
+    """Whether a flag's type reads "true" as True (an on/off flag, which config.toml writes
+    as true or false)."""
+    try:
+        return callable(kind) and kind("true") is True
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
 
 
 def _shown(value: object) -> str:

@@ -32,6 +32,8 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
     restarts     a 2-rank gpukit train that fails once under --max-restarts 1: the restart's
                  phases (stop, python, import torch, import gpukit, process group, set-up,
                  first step) beside the cold start's, and restart / cold start
+    save         the stall of rt.save() with async_save against a synchronous save of the
+                 same model (4 square layers, AdamW), as a ratio; the goal is <= 0.10
 
 Every experiment warms up, synchronises before reading clocks (CUDA events on a GPU), repeats
 and reports the median with its spread, and rotates its inputs. --quick runs sizes a 2-core CI
@@ -79,6 +81,7 @@ _ONE_LINERS = {
     "plan": "the planner's predicted peak memory against gpukit train's measured one",
     "calibration": "the planner's step time (calibrated, datasheet) against gpukit train's",
     "restarts": "what a restart under gpukit's launcher costs, phase by phase, vs a cold start",
+    "save": "the stall of a checkpoint written in the background vs a synchronous save",
 }
 
 
@@ -95,6 +98,8 @@ def register(sub: Any) -> None:
         if name in ("overhead", "trace", "speed"):
             one.add_argument("--steps", type=int, metavar="N", help="steps timed per round")
             one.add_argument("--rounds", type=int, metavar="R", help="rounds")
+        if name == "save":
+            one.add_argument("--rounds", type=int, metavar="R", help="saves of each kind timed")
         if name == "calibration":
             one.add_argument("--steps", type=int, metavar="N", help="training steps timed")
         if name == "trace":

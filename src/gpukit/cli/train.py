@@ -31,7 +31,8 @@ data_wait_fraction: a row per read-back, written as they come, and one per valid
 data_wait: the seconds the steps of the row's window waited for their batches), DIR/loss.png
 (training and validation loss), DIR/config.toml (every flag as the run used it: --config
 DIR/config.toml trains the same run again) and DIR/checkpoints/ (one per epoch, and every
---save-every N steps or time such as 10m; the newest --keep kept). DIR is checked before anything
+--save-every N steps or time such as 10m; the newest --keep kept; written in the background
+while training goes on, --async-save off waits for each). DIR is checked before anything
 starts: a folder that already holds checkpoints is refused unless --resume (continue) or
 --overwrite (start over; the old checkpoints are moved aside, not deleted). --resume continues from
 the newest good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for

@@ -39,7 +39,10 @@ class Lifecycle:
     """The boundaries of one rank's run (see the module docstring); it has the hooks the step
     calls at its boundaries (``gpukit.runtime.step.boundaries.StepBoundaries``).
 
-    ``save`` writes a checkpoint (every rank calls it at the same step); ``agree`` returns,
+    ``save`` writes a checkpoint (every rank calls it at the same step), given whether its
+    files may be written in the background (``async_save``: a periodic one may, a stop's may
+    not); ``settle`` waits for a checkpoint still being written, every rank together, before a
+    stop and at the end; ``agree`` returns,
     for a list of flags, whether any rank set each (a collective); ``store`` gives the
     process group's store; ``resume`` resumes from the newest good checkpoint, if any (called
     once, before the first step or pass, with ``resume="auto"``)."""
@@ -50,11 +53,12 @@ class Lifecycle:
         rank: int,
         world_size: int,
         log_every: int,
-        save: Callable[[], Path],
+        save: Callable[[bool], Path],
         agree: Callable[[list[bool]], list[bool]],
         store: Callable[[], Any],
         resume: Callable[[], Any],
         deferrable: Callable[[], bool] = lambda: False,
+        settle: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
         # A save a step end asks for waits for the next boundary while a set-up loader's pass
@@ -63,6 +67,7 @@ class Lifecycle:
         self._pending: tuple[str, int] | None = None  # ("save" or "stop", the step)
         self.rank, self.world_size, self.log_every = rank, world_size, log_every
         self._save, self._agree, self._resume = save, agree, resume
+        self._settle = settle
         self.every_steps, self.every_seconds = parse_save_every(config.save_every)
         self.lock: folder_lock.FolderLock | None = None
         if config.checkpoints is not None and rank == 0:  # one run per folder: refused now
@@ -159,10 +164,11 @@ class Lifecycle:
         if self.saved_step == step and self.folder is not None:
             path = self.folder / files.folder_name(step)  # the program saved it itself
         else:
-            path = self._save()
+            path = self._save(kind == "save")  # a stop's save is written before it stops
         if kind == "save":
             return
         assert preempt is not None
+        self._settle()  # the program's own save of this step may still be being written
         preempt.leave_together()
         stop = Preempted(
             f"{preempt.requested}: stopped after step {step} on every rank and "
@@ -190,6 +196,7 @@ class Lifecycle:
         if self._pending is not None:
             self._pending = ("save", self._pending[1])  # the work is done: no stop, a save
             self.at_boundary()
+        self._settle()  # every rank is here: a checkpoint still being written finishes
         self.beat("end", step)
 
     def close(self) -> None:

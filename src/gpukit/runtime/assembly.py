@@ -83,12 +83,13 @@ def make_lifecycle(
         strategy.world_size,
         settings.log_every,
         # The part is made below, once the stepper exists: these run after that.
-        save=lambda: checkpoints.save(),
+        save=lambda background: checkpoints.save_now(background=background and settings.async_save),
         # Asked through the part's strategy, which strategy="auto" may replace at rt.setup.
         agree=lambda votes: checkpoints.strategy.any_rank(votes),
         store=collectives.default_store,
         resume=lambda: checkpoints.resume(),
         deferrable=lambda: any(loader.in_pass for loader in state.loaders),
+        settle=lambda: checkpoints.settle("the end of the run"),
     )
     stepper = make_stepper(settings, state, strategy, precision, lifecycle)
     checkpoints = Checkpointing(settings, state, strategy, precision, lifecycle, stepper, runtime)

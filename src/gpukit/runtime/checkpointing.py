@@ -2,7 +2,9 @@
 
 What they save and how is :mod:`gpukit.checkpoint`; here is what the Runtime adds around it:
 the folder it defaults to, the heartbeat's phase, the check that every rank calls, the logging
-window closed before a save, and what a load tells the lifecycle and the step.
+window closed before a save, what a load tells the lifecycle and the step, and, with
+``async_save``, the write in flight: each save, load and the end of the run first settles it
+(waits for it, and raises its failure on every rank; see ``gpukit.checkpoint.background``).
 
 >>> import tempfile, torch, gpukit as gk
 >>> rt = gk.Runtime(devices="cpu")
@@ -14,6 +16,7 @@ window closed before a save, and what a load tells the lifecycle and the step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit import checkpoint
-from gpukit.checkpoint import pretrained
+from gpukit import _env, checkpoint
+from gpukit.checkpoint import pretrained, sharded
+from gpukit.checkpoint.background import Background
+from gpukit.checkpoint.fit import user_models
 from gpukit.checkpoint.live import user_model
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, warn_user
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
@@ -65,6 +70,12 @@ class Checkpointing:
         self.settings, self.state, self.strategy = settings, state, strategy
         self.precision, self.lifecycle, self.stepper = precision, lifecycle, stepper
         self.runtime = runtime
+        self.background = Background()  # the write in flight (async_save), if any
+        self._said_sharded = False
+        # A save written in the background since the last settle, on every rank alike (saves
+        # are collective): only then do the ranks meet to settle it.
+        self._unsettled = False
+        self._stop_seen: float | None = None  # when a wait first saw a stop asked for
 
     def save(
         self,
@@ -80,7 +91,22 @@ class Checkpointing:
         Collective: every rank calls it (rank 0 writes the files, every rank gives its random
         state and, under fsdp, writes its shards). Called on some ranks only, it fails within
         30 s naming the ranks that did not call it. Under fsdp ``export`` (default: the
-        Runtime's ``export`` setting) says whether it also holds the full weights."""
+        Runtime's ``export`` setting) says whether it also holds the full weights.
+
+        With ``async_save`` it returns once the files' contents are copied to host memory, and
+        a thread writes them (see ``gpukit.checkpoint.background``)."""
+        return self.save_now(directory, keep, export=export, background=self.settings.async_save)
+
+    def save_now(
+        self,
+        directory: str | Path | None = None,
+        keep: int | None = None,
+        *,
+        export: bool | None = None,
+        background: bool = False,
+    ) -> Path:
+        """:meth:`save`, written by a thread when ``background`` (a preemption's save is
+        not)."""
         self.runtime.ready()
         folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
@@ -88,6 +114,16 @@ class Checkpointing:
         self.lifecycle.beat("save", self.state.global_step)
         self.strategy.check_every_rank_calls("rt.save")
         self.runtime.close_window()
+        self.settle("this save")  # one write in flight at most: the one before finishes first
+        if background and sharded.applies(user_models(self.state, self.strategy, self.precision)):
+            background = False
+            if not self._said_sharded:
+                self._said_sharded = True
+                warn_user(
+                    "async_save=True: checkpoints of sharded (fsdp) models are written "
+                    "synchronously (every rank writes its shards through "
+                    "torch.distributed.checkpoint, in the save itself)"
+                )
         path = checkpoint.save(
             Path(folder),
             self.state,
@@ -96,7 +132,9 @@ class Checkpointing:
             accumulate=self.settings.accumulate,
             keep=keep if keep is not None else self.settings.keep,
             export=export if export is not None else self.settings.export == "every",
+            background=self.background if background else None,
         )
+        self._unsettled = background
         self.lifecycle.saved(self.state.global_step)
         return path
 
@@ -106,6 +144,7 @@ class Checkpointing:
         self.runtime.ready()
         folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
         self.lifecycle.beat("load", self.state.global_step)
+        self.settle("this load")  # the checkpoint being written may be the one to load
         self.lifecycle.resumed = True  # an explicit load is the resume
         progress = checkpoint.load(
             folder, self.state, self.strategy, self.precision, self.settings.accumulate
@@ -160,6 +199,52 @@ class Checkpointing:
         self.strategy.check_every_rank_calls("rt.full_state_dict")
         return checkpoint.full_state_dict(model, self.state, self.strategy, self.precision)
 
+    def wait_for_save(self) -> float:
+        """Wait until the checkpoint being written in the background (``async_save``), if
+        any, is in place; returns the seconds waited. This rank only, no collective: a write
+        that failed is raised, on every rank, at the next save, load or the end of the run.
+
+        >>> import gpukit as gk
+        >>> gk.Runtime(devices="cpu").wait_for_save()
+        0.0
+        """
+        return self.background.wait()
+
+    def settle(self, why: str) -> None:
+        """Collective: wait for the write in flight, if any, and raise its failure on every
+        rank. Once a stop was asked for (SIGTERM), within half of ``GPUKIT_STOP_GRACE`` (the
+        stop's own save gets the rest), saying which step was not saved when it cannot finish
+        in time. Nothing at all (no collective)
+        when no save was written in the background since the last settle."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        self.background.settle(self.strategy, self.runtime.say, why, self._deadline)
+
+    def _deadline(self) -> float | None:
+        """Until when a write in flight is waited for: without limit, but once a stop was
+        asked for, half the stop's grace from when the wait saw it."""
+        preemption = self.lifecycle.preemption
+        if preemption is None or preemption.requested is None:
+            return None
+        if self._stop_seen is None:
+            self._stop_seen = time.monotonic()
+        return self._stop_seen + _env.stop_grace() / 2
+
+    def end(self, failing: bool) -> None:
+        """The run ends (``rt.teardown``): settle the write in flight, every rank together.
+        While an error ends it (``failing``: the ranks may not all be here) only this rank
+        waits (within half the stop grace when a stop was asked for) and says a failed
+        write."""
+        if not failing:
+            self.settle("the end of the run")
+            return
+        self._unsettled = False
+        try:
+            self.background.settle(_Alone(), self.runtime.say, "the end of the run", self._deadline)
+        except Exception as err:  # the error already ending the run goes on; this one is said
+            self.runtime.say(f"gpukit: {err}")
+
     def resume(self) -> dict[str, int] | None:
         """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
         else None. ``resume="auto"`` calls it by itself before the first pass or step."""
@@ -171,3 +256,16 @@ class Checkpointing:
         progress = self.load(found)  # the one found: looking again would warn again
         self.runtime.say(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress
+
+
+class _Alone:
+    """A world of this rank alone: what ``Background.settle`` agrees with when the other
+    ranks may not be there."""
+
+    rank = 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        return obj

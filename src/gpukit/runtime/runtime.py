@@ -45,6 +45,7 @@ from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.data.wait import DataWait
+from gpukit.runtime.logging_calls import Logging
 from gpukit.runtime.open_runtimes import OPEN
 from gpukit.runtime.open_runtimes import teardown_open_runtimes as teardown_open_runtimes
 from gpukit.runtime.outputs.evaluation import Evaluation
@@ -94,6 +95,7 @@ class Runtime:
         loggers: LoggersSpec = None,
         compile: bool | str = False,
         init: Callable[[Any], Any] | None = None,
+        async_save: bool = False,
     ) -> None:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -104,7 +106,7 @@ class Runtime:
         self.state = TrainState()
         # The parts behind the methods below that hand them their work (``Delegate``).
         self._processes = Processes(self.strategy, self._before_collective, self._ensure_ready)
-        calls = RuntimeCalls(self._ensure_ready, self._close_window, self.print)
+        calls = RuntimeCalls(self._ensure_ready, lambda: self._logging.close_window(), self.print)
         self.lifecycle, self._stepper, self._checkpointing = make_lifecycle(
             settings, self.state, self.strategy, self.precision, calls
         )
@@ -113,6 +115,7 @@ class Runtime:
         self._metrics = Metrics(device, settings.log_every, self.strategy, wait)
         self._registry = Registry(settings, self.state)
         self._evaluation = Evaluation(self.strategy, self._before_collective)
+        self._logging = Logging(self._metrics, self.state, self._ensure_ready)
         self._progress = Progress(self.strategy, self._metrics.history)
         self._profiling = Profiling(self._stepper, self.strategy)
         self._reporting = make_reporting(settings, self.state, self.strategy)
@@ -182,6 +185,10 @@ class Runtime:
     load_weights = Delegate("_checkpointing", Checkpointing.load_weights)
     full_state_dict = Delegate("_checkpointing", Checkpointing.full_state_dict)
     resume = Delegate("_checkpointing", Checkpointing.resume)
+    wait_for_save = Delegate("_checkpointing", Checkpointing.wait_for_save)
+    log = Delegate("_logging", Logging.log)
+    log_metrics = Delegate("_logging", Logging.log_metrics)
+    flush_logs = Delegate("_logging", Logging.flush_logs)
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -350,37 +357,13 @@ class Runtime:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
         return self._stepper.skipped_steps()
 
-    # -- metrics --------------------------------------------------------------------------------
-    def log(self, **metrics: torch.Tensor | float) -> None:
-        """Accumulate metrics on the device; every ``log_every`` calls, average them over the
-        calls and the ranks, read them back once, and append them to ``rt.history``."""
-        self._metrics.log(self.state.global_step, metrics)
-
-    def log_metrics(self, **metrics: torch.Tensor | float) -> dict[str, float]:
-        """Record values the program computed itself (a validation loss, an accuracy) at the
-        current step, as they are: appended to ``rt.history`` on this rank, no averaging over
-        ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
-        A tensor is read back once here. Returns the record."""
-        return self._metrics.record(self.state.global_step, metrics)
-
-    def flush_logs(self) -> dict[str, float]:
-        """Read back what ``log`` accumulated now (every rank must call it together)."""
-        self._ensure_ready()
-        return self._metrics.flush(self.state.global_step)
-
-    def _close_window(self) -> None:
-        """Read back what ``log`` has pending: only where every rank is (the end of a pass,
-        a save, the end of the launched function), since it is collective."""
-        if self._metrics.pending:
-            self._metrics.flush(self.state.global_step)
-
     def _end_of_pass(self, trained: bool) -> None:
         # Every rank ends the pass together: a logging window never spans two epochs, and a
         # loop's last window is read back before anyone reads rt.history alone. A pass that
         # trained nothing (an evaluation) leaves the training's window and schedulers alone.
         if not trained:
             return
-        self._close_window()
+        self._logging.close_window()
         for scheduler in self.state.schedulers:
             scheduler.loader_pass_ended()
 
@@ -390,15 +373,18 @@ class Runtime:
         # DDP's reducer must go while its group exists (at exit it can block forever), a GPU's
         # memory held in cycles must come back now; on a CPU alone a collection only costs time.
         OPEN.discard(self)
-        self.lifecycle.close()
-        self.state.clear()
-        self._stepper.close()
-        # The ignore: torch declares cuda.is_initialized without annotations.
-        if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            gc.collect()
-        self.strategy.teardown()
-        # Last: a logger that fails to finalize must not leave the process group behind.
-        self._reporting.finish("failed" if sys.exc_info()[0] else "success")  # if not before
+        try:  # a checkpoint still being written finishes first (async_save)
+            self._checkpointing.end(failing=sys.exc_info()[0] is not None)
+        finally:
+            self.lifecycle.close()
+            self.state.clear()
+            self._stepper.close()
+            # The ignore: torch declares cuda.is_initialized without annotations.
+            if in_real_process_group() or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                gc.collect()
+            self.strategy.teardown()
+            # Last: a logger that fails to finalize must not leave the process group behind.
+            self._reporting.finish("failed" if sys.exc_info()[0] else "success")  # if not before
 
     def _ensure_ready(self) -> None:
         if self._ready:
@@ -441,7 +427,7 @@ def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
     finalized here, as failed when ``fn`` raised."""
     try:
         result = fn(rt, *args)
-        rt._close_window()
+        rt._logging.close_window()
     except BaseException:
         rt._reporting.finish("failed")
         raise

@@ -110,6 +110,23 @@ def _export(value: object) -> None:
         )
 
 
+def _on_off(text: str) -> bool:
+    """A flag's on/off (also true/false, yes/no, 1/0) as a bool."""
+    words = {"on": True, "true": True, "yes": True, "1": True}
+    words |= {"off": False, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise ConfigError(f"{text!r}: use on or off")
+    return words[text.lower()]
+
+
+def _async_save(value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"async_save={value!r}: use True (checkpoints written by a thread while training "
+            "goes on) or False (each save waits for its files)"
+        )
+
+
 def _nonfinite(value: object) -> None:
     if value is not None:
         check_policy(value)
@@ -315,6 +332,24 @@ class Settings:
         check=_init,
         flag=False,
         no_flag="none (the built-in workloads are built with their weights)",
+    )
+    async_save: bool = setting(
+        False,
+        help="checkpoints written in the background while training goes on",
+        allowed="True, False",
+        doc="True: ``rt.save`` and ``save_every`` do their collective part and copy what they "
+        "save to host memory (pinned on a GPU), then a thread writes, fsyncs and publishes the "
+        "files, in the same format, while training goes on. A save waits for the one before "
+        "(saying how long); a failed write raises its ``CheckpointWriteError`` at the next "
+        "save, load or the end of the run, on every rank; a preemption's save is synchronous; "
+        "the end of the run waits for the write. Under fsdp saves stay synchronous (with a "
+        "warning). False: every save returns once its files are in place.",
+        check=_async_save,
+        parse=_on_off,
+        metavar="on|off",
+        train_default=True,
+        why="a training command's checkpoints should cost it a copy, not the write; a "
+        "program keeps the synchronous saves it was written against",
     )
 
     def __post_init__(self) -> None:

@@ -1,0 +1,43 @@
+"""The Runtime's metric methods: ``rt.log``, ``rt.log_metrics`` and ``rt.flush_logs``, and the
+logging window it closes where every rank is (the sums themselves:
+:mod:`gpukit.runtime.outputs.metrics`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.state import TrainState
+
+
+class Logging:
+    """What ``rt.log`` and its kin do with ``metrics``, stamped with ``state``'s step;
+    ``ready`` joins the process group before a read-back that may be collective."""
+
+    def __init__(self, metrics: Metrics, state: TrainState, ready: Callable[[], None]) -> None:
+        self.metrics, self.state, self.ready = metrics, state, ready
+
+    def log(self, /, **metrics: torch.Tensor | float) -> None:
+        """Accumulate metrics on the device; every ``log_every`` calls, average them over the
+        calls and the ranks, read them back once, and append them to ``rt.history``."""
+        self.metrics.log(self.state.global_step, metrics)
+
+    def log_metrics(self, /, **metrics: torch.Tensor | float) -> dict[str, float]:
+        """Record values the program computed itself (a validation loss, an accuracy) at the
+        current step, as they are: appended to ``rt.history`` on this rank, no averaging over
+        ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
+        A tensor is read back once here. Returns the record."""
+        return self.metrics.record(self.state.global_step, metrics)
+
+    def flush_logs(self) -> dict[str, float]:
+        """Read back what ``log`` accumulated now (every rank must call it together)."""
+        self.ready()
+        return self.metrics.flush(self.state.global_step)
+
+    def close_window(self) -> None:
+        """Read back what ``log`` has pending: only where every rank is (the end of a pass,
+        a save, the end of the launched function), since it is collective."""
+        if self.metrics.pending:
+            self.metrics.flush(self.state.global_step)
