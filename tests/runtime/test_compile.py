@@ -319,3 +319,29 @@ def test_reduce_overhead_on_a_gpu_trains_as_eager_and_keeps_every_logged_loss() 
     torch.testing.assert_close(graphs, eager, rtol=1e-4, atol=1e-5)
     for name, want in eager_weights.items():
         torch.testing.assert_close(graph_weights[name], want, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_graph_modes_refuse_what_changes_a_steps_shapes() -> None:
+    with pytest.raises(ConfigError, match=r"accumulate=2 runs 2 forwards.*compile=True"):
+        gk.Runtime(devices="cpu", compile="reduce-overhead", accumulate=2)
+    with pytest.raises(ConfigError, match=r"oom='recover' cuts a batch.*oom='raise'"):
+        gk.Runtime(devices="cpu", compile="max-autotune", oom="recover")
+    with pytest.warns(UserWarning, match="CUDA graphs need a CUDA device"):
+        rt = gk.Runtime(devices="cpu", compile="reduce-overhead", oom="auto")
+    assert not rt.settings.recovers(distributed=False)  # auto: no recovery under graphs
+    assert gk.Runtime(devices="cpu", oom="auto").settings.recovers(distributed=False)
+
+
+def test_a_loop_of_its_own_begins_a_new_replay_after_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    begun: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
+    rt = gk.Runtime(devices="cpu")
+    rt._compiler.graphs = True  # as on a GPU
+    model = _model()
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in _batches(3):
+        rt.backward(nn.functional.cross_entropy(model(x), y))
+        rt.step(optimizer)
+    assert len(begun) == 3

@@ -82,8 +82,9 @@ def process_group(device: torch.device) -> Iterator[None]:
 
 
 def titan_optimizer(model: nn.Module, device: torch.device) -> torch.optim.AdamW:
-    """torchtitan's AdamW: weight decay on every parameter, fused on a GPU."""
-    fused = device.type == "cuda"
+    """torchtitan's AdamW: weight decay on every parameter, fused on a GPU (where this
+    torch takes it for a model still on the meta device, see gpukit.train.fast)."""
+    fused = fast.fused_adamw(device, model.parameters())
     return torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=fused or None
     )

@@ -265,6 +265,7 @@ def _compile_choice(args: argparse.Namespace, config: TrainConfig) -> Compile:
         devices=count,
         steps=steps,
         parameters=parameters,
+        fixed_shapes=args.accumulate == 1 and args.oom != "recover",
     )
 
 

@@ -20,7 +20,8 @@ inductor with that mode. The modes that record CUDA graphs ("reduce-overhead",
 "max-autotune") replay a step's kernels with one launch, for a small model whose GPU waits on
 the host; a graph holds fixed shapes and one device, so they are refused with several
 processes or devices (collectives) and with batches whose shape changes (a loader's short last
-batch, checked at ``rt.setup``), and on a CPU they compile without graphs, as said once.
+batch, checked at ``rt.setup``), with accumulation and with ``oom="recover"`` (``"auto"``
+does not recover under them), and on a CPU they compile without graphs, as said once.
 
 Compiling in place keeps the module objects: parameter names, ``state_dict`` keys and
 checkpoints are those of an uncompiled run (no ``_orig_mod.``), so either loads the other's.
@@ -81,6 +82,27 @@ def check_compile(value: object) -> None:
                 f"backend here; the backends are: {', '.join(sorted(known))} (True: the "
                 "default, inductor)"
             )
+
+
+def check_graph_mode(value: object, accumulate: int, oom: str) -> None:
+    """Refuse a CUDA-graph mode with what changes a step's shapes or its number of forwards:
+    accumulation (several forwards before one backward) and ``oom="recover"`` (a batch cut into
+    smaller ones). ``oom="auto"`` does not recover under such a mode (see ``Settings``)."""
+    if value not in GRAPH_MODES:
+        return
+    if accumulate > 1:
+        raise ConfigError(
+            f"compile={value!r} records CUDA graphs of one forward and backward per step, and "
+            f"accumulate={accumulate} runs {accumulate} forwards before the step: use "
+            "compile=True (no CUDA graphs), or a larger batch and accumulate=1"
+        )
+    if oom == "recover":
+        raise ConfigError(
+            f"compile={value!r} records CUDA graphs for fixed shapes, and oom='recover' cuts a "
+            "batch that does not fit into smaller ones, each recorded again in the memory that "
+            "just ran out: use oom='raise' (or 'auto', which does not recover under CUDA "
+            "graphs), or compile=True"
+        )
 
 
 def _dynamo_supported() -> tuple[bool, str]:
@@ -148,6 +170,12 @@ class Compiler:
             return take_step()
         torch.compiler.cudagraph_mark_step_begin()
         return take_step().clone()
+
+    def next_step(self) -> None:
+        """After ``rt.step`` in a loop of its own: under CUDA graphs, the next forward begins
+        a new replay (as ``step`` does for ``rt.train_step``)."""
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def check_loader(self, loader: Any) -> None:
         """Refuse a loader whose batches change shape when the model replays CUDA graphs: a

@@ -344,7 +344,9 @@ class Runtime:
         Returns True when the optimizer stepped (False while accumulating, or when 16-mixed
         skipped a step whose gradients overflowed).
         """
-        return self._stepper.step(optimizer)
+        stepped = self._stepper.step(optimizer)
+        self._compiler.next_step()  # under CUDA graphs, the next forward is a new replay
+        return stepped
 
     def out_of_memory(
         self, err: BaseException | str, micro_batch: int | None = None

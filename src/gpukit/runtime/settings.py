@@ -38,7 +38,7 @@ from gpukit.lifecycle.checks import (
     parse_save_every,
 )
 from gpukit.loggers.registry import LoggersSpec, check_loggers
-from gpukit.runtime.compiling import check_compile
+from gpukit.runtime.compiling import GRAPH_MODES, check_compile, check_graph_mode
 from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
 from gpukit.runtime.settings_checks import (
     DevicesSpec,
@@ -212,7 +212,8 @@ class Settings:
         '``OutOfMemory`` error that explains the numbers and what to try), "recover" (cut the '
         "batch into more micro-batches and redo the step; under several processes this costs "
         'DDP its overlap of communication with the backward and one read per step), or "auto" '
-        "(recover in one process, where it costs nothing per step; raise under several). See "
+        "(recover in one process, where it costs nothing per step; raise under several, or under "
+        "a CUDA-graph compile mode). See "
         "``gpukit.runtime.step.stepper``.",
         check=check_oom,
         choices=("auto", "recover", "raise"),
@@ -359,11 +360,14 @@ class Settings:
                 check(getattr(self, f.name))
         check_needs_folder(self)
         check_loggers(self.loggers, run_folder(self.checkpoints))
+        check_graph_mode(self.compile, self.accumulate, self.oom)
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:
-        "auto" recovers only where it costs nothing per step (one process)."""
-        return self.oom == "recover" or (self.oom == "auto" and not distributed)
+        "auto" recovers only where it costs nothing per step (one process, and no CUDA-graph
+        compile mode, where a cut batch would record graphs for its new shapes)."""
+        graphs = self.compile in GRAPH_MODES
+        return self.oom == "recover" or (self.oom == "auto" and not distributed and not graphs)
 
     def keywords(self) -> dict[str, Any]:
         """The settings as keyword arguments (``gk.Runtime(**s.keywords())`` makes them

@@ -28,10 +28,11 @@ from 500; --compile on to compile anyway)')
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.optim import optimizer as optimizer_module
 
 from gpukit.runtime.compiling import MODES
 
@@ -67,10 +68,19 @@ def parse_compile(text: str) -> str:
 
 
 def compile_choice(
-    asked: str, *, cuda: bool, strategy: str, devices: int, steps: int, parameters: int
+    asked: str,
+    *,
+    cuda: bool,
+    strategy: str,
+    devices: int,
+    steps: int,
+    parameters: int,
+    fixed_shapes: bool = True,
 ) -> Compile:
     """What ``--compile asked`` makes of a run on ``devices`` devices (``cuda``: GPUs) under
-    ``strategy`` for ``steps`` optimizer steps of a model of ``parameters``."""
+    ``strategy`` for ``steps`` optimizer steps of a model of ``parameters``; ``fixed_shapes``:
+    every step is one forward of the whole batch (no accumulation, no ``--oom recover``), which
+    CUDA graphs need."""
     if asked == "off":
         return Compile(False, "off (--compile off)")
     if asked == "on":
@@ -87,7 +97,8 @@ def compile_choice(
             f"eager: {steps} steps are too few to repay compiling (auto compiles from "
             f"{COMPILE_FROM_STEPS}; --compile on to compile anyway)",
         )
-    if devices == 1 and strategy in ("auto", "single") and parameters <= GRAPHS_UP_TO_PARAMETERS:
+    one_gpu = devices == 1 and strategy in ("auto", "single")
+    if one_gpu and fixed_shapes and parameters <= GRAPHS_UP_TO_PARAMETERS:
         return Compile(
             "reduce-overhead",
             f"reduce-overhead: {steps} steps of a small model ({parameters:,} parameters) on "
@@ -96,10 +107,15 @@ def compile_choice(
     return Compile(True, f"on: {steps} steps repay compiling")
 
 
-def fused_adamw(device: torch.device) -> bool:
+def fused_adamw(device: torch.device, parameters: Iterable[torch.Tensor] = ()) -> bool:
     """Whether gpukit train's AdamW is the fused one: on CUDA, where it is one kernel; on a
-    CPU the default, so that a CPU run computes what a plain loop computes."""
-    return device.type == "cuda"
+    CPU the default, so that a CPU run computes what a plain loop computes. A model still on
+    the meta device (materialised at ``rt.setup``) gets it only from a torch that checks the
+    fused kernel's devices at the first step rather than when the optimizer is made."""
+    if device.type != "cuda":
+        return False
+    checked_late = hasattr(optimizer_module, "_device_dtype_check_for_fused")
+    return checked_late or not any(p.is_meta for p in parameters)
 
 
 @contextlib.contextmanager
@@ -109,9 +125,11 @@ def tf32(device: torch.device) -> Iterator[bool]:
     if device.type != "cuda":
         yield False
         return
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")  # TF32 where float32 matmuls remain
+    torch.backends.cudnn.allow_tf32 = True  # torch's default for convolutions, kept on
     try:
         yield True
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn

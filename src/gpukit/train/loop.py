@@ -87,7 +87,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
     # fused: one kernel per update on CUDA (gpukit.train.fast), and the only AdamW that can
     # skip a step on the device (nonfinite="skip"); otherwise torch's default, as a plain
     # program gets it.
-    fused = fast.fused_adamw(rt.device) or rt.nonfinite == "skip"
+    fused = fast.fused_adamw(rt.device, model.parameters()) or rt.nonfinite == "skip"
     chosen: dict[str, Any] = {"fused": True} if fused else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **chosen)
     # One loader batch is one optimizer step of this rank; rt.train_step cuts it into the
