@@ -54,7 +54,7 @@ def _data_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 def test_each_window_with_batches_records_its_wait_and_a_window_without_none() -> None:
-    rt = gk.Runtime(devices="cpu", log_every=3)
+    rt = gk.Runtime(devices="cpu", log_every=3, data_wait=True)
     _train(rt, _Slow(8, 0.0), batch_size=2)  # 4 steps: a window of 3, the pass's end of 1
     rt.log(loss=1.0)  # a window in which no batch was asked for
     rt.flush_logs()
@@ -148,7 +148,7 @@ def test_a_loop_that_never_flushes_keeps_few_events(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_slow_loader_is_warned_about_once_with_its_settings() -> None:
-    rt = gk.Runtime(devices="cpu", log_every=3)
+    rt = gk.Runtime(devices="cpu", log_every=3, data_wait=True)
     # 4 windows of 3 steps, each batch 2 items of 20 ms: about 0.12 s of waiting a window.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -162,7 +162,7 @@ def test_a_slow_loader_is_warned_about_once_with_its_settings() -> None:
 
 def test_a_slow_first_window_alone_is_not_warned_about() -> None:
     """The first window holds the workers' start (and a dataset's first reads): left out."""
-    rt = gk.Runtime(devices="cpu", log_every=3)
+    rt = gk.Runtime(devices="cpu", log_every=3, data_wait=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Items 0..5 (the first window's 3 batches) slow, the rest fast.
@@ -189,7 +189,7 @@ class _FirstSlow(Dataset[Any]):
 def test_a_fast_loader_gives_no_warning() -> None:
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 4, generator=gen), torch.randn(256, 1, generator=gen))
-    rt = gk.Runtime(devices="cpu", log_every=4)
+    rt = gk.Runtime(devices="cpu", log_every=4, data_wait=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(rt, data, batch_size=8)
@@ -225,7 +225,7 @@ def _steps(setup_loader: bool) -> dict[str, Any]:
     batches from the loader rt.setup wrapped, or from the plain DataLoader."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40 * 16, 8), torch.randint(0, 3, (40 * 16,)))
-    rt = gk.Runtime(devices="cpu", log_every=10)
+    rt = gk.Runtime(devices="cpu", log_every=10, data_wait=True)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     plain = DataLoader(data, batch_size=16)
     model, optimizer, loader = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3), plain)
@@ -264,10 +264,37 @@ def test_measuring_the_wait_adds_no_read_copy_or_op_to_the_step() -> None:
 @pytest.mark.gpu
 def test_on_a_gpu_each_window_records_the_devices_wait() -> None:
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    rt = gk.Runtime(devices="cuda:0", log_every=4)
+    rt = gk.Runtime(devices="cuda:0", log_every=4, data_wait=True)
     _train(rt, data, batch_size=4)  # 16 steps: 4 windows, each read back after its events
     assert len(rt.history) == 4
     device_keys = {"data_wait_device", "data_wait_device_fraction"}
     assert all((KEYS | device_keys).issubset(r) for r in rt.history)
     for r in rt.history:
         assert r["data_wait_device"] >= 0 and 0 <= r["data_wait_device_fraction"] <= 1
+
+
+def test_a_program_that_does_not_ask_keeps_its_records_as_it_logged_them() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=2)
+    loader = rt.setup_loader(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
+    for (x,) in loader:
+        rt.log(loss=x.mean())
+    assert rt.history and all(set(r) == {"step", "loss"} for r in rt.history)
+
+
+def test_an_evaluation_pass_is_left_out_of_the_training_window() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=100, data_wait=True)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    slow = rt.setup_loader(
+        DataLoader(_Slow(4, 0.05), batch_size=1)
+    )  # evaluated: no step in its pass
+    fast = rt.setup_loader(DataLoader(TensorDataset(torch.ones(4, 4)), batch_size=2))
+    with torch.no_grad():
+        for x, _ in slow:
+            model(x)
+    for (x,) in fast:
+        rt.backward(model(x).sum())
+        rt.step(optimizer)
+        rt.log(loss=torch.tensor(1.0))
+    (record,) = rt.history  # the training pass's end closed the window
+    assert record["data_wait"] < 0.15  # the evaluation's 0.2 s of sleeping is not in it

@@ -96,6 +96,7 @@ class Runtime:
         compile: bool | str = False,
         init: Callable[[Any], Any] | None = None,
         async_save: bool = False,
+        data_wait: bool = False,
     ) -> None:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -110,7 +111,8 @@ class Runtime:
         self.lifecycle, self._stepper, self._checkpointing = make_lifecycle(
             settings, self.state, self.strategy, self.precision, calls
         )
-        self._data_wait = DataWait()  # data_wait in rt.history (gpukit.runtime.data.wait)
+        # data_wait in rt.history, where asked for (gpukit.runtime.data.wait)
+        self._data_wait = DataWait() if settings.data_wait else None
         device, wait = self.strategy.device.torch, self._data_wait
         self._metrics = Metrics(device, settings.log_every, self.strategy, wait)
         self._registry = Registry(settings, self.state)

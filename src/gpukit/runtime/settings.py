@@ -25,30 +25,36 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
-from gpukit._util.text import described
-from gpukit.errors import ConfigError
 from gpukit.lifecycle.checks import (
     ResumePolicy,
     check_checkpoints,
     check_keep,
     check_needs_folder,
     check_resume,
-    parse_save_every,
 )
 from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.compiling import GRAPH_MODES, check_compile, check_graph_mode
 from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
 from gpukit.runtime.settings_checks import (
     DevicesSpec,
+    ExportPolicy,
     OomPolicy,
+    check_async_save,
     check_clip,
     check_count,
+    check_data_wait,
+    check_export,
+    check_init,
+    check_nonfinite,
     check_oom,
+    check_save_every,
     check_seed,
+    parse_count_or_text,
+    parse_on_off,
 )
-from gpukit.runtime.step.nonfinite import NonFinitePolicy, check_policy
+from gpukit.runtime.step.nonfinite import NonFinitePolicy
 from gpukit.strategies import Strategy
 
 SAME: Any = object()  # gpukit train's default is the API's
@@ -80,58 +86,6 @@ def _count(name: str, meaning: str) -> Callable[[Any], None]:
     return lambda value: check_count(name, value, meaning)
 
 
-def _count_or_text(text: str) -> int | str:
-    """A flag's text as a count when it is one (ASCII digits only: int() would read other
-    scripts' digits too), else as given."""
-    return int(text) if text.isascii() and text.isdigit() else text
-
-
-def _save_every(value: object) -> None:
-    parse_save_every(value)  # type: ignore[arg-type]  # checks whatever it is given
-
-
-def _init(value: object) -> None:
-    if value is not None and not callable(value):
-        raise ConfigError(
-            f"init={described(value)}: give a function taking a module (it initialises that "
-            "module's own parameters and buffers), or None"
-        )
-
-
-ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
-
-
-def _export(value: object) -> None:
-    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
-        raise ConfigError(
-            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
-            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
-            "rt.save(export=True) exports one anyway)"
-        )
-
-
-def _on_off(text: str) -> bool:
-    """A flag's on/off (also true/false, yes/no, 1/0) as a bool."""
-    words = {"on": True, "true": True, "yes": True, "1": True}
-    words |= {"off": False, "false": False, "no": False, "0": False}
-    if text.lower() not in words:
-        raise ConfigError(f"{text!r}: use on or off")
-    return words[text.lower()]
-
-
-def _async_save(value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"async_save={value!r}: use True (checkpoints written by a thread while training "
-            "goes on) or False (each save waits for its files)"
-        )
-
-
-def _nonfinite(value: object) -> None:
-    if value is not None:
-        check_policy(value)
-
-
 @dataclass(frozen=True)
 class Settings:
     """The settings of a run (``gk.Runtime``'s keywords), checked once when made."""
@@ -160,7 +114,7 @@ class Settings:
         allowed="auto, all, N, a spec (cuda:1), a list (0,1)",
         doc='"auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes on a '
         'machine without GPUs), a spec such as "cuda:1", or a list of specs.',
-        parse=_count_or_text,
+        parse=parse_count_or_text,
     )
     accumulate: int = setting(
         1,
@@ -239,8 +193,8 @@ class Settings:
         allowed="N steps, a time (90s, 10m, 1h), or None",
         doc='a checkpoint every N optimizer steps (``4``), or every so much time (``"10m"``, '
         '``"90s"``, ``"1h"``); None: only when ``rt.save`` is called.',
-        check=_save_every,
-        parse=_count_or_text,
+        check=check_save_every,
+        parse=parse_count_or_text,
         metavar="N|TIME",
     )
     keep: int = setting(
@@ -259,7 +213,7 @@ class Settings:
         '(``model.safetensors``, gathered one weight at a time): "every", or "never" (the '
         "shards alone, which resume the run; ``rt.save(export=True)`` exports one anyway, "
         "e.g. the last). Without fsdp the weights file is what resumes, and always written.",
-        check=_export,
+        check=check_export,
         choices=("every", "never"),
     )
     resume: ResumePolicy = setting(
@@ -279,7 +233,7 @@ class Settings:
         doc='None, "skip" (a step with NaN/Inf gradients is skipped on the device; needs an '
         'optimizer built with ``fused=True``) or "raise" (stop naming the step); both read back '
         "only once per ``log_every`` steps (see ``gpukit.runtime.step.nonfinite``).",
-        check=_nonfinite,
+        check=check_nonfinite,
         choices=("skip", "raise"),
     )
     scheduler_steps: SchedulerSteps = setting(
@@ -330,7 +284,7 @@ class Settings:
         "module holding tensors of its own, or, with None, by each module's "
         "``reset_parameters()`` (a root's ``init_weights()`` when it has one); the same "
         "weights for any rank count (see ``gpukit.strategies.meta_init``).",
-        check=_init,
+        check=check_init,
         flag=False,
         no_flag="none (the built-in workloads are built with their weights)",
     )
@@ -345,12 +299,30 @@ class Settings:
         "save, load or the end of the run, on every rank; a preemption's save is synchronous; "
         "the end of the run waits for the write. Under fsdp saves stay synchronous (with a "
         "warning). False: every save returns once its files are in place.",
-        check=_async_save,
-        parse=_on_off,
+        check=check_async_save,
+        parse=parse_on_off,
         metavar="on|off",
         train_default=True,
         why="a training command's checkpoints should cost it a copy, not the write; a "
         "program keeps the synchronous saves it was written against",
+    )
+    data_wait: bool = setting(
+        False,
+        help="measure how long the steps wait for their batches (data_wait in the history)",
+        allowed="True, False",
+        doc="True: the loaders ``rt.setup`` wraps time each wait for a batch (the host's clock "
+        "around the loader's ``next()``; on CUDA also events on the device's stream, read "
+        "where the run reads back anyway), each ``rt.history`` record (and so each logger) "
+        "gets ``data_wait`` and ``data_wait_fraction`` for its window, and one warning names "
+        "the loader's settings to change when the steps wait more than 5% of the time (see "
+        "``gpukit.runtime.data.wait``). False: nothing is measured, the records hold what the "
+        "program logged.",
+        check=check_data_wait,
+        parse=parse_on_off,
+        metavar="on|off",
+        train_default=True,
+        why="a training command reports what slows it; a program's records and loggers hold "
+        "what it logs",
     )
 
     def __post_init__(self) -> None:

@@ -21,6 +21,8 @@ from gpukit.devices import device as resolve_device
 from gpukit.devices import devices as list_devices
 from gpukit.devices import hw as _hw
 from gpukit.errors import ConfigError
+from gpukit.lifecycle.checks import parse_save_every
+from gpukit.runtime.step.nonfinite import check_policy
 from gpukit.strategies import Strategy
 
 DevicesSpec = Any  # "auto" | "all" | int | str | Sequence[str | int | Device]
@@ -191,3 +193,63 @@ def check_seed(seed: object) -> None:
             f"seed={described(seed)}: give a whole number from -2**63 to 2**63-1 "
             "(a signed 64-bit integer, e.g. seed=0), or None to leave the generators as they are"
         )
+
+
+def parse_count_or_text(text: str) -> int | str:
+    """A flag's text as a count when it is one (ASCII digits only: int() would read other
+    scripts' digits too), else as given."""
+    return int(text) if text.isascii() and text.isdigit() else text
+
+
+def check_save_every(value: object) -> None:
+    parse_save_every(value)  # type: ignore[arg-type]  # checks whatever it is given
+
+
+def check_init(value: object) -> None:
+    if value is not None and not callable(value):
+        raise ConfigError(
+            f"init={described(value)}: give a function taking a module (it initialises that "
+            "module's own parameters and buffers), or None"
+        )
+
+
+ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights
+
+
+def check_export(value: object) -> None:
+    if not (isinstance(value, str) and value in get_args(ExportPolicy)):
+        raise ConfigError(
+            f"export={value!r}: use 'every' (every fsdp checkpoint also holds the full "
+            "weights, model.safetensors) or 'never' (the shards alone, which resume the run; "
+            "rt.save(export=True) exports one anyway)"
+        )
+
+
+def parse_on_off(text: str) -> bool:
+    """A flag's on/off (also true/false, yes/no, 1/0) as a bool."""
+    words = {"on": True, "true": True, "yes": True, "1": True}
+    words |= {"off": False, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise ConfigError(f"{text!r}: use on or off")
+    return words[text.lower()]
+
+
+def check_async_save(value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"async_save={value!r}: use True (checkpoints written by a thread while training "
+            "goes on) or False (each save waits for its files)"
+        )
+
+
+def check_data_wait(value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"data_wait={value!r}: use True (rt.history records how long each window's steps "
+            "waited for their batches) or False"
+        )
+
+
+def check_nonfinite(value: object) -> None:
+    if value is not None:
+        check_policy(value)

@@ -284,6 +284,8 @@ class DeviceLoader:
             return
         self._live.remove(done)
         trained = self._steps() > done.steps_at_start
+        if not trained and self._wait is not None:
+            self._wait.forget(self)  # an evaluation's or a peek's waits are not the steps'
         if exhausted:
             self.epoch += 1
             # Every rank's pass ends at the same batch when the sampler shards evenly, which

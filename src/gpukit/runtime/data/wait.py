@@ -1,4 +1,5 @@
-"""How long the training steps waited for their batches: ``data_wait`` in ``rt.history``.
+"""How long the training steps waited for their batches: ``data_wait`` in ``rt.history``, when
+the Runtime's ``data_wait`` setting asks (``gpukit train`` always does).
 
 Measured over each logging window (what one record of ``rt.history`` covers), for the batches
 the loaders ``rt.setup`` wrapped handed out in it; a window in which no such loader handed out
@@ -6,7 +7,8 @@ a batch gets none of these values:
 
 - ``data_wait``: seconds the host spent blocked in the DataLoader's own ``next()`` (waiting for
   its workers, or running ``__getitem__`` and ``collate_fn`` in this process), summed over the
-  window's batches. ``time.perf_counter`` around the call: nothing is read from a device.
+  window's batches (a pass that ends without a training step, an evaluation, is left out).
+  ``time.perf_counter`` around the call: nothing is read from a device.
 - ``data_wait_fraction``: ``data_wait`` over the window's wall time, from the first batch asked
   for in it to its read-back (the steps' time: what happens between windows, a checkpoint
   written, a validation pass, is not in it).
@@ -91,6 +93,16 @@ class DataWait:
         self._waited += seconds
         held = self._by_loader.get(id(loader))
         self._by_loader[id(loader)] = (loader, seconds + (held[1] if held else 0.0))
+
+    def forget(self, loader: Any) -> None:
+        """Leave out what ``loader`` waited in the open window: its pass ended without a
+        training step (an evaluation, a peek). A window left with no other loader's batch
+        starts again at the next batch asked for."""
+        held = self._by_loader.pop(id(loader), None)
+        if held is not None:
+            self._waited -= held[1]
+        if not self._by_loader:
+            self._first_ask, self._waited = None, 0.0
 
     def device_marks(
         self, device: torch.device, asked: torch.cuda.Event, got: torch.cuda.Event

@@ -108,7 +108,7 @@ class Metrics:
         processes every rank must call it together), and append them to ``history``."""
         names = tuple(sorted(self._sums))
         self._calls = 0
-        if self.window is not None:
+        if self.window is not None and names:  # a record will be made of this window
             self.window.before_read()
         if not self.strategy.distributed:
             if not names:
