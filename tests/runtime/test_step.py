@@ -439,3 +439,23 @@ def test_clipping_follows_a_new_optimizer_even_at_a_reused_address() -> None:
         assert (net.weight - before).abs().max() <= 0.01 + 1e-6
         assert rt._stepper._params(optimizer)[0] is net.weight
         del optimizer, model
+
+
+def test_recovery_that_never_cuts_trains_bit_for_bit_as_without_it() -> None:
+    """One process, one micro-batch: with oom="recover" the step is the plain loop's (the
+    whole batch) after saving what a retry would need, and computes exactly what it does."""
+
+    def run(oom: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        rt = gk.Runtime(devices="cpu", oom=oom)  # type: ignore[arg-type]
+        model = _Noisy()
+        model, optimizer = rt.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+        data = _data()
+        for i in range(4):
+            batch = (data.tensors[0][i * 8 : i * 8 + 8], data.tensors[1][i * 8 : i * 8 + 8])
+            rt.train_step(optimizer, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
+        return {k: v.clone() for k, v in rt.unwrap(model).state_dict().items()}
+
+    recovering, plain = run("recover"), run("raise")
+    for name, value in plain.items():
+        assert torch.equal(recovering[name], value), name
