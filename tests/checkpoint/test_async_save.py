@@ -326,7 +326,7 @@ def test_a_stop_past_its_grace_says_which_step_was_not_saved(tmp_path: Path) -> 
     said: list[str] = []
     began = time.monotonic()
     background.settle(checkpointing._Alone(), said.append, "the stop", lambda: began + 0.1)
-    assert time.monotonic() - began < 20  # not the write's 30 s
+    assert not go.is_set()  # the write cannot have ended: settle gave up on it (said below)
     assert said and "the checkpoint of step 7 was still being written" in said[0], said
     assert "is not saved" in said[0] and "'latest' still names the previous" in said[0]
     go.set()

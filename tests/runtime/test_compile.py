@@ -264,15 +264,24 @@ def test_a_loader_with_a_short_last_batch_is_refused_under_cuda_graphs() -> None
     rt.setup_loader(DataLoader(list(range(8)), batch_size=4))  # every batch the same size
 
 
-def test_under_cuda_graphs_a_step_begins_a_new_replay_and_returns_its_own_loss(
+def _as_under_cuda_graphs(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[gk.Runtime, Any, torch.optim.Optimizer, list[int]]:
+    """A Runtime that takes its model to replay CUDA graphs (as on a GPU), its model and
+    optimizer set up, and the list each new replay's start is noted in."""
     begun: list[int] = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
     rt = gk.Runtime(devices="cpu")
-    rt._compiler.graphs = True  # as on a GPU
+    rt._compiler.graphs = True
     model = _model()
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return rt, model, optimizer, begun
+
+
+def test_under_cuda_graphs_a_step_begins_a_new_replay_and_returns_its_own_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rt, model, optimizer, begun = _as_under_cuda_graphs(monkeypatch)
     returned: list[torch.Tensor] = []
 
     def loss_of(batch: Any) -> torch.Tensor:
@@ -335,12 +344,7 @@ def test_cuda_graph_modes_refuse_what_changes_a_steps_shapes() -> None:
 def test_a_loop_of_its_own_begins_a_new_replay_after_each_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    begun: list[int] = []
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begun.append(1))
-    rt = gk.Runtime(devices="cpu")
-    rt._compiler.graphs = True  # as on a GPU
-    model = _model()
-    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    rt, model, optimizer, begun = _as_under_cuda_graphs(monkeypatch)
     for x, y in _batches(3):
         rt.backward(nn.functional.cross_entropy(model(x), y))
         rt.step(optimizer)

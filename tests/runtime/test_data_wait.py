@@ -3,6 +3,7 @@ is high, and what measuring it costs the step (nothing read back: counted with g
 
 from __future__ import annotations
 
+import itertools
 import time
 import types
 import warnings
@@ -283,18 +284,19 @@ def test_a_program_that_does_not_ask_keeps_its_records_as_it_logged_them() -> No
 
 def test_an_evaluation_pass_is_left_out_of_the_training_window() -> None:
     rt = gk.Runtime(devices="cpu", log_every=100, data_wait=True)
+    assert rt._data_wait is not None
+    rt._data_wait.clock = itertools.count().__next__  # every wait for a batch counts 1
     model = torch.nn.Linear(4, 1)
     model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    slow = rt.setup_loader(
-        DataLoader(_Slow(4, 0.05), batch_size=1)
-    )  # evaluated: no step in its pass
-    fast = rt.setup_loader(DataLoader(TensorDataset(torch.ones(4, 4)), batch_size=2))
+    evaluated = rt.setup_loader(DataLoader(_Slow(4, 0.0), batch_size=1))  # no step in its pass
+    trained = rt.setup_loader(DataLoader(TensorDataset(torch.ones(4, 4)), batch_size=2))
     with torch.no_grad():
-        for x, _ in slow:
+        for x, _ in evaluated:
             model(x)
-    for (x,) in fast:
+    for (x,) in trained:
         rt.backward(model(x).sum())
         rt.step(optimizer)
         rt.log(loss=torch.tensor(1.0))
     (record,) = rt.history  # the training pass's end closed the window
-    assert record["data_wait"] < 0.15  # the evaluation's 0.2 s of sleeping is not in it
+    # The training pass's 2 batches and its end, not the evaluation's 4 batches and end.
+    assert record["data_wait"] == 3
