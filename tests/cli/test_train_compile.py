@@ -104,3 +104,25 @@ def test_a_compiled_single_run_records_it(tmp_path: Path) -> None:
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["config"]["runtime"]["compile"] is True and metrics["steps"] == 3
     assert metrics["fast"]["compile"] == {"asked": "on", "used": True, "why": "on (--compile on)"}
+
+
+def test_auto_weighs_the_steps_a_resumed_run_has_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpukit.cli import train as train_cli
+    from gpukit.devices.device import Device
+
+    argv = ["--workload", "gpt", "--out", str(tmp_path), "--progress-every", "0"]
+    assert main(["train", *argv, "--max-steps", "2"]) == 0  # a checkpoint at step 2
+    gpu = Device("cuda", 0, "NVIDIA H100 80GB HBM3", 80 << 30, (9, 0))
+    monkeypatch.setattr(train_cli, "resolve_devices", lambda spec, launched: [gpu])
+
+    def choice(*more: str) -> train_cli.Compile:
+        args = parse(*argv, "--max-steps", "501", *more)
+        return train_cli._compile_choice(
+            args, TrainConfig(**{f.name: getattr(args, f.name) for f in options.flags()})
+        )
+
+    assert choice().setting == "reduce-overhead"  # a new run of 501 steps
+    resumed = choice("--resume")
+    assert resumed.setting is False and "499 steps are too few" in resumed.why

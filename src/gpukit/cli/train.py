@@ -96,12 +96,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from gpukit import _env
 from gpukit._util import placement
 from gpukit._util.text import format_bytes, make_table
+from gpukit.checkpoint.files import resumable, step_of
 from gpukit.cli._common import add_command, console
 from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
@@ -257,6 +259,7 @@ def _compile_choice(args: argparse.Namespace, config: TrainConfig) -> Compile:
     steps = parameters = 0
     if args.compile == "auto" and cuda:  # the workload is loaded only where it decides
         steps, parameters = planned(config)
+        steps -= _resumed_at(args)  # a resumed run weighs the steps it has left
     count = launched.world_size if launched else len(devices)
     return compile_choice(
         args.compile,
@@ -267,6 +270,20 @@ def _compile_choice(args: argparse.Namespace, config: TrainConfig) -> Compile:
         parameters=parameters,
         fixed_shapes=args.accumulate == 1 and args.oom != "recover",
     )
+
+
+def _resumed_at(args: argparse.Namespace) -> int:
+    """The step a resumed run goes on from: its newest good checkpoint's (0 for a new run,
+    or where there is none to resume yet; a bad one is the load's to explain)."""
+    if not args.out or not (args.resume or _env.attempt() > 0):
+        return 0
+    with warnings.catch_warnings():  # the load itself warns, once, about a fallback
+        warnings.simplefilter("ignore")
+        try:
+            found = resumable(Path(args.out) / "checkpoints")
+        except ConfigError:
+            return 0
+    return (step_of(found) or 0) if found is not None else 0
 
 
 def _run_settings(args: argparse.Namespace, rt: Runtime) -> dict[str, Any] | None:
