@@ -165,3 +165,21 @@ def test_a_real_out_of_memory_is_recovered() -> None:
 
     result = probe(torch.device("cuda", 0))
     assert result["ok"], result
+
+
+def test_speed_is_a_check_of_its_own_judged_by_its_losses(tmp_path: Path) -> None:
+    checks = {c.name: c for c in gpu_check.checks(tmp_path, quick=False)}
+    assert list(checks).index("speed") < list(checks).index("bench")
+    only = checks["bench"].argv[checks["bench"].argv.index("--only") + 1].split(",")
+    assert "speed" not in only and "plan" not in only  # speed is not run twice
+    stored = Path(__file__).parents[2] / "benchmarks/results/2026-11-29-cpu-speed/speed.json"
+    (tmp_path / "speed").mkdir()
+    result = json.loads(stored.read_text())
+    (tmp_path / "speed" / "speed.json").write_text(json.dumps(result))
+    ok, detail = gpu_check._judge_speed(0, "", tmp_path)
+    assert ok and "gpt2 train x0.983" in detail and "llama runtime x0.986" in detail
+    result["rows"][2]["status"] = "losses differ from nanogpt's"
+    (tmp_path / "speed" / "speed.json").write_text(json.dumps(result))
+    ok, detail = gpu_check._judge_speed(0, "", tmp_path)
+    assert not ok and "losses differ: gpt2 train" in detail
+    assert gpu_check._judge_speed(1, "", tmp_path / "none") == (False, "exit 1; no speed.json")

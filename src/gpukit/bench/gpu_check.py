@@ -12,6 +12,8 @@ pytest for the tests):
   precision, with samples/s and MFU from its metrics.json (its whole run is long enough for
   ``--compile auto`` to compile it with CUDA graphs; ``--quick``'s 30 steps stay eager);
 - ``tests``: every test marked ``gpu`` or ``multigpu``;
+- ``speed``: ``gpukit bench speed`` (gpt2 and Llama 1B against their plain loops), apart
+  from ``bench`` so that its compiling cannot starve the other experiments;
 - ``bench``: ``gpukit bench all`` at full sizes (``--quick``: CI sizes), with report.md, but for
   the experiments that run on the CPU alone (``plan``).
 
@@ -55,6 +57,9 @@ BUDGET_S = 600.0  # the whole check, on one GPU: ten minutes
 # ``plan`` trains with gloo on the CPU alone (54 short runs at full size): it says nothing
 # about the GPU, and on an H200's machine it did not finish in the four minutes left to it.
 CPU_ONLY_EXPERIMENTS = ("plan",)
+# Run as checks of their own, before ``bench`` (which gets the budget that is left): ``speed``
+# compiles GPT-2 small and Llama 1B three times each, minutes that must not starve the rest.
+OWN_CHECK_EXPERIMENTS = ("speed",)
 
 
 @dataclass
@@ -80,7 +85,8 @@ class Outcome:
 def checks(folder: Path, quick: bool) -> list[Check]:
     """The checks, in the order they run, writing what they make under ``folder``."""
     py = sys.executable
-    gpu_experiments = ",".join(n for n in names() if n not in CPU_ONLY_EXPERIMENTS)
+    apart = CPU_ONLY_EXPERIMENTS + OWN_CHECK_EXPERIMENTS
+    gpu_experiments = ",".join(n for n in names() if n not in apart)
     bench = [py, "-m", "gpukit", "bench", "all", "--only", gpu_experiments]
     bench += ["--out", str(folder / "bench")]
     tests = [py, "-m", "pytest", "-m", "gpu or multigpu", "-q", "-rs", "-p", "no:cacheprovider"]
@@ -99,6 +105,13 @@ def checks(folder: Path, quick: bool) -> list[Check]:
             for p in ("auto", "32")
         ),
         Check("tests", [*tests, str(SOURCE_ROOT / "tests")], 300, _judge_tests),  # a checkout's
+        Check(
+            "speed",
+            [py, "-m", "gpukit", "bench", "speed", "--out", str(folder / "speed")]
+            + (["--quick"] if quick else []),
+            360,
+            _judge_speed,
+        ),
         Check("bench", bench + (["--quick"] if quick else []), 480, _judge_rc("report.md")),
     ]
 
@@ -305,6 +318,23 @@ def _judge_rc(expected: str) -> Callable[[int, str, Path], tuple[bool, str]]:
         return rc == 0 and report.is_file(), f"{detail} (exit {rc})"
 
     return judge
+
+
+def _judge_speed(rc: int, stdout: str, folder: Path) -> tuple[bool, str]:
+    """``bench speed``: every loop's ratio to its model's plain loop and its MFU; passed when
+    it ran and every loop's first losses agree with the plain loop's."""
+    path = folder / "speed" / "speed.json"
+    if rc != 0 or not path.is_file():
+        return False, f"exit {rc}" + ("" if path.is_file() else "; no speed.json")
+    rows = json.loads(path.read_text())["rows"]
+    shown = [
+        f"{r['model']} {r['variant']} x{r['ratio']:.3f}"
+        + (f" MFU {r['mfu']:.1%}" if r.get("mfu") is not None else "")
+        for r in rows
+    ]
+    differ = [f"{r['model']} {r['variant']}" for r in rows if r["status"] != "ok"]
+    detail = "; ".join(shown) + (f"; losses differ: {', '.join(differ)}" if differ else "")
+    return not differ, detail
 
 
 def _judge_train(name: str) -> Callable[[int, str, Path], tuple[bool, str]]:
