@@ -114,8 +114,10 @@ def settings(quick: bool, device: torch.device, model: str = "gpt2") -> SpeedTim
     if quick:
         return SpeedTiming(model, tiny, 64, batch=4, steps=10, rounds=2, compile=False)
     if device.type == "cuda":
+        # A GPU's rounds differ little; compiling each loop (about a minute each at these
+        # sizes) is most of the run, and what gpu-check's budget must hold.
         batch = 4 if llama else 12
-        return SpeedTiming(model, {}, 2048, batch=batch, steps=20, rounds=5, compile=True)
+        return SpeedTiming(model, {}, 2048, batch=batch, steps=10, rounds=3, compile=True)
     return SpeedTiming(model, tiny, 64, batch=12, steps=20, rounds=5, compile=False)
 
 
