@@ -9,7 +9,12 @@ run): :meth:`Background.settle` waits for the thread there, the ranks agree, and
 the same :class:`~gpukit.errors.CheckpointWriteError` a synchronous save raises.
 
 A crash or a kill while the thread writes costs nothing but this checkpoint: it lives in
-``.tmp-step-N/`` until its rename, and ``latest`` keeps naming the previous one.
+``.tmp-step-N/`` until its rename, and ``latest`` keeps naming the previous one. A step counts
+as saved once its write has ended: the thread says so (``landed``), and :meth:`Background.settle`
+tells every rank whether it did.
+
+The host copies a write reads are kept for the next save (``buffers``, see ``snapshot``) until
+:meth:`Background.free`: a checkpoint's size in host memory while saves go on.
 
 >>> bg = Background()
 >>> bg.step is None, bg.wait()
@@ -28,6 +33,7 @@ from typing import Any
 
 from gpukit.checkpoint import files
 from gpukit.checkpoint.failure import Failures, clean_up, raise_agreed
+from gpukit.checkpoint.snapshot import HostBuffers
 
 _POLL_S = 0.05  # how often a wait looks again at its deadline (a stop may set one meanwhile)
 # A wait this long or longer is said: a save that waited for the one before is a slower save
@@ -37,9 +43,13 @@ _SAID_S = 0.1
 
 class Background:
     """One rank's checkpoint write in flight, if any, and its outcome until the ranks agree
-    on it. Only rank 0 ever starts one; every rank calls :meth:`settle`."""
+    on it. Only rank 0 ever starts one; every rank calls :meth:`settle`. ``landed`` is told,
+    on the thread, the step of each write that ended without failing (attributes only: the
+    main thread may be anywhere)."""
 
-    def __init__(self) -> None:
+    def __init__(self, landed: Callable[[int], None] = lambda step: None) -> None:
+        self._landed = landed
+        self.buffers = HostBuffers()  # the last write's host copies, for the next save
         self._thread: threading.Thread | None = None
         self.step: int | None = None  # the step being written, until it is settled
         self._failures = Failures()
@@ -78,6 +88,8 @@ class Background:
                 if failures.error is not None and not failures.busy:
                     clean_up(directory, tmp)
                 failures.release()
+            if failures.error is None:
+                self._landed(step)
 
         # A daemon: a stop past its grace period must be able to end the process; the normal
         # end of a program waits for it (see _at_exit).
@@ -113,16 +125,19 @@ class Background:
         say: Callable[[str], None],
         why: str,
         deadline: Callable[[], float | None] = lambda: None,
-    ) -> None:
+    ) -> bool:
         """Collective: every rank calls it where they all are (``why``: the next save, a load,
         the end). Rank 0 waits for its write (until ``deadline``, see :meth:`wait`: once a
         stop was asked for), saying how long when it had to wait; then the ranks agree, and
-        when the write failed each raises the same CheckpointWriteError."""
+        when the write failed each raises the same CheckpointWriteError. Returns, on every
+        rank, whether rank 0's write landed (False: none was in flight, or it was given up)."""
         step, failures = self.step, self._failures
+        landed = step is not None
         if step is not None and self.writing:
             waited = self.wait(deadline)
             if self.writing:  # past the grace: this one is lost, the previous one stays
                 self._abandoned = True
+                landed = False
                 failures = Failures()
                 say(
                     f"gpukit: {why}: the checkpoint of step {step} was still being written "
@@ -135,6 +150,12 @@ class Background:
         found = failures.agree(strategy)
         if found:
             raise_agreed(found, failures.error, strategy, self._directory, step or 0, self._needed)
+        # Only rank 0 writes: the others learn from it whether the step is saved.
+        return bool(strategy.broadcast_object(landed, 0))
+
+    def free(self) -> None:
+        """Let the host copies kept for the next save go (the end of the run)."""
+        self.buffers.clear()
 
     def _at_exit(self) -> None:
         """The program ends without a last settle (no teardown): the write finishes, and a

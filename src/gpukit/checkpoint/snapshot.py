@@ -7,6 +7,11 @@ place, so a view would not do). The weights are laid out as ``safetensors.torch.
 lays them out (tied weights once, the other names in the metadata, contiguous), so that the
 file written from the copy holds the same bytes.
 
+A :class:`HostBuffers` keeps the copies of one save for the next (``async_save``): a save
+copies into the memory the previous one wrote from, once that write has ended, and allocates
+only for tensors that are new or changed shape (a fresh allocation touches every page; pinned
+memory is slow to allocate). The memory of one checkpoint stays held between saves.
+
 >>> import torch
 >>> copied, metadata = weights(torch.nn.Linear(2, 1))
 >>> sorted(copied), metadata
@@ -15,7 +20,8 @@ file written from the copy holds the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,17 +29,102 @@ from safetensors.torch import _remove_duplicate_names  # save_model's own rule f
 
 from gpukit._util.tree import map_tensors
 
+Copy = Callable[[torch.Tensor], torch.Tensor]  # a tensor to its copy in host memory
+# What a buffer fits: the shape, the dtype, and whether it is pinned (copies from a GPU).
+_Fit = tuple[tuple[int, ...], torch.dtype, bool]
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in new host memory (pinned when it lives on a GPU; the copy is
-    enqueued: call :func:`wait_copies` before reading it)."""
+
+def host_copy(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor``'s values in host memory: ``out`` (contiguous, of its shape and dtype), else
+    new memory, pinned when it lives on a GPU (the copy is then enqueued: call
+    :func:`wait_copies` before reading it)."""
     tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format)
-    pinned = torch.cuda.is_available()
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+    pinned = _pinned(tensor)
+    if out is None:
+        if tensor.device.type == "cpu":
+            return tensor.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     out.copy_(tensor, non_blocking=pinned)
     return out
+
+
+class HostBuffers:
+    """The host copies of the last background save, kept for the next (see the module
+    docstring). Each save takes a :class:`Lease`; the buffers it used come back when its
+    write ends (:meth:`Lease.give_back`), so that no save ever copies into memory a write
+    still reads: a lease taken while the last one is out (a write abandoned at a stop)
+    allocates afresh.
+
+    >>> buffers = HostBuffers()
+    >>> first = buffers.lease()
+    >>> a = first.copy(torch.ones(3))
+    >>> first.give_back()
+    >>> second = buffers.lease()
+    >>> second.copy(torch.zeros(3)).data_ptr() == a.data_ptr(), a.tolist()
+    (True, [0.0, 0.0, 0.0])
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[_Fit, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # a write's thread gives back while a save may lease
+
+    def lease(self) -> Lease:
+        """The buffers of the last save whose write ended, for one save to copy into."""
+        with self._lock:
+            free, self._free = self._free, {}
+        return Lease(self, free)
+
+    def clear(self) -> None:
+        """Free the buffers kept (the end of the run)."""
+        with self._lock:
+            self._free = {}
+
+    @property
+    def held(self) -> list[torch.Tensor]:
+        """The buffers kept for the next save."""
+        with self._lock:
+            return [t for kept in self._free.values() for t in kept]
+
+    def _returned(self, used: dict[_Fit, list[torch.Tensor]]) -> None:
+        with self._lock:
+            # The last save's buffers only: one that no tensor fitted any more is let go.
+            self._free = used
+
+
+class Lease:
+    """One save's copies (see :class:`HostBuffers`): :meth:`copy` hands each tensor a buffer
+    of its shape and dtype the last save used, or new memory; never one buffer to two."""
+
+    def __init__(self, owner: HostBuffers, free: dict[_Fit, list[torch.Tensor]]) -> None:
+        self._owner = owner
+        self._free = free
+        self._used: dict[_Fit, list[torch.Tensor]] = {}
+        self._given_back = False
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in host memory, as :func:`host_copy` gives them."""
+        assert not self._given_back, "a copy into buffers already given back"
+        plain = tensor.detach()
+        # Only plain dense tensors: the others are copied as host_copy copies them.
+        if type(plain) is not torch.Tensor or plain.layout != torch.strided or plain.is_quantized:
+            return host_copy(plain)
+        fit = (tuple(plain.shape), plain.dtype, _pinned(plain))
+        kept = self._free.get(fit)
+        out = host_copy(plain, kept.pop(0) if kept else None)
+        self._used.setdefault(fit, []).append(out)
+        return out
+
+    def give_back(self) -> None:
+        """Nothing reads the copies any more (their write ended, or never began): the next
+        save may copy into them."""
+        assert not self._given_back, "buffers given back twice"
+        self._given_back = True
+        self._owner._returned(self._used)
+
+
+def _pinned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s host copy is pinned: it comes from a GPU (a non-blocking copy)."""
+    return tensor.device.type != "cpu" and torch.cuda.is_available()
 
 
 def wait_copies(device: torch.device) -> None:
@@ -43,9 +134,11 @@ def wait_copies(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """``model``'s state as ``save_model`` writes it, copied to host memory: the tensors and
-    the metadata naming the tied names it leaves out."""
+def weights(
+    model: torch.nn.Module, copy: Copy = host_copy
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """``model``'s state as ``save_model`` writes it, copied to host memory by ``copy``: the
+    tensors and the metadata naming the tied names it leaves out."""
     state = model.state_dict()
     metadata: dict[str, str] | None = None
     for kept, removed in _remove_duplicate_names(state).items():
@@ -53,7 +146,7 @@ def weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
             metadata = metadata or {}
             metadata.setdefault(name, kept)
             del state[name]
-    return {name: host_copy(t) for name, t in state.items()}, metadata
+    return {name: copy(t) for name, t in state.items()}, metadata
 
 
 def named(
@@ -69,7 +162,7 @@ def named(
     return {name: tensors[name] if name in tensors else tensors[tied[name]] for name in order}
 
 
-def tree(obj: Any) -> Any:
+def tree(obj: Any, copy: Copy = host_copy) -> Any:
     """``obj`` (the progress: optimizer state, loaders, RNG states) with every tensor copied to
-    host memory; tensors shared between places stay shared."""
-    return map_tensors(obj, host_copy)
+    host memory by ``copy``; tensors shared between places stay shared."""
+    return map_tensors(obj, copy)
