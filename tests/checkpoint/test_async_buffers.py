@@ -16,6 +16,9 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.checkpoint import snapshot, writer
+from gpukit.checkpoint.background import Background
+from gpukit.checkpoint.failure import Failures
+from gpukit.runtime.checkpointing import _Alone
 
 FILES = ("manifest.json", "model.safetensors", "state.pt")
 
@@ -71,6 +74,80 @@ def test_a_lease_taken_while_the_last_is_out_never_shares_its_memory() -> None:
         first.give_back()
     with pytest.raises(AssertionError, match="already given back"):
         first.copy(torch.ones(8))
+
+
+def _dtypes() -> list[torch.Tensor]:
+    nan_payload = torch.tensor([0x7FC00001, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    made = [
+        nan_payload,  # NaNs with payloads: copied bit for bit
+        torch.randn(3, 4, dtype=torch.bfloat16),
+        torch.randn(5, dtype=torch.float16),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex64),
+        torch.tensor(2.5),  # 0-dim
+        torch.zeros(0, 3),  # empty
+        torch.randn(4, 3).t(),  # not contiguous: copy_
+        torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate: copy_
+        torch.randn(8, 8)[2:5],  # a view at an offset
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        made.append(torch.randn(4).to(torch.float8_e4m3fn))
+    return made
+
+
+@pytest.mark.parametrize("tensor", _dtypes(), ids=lambda t: f"{t.dtype}-{tuple(t.shape)}")
+def test_copies_hold_the_same_bits_fresh_or_into_a_kept_buffer(tensor: torch.Tensor) -> None:
+    buffers = snapshot.HostBuffers()
+    expected = tensor.resolve_conj().contiguous()
+    for _ in range(2):  # new memory, then the same memory again
+        lease = buffers.lease()
+        out = lease.copy(tensor)
+        assert out.is_contiguous() and out.shape == tensor.shape and out.dtype == tensor.dtype
+        assert not out.is_conj()
+        assert out.reshape(-1).view(torch.uint8).tolist() == (
+            expected.reshape(-1).view(torch.uint8).tolist()
+        )
+        assert out.numel() == 0 or out.data_ptr() != tensor.data_ptr()
+        lease.give_back()
+    assert snapshot.host_copy(tensor).reshape(-1).view(torch.uint8).tolist() == (
+        expected.reshape(-1).view(torch.uint8).tolist()
+    )
+
+
+def test_one_thread_writes_save_after_save_and_a_given_up_write_gets_its_own(
+    tmp_path: Path,
+) -> None:
+    background = Background()
+    threads: list[int] = []
+    go = threading.Event()
+
+    def write(hold: bool) -> Any:
+        def run() -> None:
+            threads.append(threading.get_ident())
+            if hold:
+                go.wait(30)
+
+        return run
+
+    def start(step: int, hold: bool = False) -> None:
+        tmp = tmp_path / f".tmp-{step}"
+        tmp.mkdir()
+        background.start(
+            write(hold), step=step, directory=tmp_path, tmp=tmp, failures=Failures(), needed=0
+        )
+
+    for step in (1, 2):
+        start(step)
+        assert background.settle(_Alone(), print, "the next save") is True
+    start(3, hold=True)
+    assert background.settle(_Alone(), lambda _: None, "the stop", lambda: 0.0) is False
+    start(4)  # beside the write still held
+    background.wait()
+    assert background.settle(_Alone(), print, "the end") is True
+    go.set()
+    assert threads[0] == threads[1] == threads[2] != threads[3]
+    background.free()
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")

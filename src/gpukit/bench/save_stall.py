@@ -172,7 +172,8 @@ def _notes() -> list[str]:
     return [
         "training stalled: how long rt.save() kept the loop from its next step. sync: the "
         "whole save (write, fsync, manifest, rename, latest, prune). async: the collective "
-        "part, the finiteness check and the copy to host memory (pinned on a GPU).",
+        "part and the copy to host memory, into the previous save's (pinned on a GPU); the "
+        "finiteness check runs on the writing thread.",
         "until published: from the call until 'latest' names the new checkpoint (the same as "
         "the stall for sync). stall / sync save: the median over the rounds of the async "
         f"stall over the same round's synchronous save; the goal is at most {GOAL}.",

@@ -24,6 +24,7 @@ The host copies a write reads are kept for the next save (``buffers``, see ``sna
 from __future__ import annotations
 
 import atexit
+import queue
 import sys
 import threading
 import time
@@ -50,7 +51,9 @@ class Background:
     def __init__(self, landed: Callable[[int], None] = lambda step: None) -> None:
         self._landed = landed
         self.buffers = HostBuffers()  # the last write's host copies, for the next save
-        self._thread: threading.Thread | None = None
+        self._writer: _Writer | None = None
+        self._done: threading.Event | None = None  # set when the write in flight has ended
+        self._last: threading.Event | None = None  # the same for the last write started
         self.step: int | None = None  # the step being written, until it is settled
         self._failures = Failures()
         self._directory = Path()
@@ -70,7 +73,7 @@ class Background:
     ) -> None:
         """Run ``write`` on a thread; a write failure is noted in ``failures`` (whose folder
         lock the thread gives back when done) and what it began in ``tmp`` removed."""
-        assert self._thread is None, "a checkpoint write is already in flight"
+        assert self._done is None, "a checkpoint write is already in flight"
         self.step, self._failures, self._directory, self._needed = (
             step,
             failures,
@@ -91,13 +94,16 @@ class Background:
             if failures.error is None:
                 self._landed(step)
 
-        # A daemon: a stop past its grace period must be able to end the process; the normal
-        # end of a program waits for it (see _at_exit).
-        self._thread = threading.Thread(target=run, name=f"gpukit-save-{step}", daemon=True)
+        if self._writer is None or (self._last is not None and not self._last.is_set()):
+            # The first write, or the last one was given up and may still be writing: a
+            # thread of its own (the old one ends once that write does).
+            if self._writer is not None:
+                self._writer.stop()
+            self._writer = _Writer()
         if not self._registered:
             atexit.register(self._at_exit)
             self._registered = True
-        self._thread.start()
+        self._done = self._last = self._writer.run(run)
 
     def wait(self, deadline: Callable[[], float | None] = lambda: None) -> float:
         """Wait for the write in flight, until it ends or the time ``deadline`` gives (on
@@ -110,14 +116,14 @@ class Background:
             limit = deadline()
             if limit is not None and time.monotonic() >= limit:
                 break
-            assert self._thread is not None
-            self._thread.join(_POLL_S)
+            assert self._done is not None
+            self._done.wait(_POLL_S)
         return time.monotonic() - began
 
     @property
     def writing(self) -> bool:
         """A write is still under way on the thread."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._done is not None and not self._done.is_set()
 
     def settle(
         self,
@@ -146,7 +152,7 @@ class Background:
                 )
             elif waited >= _SAID_S:
                 say(f"gpukit: {why} waited {waited:.1f} s for the checkpoint of step {step}")
-        self._thread, self.step, self._failures = None, None, Failures()
+        self._done, self.step, self._failures = None, None, Failures()
         found = failures.agree(strategy)
         if found:
             raise_agreed(found, failures.error, strategy, self._directory, step or 0, self._needed)
@@ -154,13 +160,17 @@ class Background:
         return bool(strategy.broadcast_object(landed, 0))
 
     def free(self) -> None:
-        """Let the host copies kept for the next save go (the end of the run)."""
+        """Let the host copies kept for the next save go, and the thread (the end of the
+        run; a later save starts another)."""
         self.buffers.clear()
+        if self._writer is not None:
+            self._writer.stop()  # once its write, if any, ends
+            self._writer = None
 
     def _at_exit(self) -> None:
         """The program ends without a last settle (no teardown): the write finishes, and a
         failure is said rather than lost."""
-        if self._thread is None or self._abandoned:
+        if self._done is None or self._abandoned:
             return
         self.wait()
         if self._failures.error is not None:
@@ -170,3 +180,37 @@ class Background:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+class _Writer:
+    """A thread that runs the writes handed to it, one after another. Started once: a save
+    then only hands over its write, where starting a thread waits until the new thread runs
+    (milliseconds on a CPU that other processes keep busy). A daemon: a stop past its grace
+    period must be able to end the process; the normal end of a program waits for the write
+    (see ``Background._at_exit``)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="gpukit-save", daemon=True)
+        self._thread.start()
+
+    def run(self, write: Callable[[], None]) -> threading.Event:
+        """Hand ``write`` over (it must not raise); the event is set once it has run."""
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                write()
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        return done
+
+    def stop(self) -> None:
+        """End the thread once the writes handed over have run."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()

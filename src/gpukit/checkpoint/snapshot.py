@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import _remove_duplicate_names  # save_model's own rule for tied names
 
@@ -43,9 +44,30 @@ def host_copy(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     if out is None:
         if tensor.device.type == "cpu":
             return tensor.clone(memory_format=torch.contiguous_format)
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-    out.copy_(tensor, non_blocking=pinned)
+        out = _empty(tensor)
+    if tensor.device.type == "cpu" and _plain_bytes(tensor):
+        # One thread's memcpy: copy_ splits a large copy over the intra-op threads, which on
+        # a CPU that other processes keep busy wait for each other (measured: 48 MiB in
+        # 140 ms on two such cores, against 9 ms for one thread). Bitwise the same values.
+        np.copyto(_bytes(out), _bytes(tensor))
+    else:
+        out.copy_(tensor, non_blocking=pinned)
     return out
+
+
+def _empty(tensor: torch.Tensor) -> torch.Tensor:
+    """New host memory for a copy of ``tensor`` (pinned when it comes from a GPU)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=_pinned(tensor))
+
+
+def _plain_bytes(tensor: torch.Tensor) -> bool:
+    """``tensor``'s values are its bytes, in order (no lazy conjugate or negation)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous host tensor, as numpy sees them (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class HostBuffers:
@@ -110,7 +132,7 @@ class Lease:
             return host_copy(plain)
         fit = (tuple(plain.shape), plain.dtype, _pinned(plain))
         kept = self._free.get(fit)
-        out = host_copy(plain, kept.pop(0) if kept else None)
+        out = host_copy(plain, kept.pop(0) if kept else _empty(plain))
         self._used.setdefault(fit, []).append(out)
         return out
 
