@@ -107,6 +107,7 @@ def test_a_stop_during_a_slow_background_write_names_the_step_saved(
             f"and is not saved (the newest checkpoint is {tmp_path / 'step-00000003'})"
         ) in said, said
         assert rt.lifecycle.saved_step == 3 and rt.lifecycle.in_flight is None
+        assert not rt.lifecycle.made(5)  # given up: no checkpoint of step 5 after all
         assert (tmp_path / "latest").read_text().strip() == "step-00000003"
         assert "the checkpoint of step 5 was still being written after" in capsys.readouterr().out
     rt.teardown()

@@ -97,6 +97,7 @@ class Lifecycle:
         self._last_save = time.monotonic()
         self.saved_step = -1  # the step of the last checkpoint in place: written or loaded
         self.writing_step: int | None = None  # a save's step written in the background
+        self._made_step = -1  # the step of the last save or load, the same on every rank
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
         self.beat("start", 0)
 
@@ -134,6 +135,7 @@ class Lifecycle:
         ``in_place`` (a synchronous save, a load), or else being written in the background
         until :meth:`landed` or :meth:`settled` says how that ended."""
         self._last_save = time.monotonic()
+        self._made_step = step
         if self._pending == ("save", step):
             self._pending = None
         if in_place:
@@ -160,6 +162,8 @@ class Lifecycle:
         step, self.writing_step = self.writing_step, None
         if landed and step is not None:
             self.saved(step)
+        elif step == self._made_step:  # given up: that step has no checkpoint after all
+            self._made_step = -1
 
     @property
     def in_flight(self) -> int | None:
@@ -169,9 +173,9 @@ class Lifecycle:
         return step if step is not None and step != self.saved_step else None
 
     def made(self, step: int) -> bool:
-        """A checkpoint of ``step`` is in place or being written: the same on every rank
-        (``saved_step`` alone is not: rank 0 learns first that a write landed)."""
-        return step in (self.saved_step, self.writing_step)
+        """The last save or load was of ``step`` (in place or being written): the same on
+        every rank, where ``saved_step`` is not (rank 0's thread tells it first)."""
+        return step == self._made_step
 
     def step_ended(self, step: int) -> None:
         """After optimizer step ``step``: a periodic checkpoint when one is due, and the
