@@ -39,6 +39,19 @@ def step_5_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     go.set()
 
 
+class _Beats:
+    """The part of a heartbeat the lifecycle writes (no launcher here)."""
+
+    def __init__(self) -> None:
+        self.saved_step = -1
+
+    def beat(self, phase: str, step: int) -> None:
+        pass
+
+    def saved(self, step: int) -> None:
+        self.saved_step = step
+
+
 def _setup(folder: Path) -> tuple[gk.Runtime, Any, Any, Any]:
     rt = gk.Runtime(devices="cpu", seed=0, checkpoints=folder, async_save=True)
     torch.manual_seed(0)
@@ -52,6 +65,8 @@ def test_a_step_is_saved_when_its_write_lands_not_when_it_starts(
     tmp_path: Path, step_5_held: threading.Event
 ) -> None:
     rt, model, opt, loader = _setup(tmp_path)
+    beats = _Beats()
+    rt.lifecycle.heartbeat = beats  # type: ignore[assignment]  # what a launcher would read
     for x, y in loader:
         rt.backward(nn.functional.mse_loss(model(x), y))
         rt.step(opt)
@@ -62,9 +77,11 @@ def test_a_step_is_saved_when_its_write_lands_not_when_it_starts(
     lifecycle = rt.lifecycle
     assert lifecycle.saved_step == 3 and lifecycle.in_flight == 5  # held: not there yet
     assert lifecycle.made(5)  # a periodic save of step 5 is not made again
+    assert beats.saved_step == 3
     step_5_held.set()
     rt.wait_for_save()
     assert lifecycle.saved_step == 5 and lifecycle.in_flight is None  # told by the thread
+    assert beats.saved_step == 5  # recorded with the next beat
     rt.teardown()
     assert (tmp_path / "latest").read_text().strip() == "step-00000005"
 

@@ -2,10 +2,10 @@
 background thread can write it while training changes the originals.
 
 On CUDA the copies go to pinned memory, enqueued without waiting, then one synchronisation
-before the thread reads them; on a CPU each tensor is cloned (training changes parameters in
-place, so a view would not do). The weights are laid out as ``safetensors.torch.save_model``
-lays them out (tied weights once, the other names in the metadata, contiguous), so that the
-file written from the copy holds the same bytes.
+before the thread reads them; on a CPU each tensor's bytes are copied by one thread (training
+changes parameters in place, so a view would not do). The weights are laid out as
+``safetensors.torch.save_model`` lays them out (tied weights once, the other names in the
+metadata, contiguous), so that the file written from the copy holds the same bytes.
 
 A :class:`HostBuffers` keeps the copies of one save for the next (``async_save``): a save
 copies into the memory the previous one wrote from, once that write has ended, and allocates
@@ -142,6 +142,7 @@ class Lease:
         assert not self._given_back, "buffers given back twice"
         self._given_back = True
         self._owner._returned(self._used)
+        self._used, self._free = {}, {}  # the ones no tensor fitted go now, not with the lease
 
 
 def _pinned(tensor: torch.Tensor) -> bool:

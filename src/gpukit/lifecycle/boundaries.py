@@ -140,8 +140,12 @@ class Lifecycle:
             self._pending = None
         if in_place:
             self.saved(step)
-        else:
-            self.writing_step = step
+            return
+        self.writing_step = step
+        if self.rank != 0 and self.heartbeat is not None:
+            # Only rank 0 writes in the background: this rank's part is done. The launcher
+            # takes the smallest saved step over the ranks: rank 0's, once its write lands.
+            self.heartbeat.saved(step)
 
     def saved(self, step: int) -> None:
         """The checkpoint at ``step`` is in place (written, or loaded)."""
