@@ -18,6 +18,7 @@ import gpukit as gk
 from gpukit.checkpoint import snapshot, writer
 from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.failure import Failures
+from gpukit.errors import CheckpointWriteError
 from gpukit.runtime.checkpointing import _Alone
 
 FILES = ("manifest.json", "model.safetensors", "state.pt")
@@ -249,3 +250,30 @@ def test_on_a_gpu_later_saves_copy_into_the_same_pinned_memory(tmp_path: Path) -
     for file in FILES:
         a = (tmp_path / "async" / "step-00000002" / file).read_bytes()
         assert a == (tmp_path / "sync" / "step-00000002" / file).read_bytes(), file
+
+
+def test_a_bug_after_a_write_is_its_failure_and_the_thread_takes_the_next(
+    tmp_path: Path,
+) -> None:
+    told: list[int] = []
+
+    def landed(step: int) -> None:
+        if step == 1:
+            raise RuntimeError("a bug in what is told")
+        told.append(step)
+
+    background = Background(landed=landed)
+    for step in (1, 2):
+        tmp = tmp_path / f".tmp-{step}"
+        tmp.mkdir()
+        background.start(
+            lambda: None, step=step, directory=tmp_path, tmp=tmp, failures=Failures(), needed=0
+        )
+        if step == 1:
+            with pytest.raises(CheckpointWriteError, match="a bug in what is told"):
+                background.settle(_Alone(), print, "the next save")
+            assert not tmp.exists()  # what the failed save began is removed
+        else:
+            assert background.settle(_Alone(), print, "the end") is True
+    assert told == [2]
+    background.free()

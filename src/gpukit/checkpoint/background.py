@@ -85,18 +85,19 @@ class Background:
             try:
                 with failures.noted():
                     write()
+                if failures.error is None:
+                    self._landed(step)
             except BaseException as err:  # a bug, not the disk: still reported at settle
                 failures.error = err
             finally:
                 if failures.error is not None and not failures.busy:
                     clean_up(directory, tmp)
                 failures.release()
-            if failures.error is None:
-                self._landed(step)
 
-        if self._writer is None or (self._last is not None and not self._last.is_set()):
-            # The first write, or the last one was given up and may still be writing: a
-            # thread of its own (the old one ends once that write does).
+        given_up = self._last is not None and not self._last.is_set()
+        if self._writer is None or given_up or not self._writer.alive:
+            # The first write; or the last one was given up and may still be writing (the
+            # old thread ends once it does); or a fork left the thread behind: a new thread.
             if self._writer is not None:
                 self._writer.stop()
             self._writer = _Writer()
@@ -206,6 +207,11 @@ class _Writer:
 
         self._jobs.put(job)
         return done
+
+    @property
+    def alive(self) -> bool:
+        """The thread runs (a forked child has none of its parent's threads)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """End the thread once the writes handed over have run."""
