@@ -24,11 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
 from gpukit import _env
 from gpukit._util import placement
 from gpukit.checkpoint import files
 from gpukit.checkpoint import lock as folder_lock
-from gpukit.errors import Preempted
+from gpukit.errors import Preempted, warn_user
 from gpukit.launch.faults import FaultPlan
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
@@ -96,6 +100,7 @@ class Lifecycle:
         self._last_save = time.monotonic()
         self.saved_step = -1  # the step of the last checkpoint this run wrote or loaded
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
+        self._watching: list[RemovableHandle] = []  # set-up models' first-forward hooks
         self.beat("start", 0)
 
     @property
@@ -107,11 +112,39 @@ class Lifecycle:
         if self.heartbeat is not None:
             self.heartbeat.beat(phase, step)
 
-    def before_first_pass(self) -> None:
-        """A loader's pass or a step is about to start: resume first, once (``"auto"``)."""
+    def before_first_pass(self) -> Any:
+        """A loader's pass or a step is about to start: resume first, once (``"auto"``).
+        Returns what the resume returned (the checkpoint's epoch and step, None without one)."""
+        self._stop_watching()
+        if self.resumed:
+            return None
+        self.resumed = True
+        return self._resume()
+
+    def resume_before_forward(self, module: nn.Module) -> None:
+        """Resume (``"auto"``), if not done by then, before ``module``'s first forward: a loop
+        that reads its batches itself calls the model before anything else the Runtime sees,
+        and that forward must run on the resumed weights. The hook goes first (before fsdp's
+        own, which gathers the weights) and is removed from every model at the resume."""
         if not self.resumed:
-            self.resumed = True
-            self._resume()
+            hook = torch.compiler.disable(self._at_first_forward)  # loads, gathers: eager
+            self._watching.append(module.register_forward_pre_hook(hook, prepend=True))
+
+    def _at_first_forward(self, module: nn.Module, args: Any) -> None:
+        progress = self.before_first_pass()
+        if progress is not None and progress["step"] > 0:
+            warn_user(
+                f"resumed at step {progress['step']} at the first forward of a set-up model: "
+                "whatever this program chose before that call (its batch, by rt.global_step "
+                "or from the random generators) was chosen as a new run would choose it. Call "
+                "rt.resume() right after rt.setup(...), or read batches from a loader set up "
+                "with rt.setup, so that the run resumes before the loop starts"
+            )
+
+    def _stop_watching(self) -> None:
+        for handle in self._watching:
+            handle.remove()
+        self._watching.clear()
 
     def step_begins(self, step: int) -> None:
         """Optimizer step ``step + 1`` begins (``step`` taken so far): a save still pending
@@ -200,7 +233,8 @@ class Lifecycle:
         self.beat("end", step)
 
     def close(self) -> None:
-        """Give the signal handlers and the checkpoints folder back."""
+        """Give the signal handlers, the checkpoints folder and the models' hooks back."""
+        self._stop_watching()
         if self.preemption is not None:
             self.preemption.uninstall()
         if self.lock is not None:

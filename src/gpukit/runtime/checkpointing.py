@@ -247,7 +247,7 @@ class Checkpointing:
 
     def resume(self) -> dict[str, int] | None:
         """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
-        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
+        else None. ``resume="auto"`` calls it by itself before the first pass, step or forward."""
         self.lifecycle.resumed = True
         folder = self.lifecycle.folder
         found = checkpoint.resumable(folder) if folder is not None else None

@@ -221,7 +221,8 @@ class Settings:
         help="auto: continue from the newest good checkpoint in checkpoints",
         allowed="auto, None",
         doc='"auto": continue from the newest good checkpoint in ``checkpoints`` when there '
-        "is one (before the first pass over a loader or the first step), else start fresh.",
+        "is one (before the first pass over a loader, step, or forward of a set-up model), else "
+        "start fresh.",
         check=check_resume,
         flag=False,
         no_flag="none: --resume continues from --out's newest checkpoint",
