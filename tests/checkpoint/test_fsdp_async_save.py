@@ -289,6 +289,31 @@ def test_a_failed_sharded_write_is_the_synchronous_error_at_the_next_save(
     assert (tmp_path / "latest").read_text().strip() == "step-00000002"
 
 
+def test_a_disk_without_room_for_the_shards_is_refused_before_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    real = shutil.disk_usage
+
+    def tight(path: Any) -> Any:
+        total, used, _ = real(path)
+        return type(real(path))(total, used, 100)  # 100 bytes free
+
+    monkeypatch.setattr(shutil, "disk_usage", tight)
+    with pytest.raises(CheckpointWriteError) as caught:
+        rt.save()
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC
+    assert "100 B are free" in str(caught.value), str(caught.value)
+    assert rt._checkpointing.background.step is None  # no thread was started
+    assert not list(tmp_path.glob(".tmp*"))
+    rt.teardown()
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_shards_are_copied_to_pinned_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

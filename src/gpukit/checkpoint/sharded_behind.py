@@ -60,13 +60,15 @@ def save(
     the checkpoint holds the full weights too."""
     tmp = directory / f".tmp-{final.name}"
     group = strategy.background_group()  # made at the first such save, where every rank is
-    needed = needed_bytes(models, state.optimizers)  # this rank's shards (and rank 0's files)
-    if failures.ok:
+    # DTensors count whole: about every rank's shards together, all on the folder's disk,
+    # which rank 0 checks (it made the folder; the others may not see it yet).
+    needed = needed_bytes(models, state.optimizers)
+    if strategy.rank == 0 and failures.ok:
         with failures.noted():
             check_room(directory, needed)
     staged: dict[str, Any] = {}
     gathered: list[exports.Gathered | None] = []
-    if not failures.agree(strategy):  # every rank's room, rank 0's folder
+    if not failures.agree(strategy):  # rank 0's folder and room
         # Optimizers that have not stepped yet: laying out their state gives them one, which
         # must not outlive the save (as in a synchronous one).
         fresh = [o for o in state.optimizers if not o.state]
