@@ -22,12 +22,18 @@ import torch
 from safetensors.torch import _remove_duplicate_names  # save_model's own rule for tied names
 
 from gpukit._util.tree import map_tensors
+from gpukit.strategies._fsdp_api import is_dtensor
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s values in new host memory (pinned when it lives on a GPU; the copy is
-    enqueued: call :func:`wait_copies` before reading it)."""
+    enqueued: call :func:`wait_copies` before reading it). A DTensor (an fsdp shard) stays
+    one, its local shard copied: torch.distributed.checkpoint writes it where it belongs."""
     tensor = tensor.detach()
+    if is_dtensor(tensor):
+        # DTensor's own copy keeps its mesh and placements; from a GPU, non_blocking puts the
+        # copy in pinned memory, as torch's own staging for asynchronous saves does.
+        return tensor.to("cpu", copy=True, non_blocking=tensor.device.type != "cpu")
     if tensor.device.type == "cpu":
         return tensor.clone(memory_format=torch.contiguous_format)
     pinned = torch.cuda.is_available()

@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from gpukit import _env, checkpoint
-from gpukit.checkpoint import pretrained, sharded
+from gpukit.checkpoint import pretrained
 from gpukit.checkpoint.background import Background
-from gpukit.checkpoint.fit import user_models
 from gpukit.checkpoint.live import user_model
-from gpukit.errors import ConfigError, warn_user
+from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
@@ -71,7 +70,6 @@ class Checkpointing:
         self.precision, self.lifecycle, self.stepper = precision, lifecycle, stepper
         self.runtime = runtime
         self.background = Background()  # the write in flight (async_save), if any
-        self._said_sharded = False
         # A save written in the background since the last settle, on every rank alike (saves
         # are collective): only then do the ranks meet to settle it.
         self._unsettled = False
@@ -94,7 +92,8 @@ class Checkpointing:
         Runtime's ``export`` setting) says whether it also holds the full weights.
 
         With ``async_save`` it returns once the files' contents are copied to host memory, and
-        a thread writes them (see ``gpukit.checkpoint.background``)."""
+        a thread writes them (under fsdp a thread on every rank writes its shards; see
+        ``gpukit.checkpoint.background``)."""
         return self.save_now(directory, keep, export=export, background=self.settings.async_save)
 
     def save_now(
@@ -115,15 +114,6 @@ class Checkpointing:
         self.strategy.check_every_rank_calls("rt.save")
         self.runtime.close_window()
         self.settle("this save")  # one write in flight at most: the one before finishes first
-        if background and sharded.applies(user_models(self.state, self.strategy, self.precision)):
-            background = False
-            if not self._said_sharded:
-                self._said_sharded = True
-                warn_user(
-                    "async_save=True: checkpoints of sharded (fsdp) models are written "
-                    "synchronously (every rank writes its shards through "
-                    "torch.distributed.checkpoint, in the save itself)"
-                )
         path = checkpoint.save(
             Path(folder),
             self.state,

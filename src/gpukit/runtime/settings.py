@@ -298,8 +298,9 @@ class Settings:
         "files, in the same format, while training goes on. A save waits for the one before "
         "(saying how long); a failed write raises its ``CheckpointWriteError`` at the next "
         "save, load or the end of the run, on every rank; a preemption's save is synchronous; "
-        "the end of the run waits for the write. Under fsdp saves stay synchronous (with a "
-        "warning). False: every save returns once its files are in place.",
+        "the end of the run waits for the write. Under fsdp every rank copies its shards and "
+        "writes them on a thread of its own. False: every save returns once its files are in "
+        "place.",
         check=check_async_save,
         parse=parse_on_off,
         metavar="on|off",
