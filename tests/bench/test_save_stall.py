@@ -20,20 +20,33 @@ CPU = torch.device("cpu")
 
 def test_a_quick_run_times_both_saves_and_their_ratio(tmp_path: Path) -> None:
     result = save_stall.run(quick=True, devices=[CPU], rounds=2)
-    assert [(r["device"], r["mode"]) for r in result.rows] == [("cpu", "sync"), ("cpu", "async")]
-    sync, background = result.rows
-    raw = result.raw["cpu"]
-    assert len(raw["stall_s"]["sync"]) == len(raw["stall_s"]["async"]) == 2
-    assert all(s > 0 for mode in save_stall.MODES for s in raw["stall_s"][mode])
-    ratios = [a / s for a, s in zip(raw["stall_s"]["async"], raw["stall_s"]["sync"], strict=True)]
-    assert background["stall_ratio"] == statistics.median(ratios) and sync["stall_ratio"] == 1.0
-    assert sync["mib"] == background["mib"] > 0
-    # The background write is timed until published: never before its own call returned.
-    assert all(
-        w >= s for w, s in zip(raw["write_s"]["async"], raw["stall_s"]["async"], strict=True)
-    )
-    goal = result.summary[f"cpu: goal met (<= {save_stall.GOAL})"]
-    assert goal == (background["stall_ratio"] <= save_stall.GOAL)
+    assert [(r["device"], r["strategy"], r["mode"]) for r in result.rows] == [
+        ("cpu", "single", "sync"),
+        ("cpu", "single", "async"),
+        ("cpu", "fsdp", "sync"),
+        ("cpu", "fsdp", "async"),
+    ]
+    for label, (sync, background) in [
+        ("cpu", result.rows[:2]),
+        ("cpu fsdp", result.rows[2:]),
+    ]:
+        raw = result.raw[label]
+        assert len(raw["stall_s"]["sync"]) == len(raw["stall_s"]["async"]) == 2
+        assert all(s > 0 for mode in save_stall.MODES for s in raw["stall_s"][mode])
+        ratios = [
+            a / s for a, s in zip(raw["stall_s"]["async"], raw["stall_s"]["sync"], strict=True)
+        ]
+        assert background["stall_ratio"] == statistics.median(ratios)
+        assert sync["stall_ratio"] == 1.0
+        assert sync["mib"] == background["mib"] > 0
+        # The background write is timed until published: never before its own call returned.
+        assert all(
+            w >= s for w, s in zip(raw["write_s"]["async"], raw["stall_s"]["async"], strict=True)
+        )
+        goal = result.summary[f"{label}: goal met (<= {save_stall.GOAL})"]
+        assert goal == (background["stall_ratio"] <= save_stall.GOAL)
+    # The sharded checkpoint holds the shards and the exported full weights beside them.
+    assert result.rows[2]["mib"] > result.rows[0]["mib"]
     assert result.parameters["width"] == save_stall.QUICK_WIDTH
     assert "stall / sync save" in render_plain(result.table())
     save_stall.plot(result, tmp_path / "save.png")

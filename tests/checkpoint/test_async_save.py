@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -288,25 +287,6 @@ def test_a_disk_without_room_for_the_checkpoint_is_refused_before_the_write(
     assert not list(tmp_path.glob(".tmp*"))
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
     monkeypatch.undo()
-    rt.teardown()
-
-
-def test_sharded_models_save_synchronously_with_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    class AlwaysSharded:
-        @staticmethod
-        def applies(models: list[nn.Module]) -> bool:
-            return True
-
-    monkeypatch.setattr(checkpointing, "sharded", AlwaysSharded)
-    with pytest.warns(UserWarning, match=r"sharded \(fsdp\) models are written synchronously"):
-        rt, _ = _run(tmp_path, async_save=True, steps=1, save_at=(1,))
-    assert rt._checkpointing.background.step is None
-    assert (tmp_path / "latest").read_text().strip() == "step-00000001"  # already written
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rt.save()  # said once
     rt.teardown()
 
 

@@ -1,7 +1,9 @@
 """``save``: how long does a checkpoint stop training, written in the background or not?
 
 A stack of ``LAYERS`` square linear layers (AdamW, float32; ``WIDTH`` wide, ``QUICK_WIDTH``
-with ``--quick``) is trained through ``gk.Runtime(checkpoints=...)`` on each device; between
+with ``--quick``) is trained through ``gk.Runtime(checkpoints=...)`` on each device, whole
+(``single``) and sharded by fsdp over a process group of one in this process (``fsdp``: every
+rank's shards through torch.distributed.checkpoint, and the exported full weights); between
 two steps ``rt.save()`` is timed, the stall the training loop sees, once with
 ``async_save=False`` (the files written, fsynced and published before it returns) and once
 with ``async_save=True`` (the collective part and the copy to host memory; a thread writes).
@@ -13,8 +15,8 @@ the async stall over the synchronous save of the same round. The goal: at most
 :data:`GOAL` (a tenth of a synchronous save).
 
 >>> r = run(quick=True, devices=[torch.device("cpu")], rounds=1)
->>> [(row["device"], row["mode"]) for row in r.rows]
-[('cpu', 'sync'), ('cpu', 'async')]
+>>> [(row["device"], row["strategy"], row["mode"]) for row in r.rows][:2]
+[('cpu', 'single', 'sync'), ('cpu', 'single', 'async')]
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ WIDTH, QUICK_WIDTH = 1024, 256  # 4 x 1024^2 fp32: 16 MiB of weights, 48 MiB wit
 ROUNDS, QUICK_ROUNDS = 7, 3
 GOAL = 0.10  # the background save's stall over a synchronous save's, at most
 MODES = ("sync", "async")
+STRATEGIES = ("single", "fsdp")
 _WRITE_WAIT_S = 600.0  # a background write that takes longer than this is reported as failed
 
 COLUMNS = (
     Column("device"),
+    Column("strategy"),
     Column("mode"),
     Column("mib", "checkpoint", "MiB", 1, compare=False),
     Column("stall_ms", "training stalled", "ms", 2),
@@ -59,7 +63,7 @@ def run(
     rounds: int | None = None,
 ) -> BenchResult:
     """Time synchronous and background saves on every device (default: the CPU and every
-    GPU); ``rounds`` saves of each."""
+    GPU), of a whole model and of one sharded by fsdp; ``rounds`` saves of each."""
     devs = check_devices(devices, "save")
     rounds = rounds if rounds is not None else (QUICK_ROUNDS if quick else ROUNDS)
     check_count("rounds", rounds, "saves of each kind timed per device")
@@ -67,16 +71,18 @@ def run(
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
     summary: dict[str, Any] = {}
-    for dev in devs:
+    for dev, strategy in [(d, s) for d in devs for s in STRATEGIES]:
         with tempfile.TemporaryDirectory(prefix="gpukit-bench-save-") as tmp:
-            stalls, writes, mib = _time_saves(dev, width, rounds, Path(tmp))
+            stalls, writes, mib = _time_saves(dev, strategy, width, rounds, Path(tmp))
         ratios = [a / s for a, s in zip(stalls["async"], stalls["sync"], strict=True)]
-        raw[str(dev)] = {"stall_s": stalls, "write_s": writes, "ratios": ratios}
+        label = str(dev) if strategy == "single" else f"{dev} {strategy}"
+        raw[label] = {"stall_s": stalls, "write_s": writes, "ratios": ratios}
         ratio = statistics.median(ratios)
         for mode in MODES:
             rows.append(
                 {
                     "device": str(dev),
+                    "strategy": strategy,
                     "mode": mode,
                     "mib": mib,
                     "stall_ms": statistics.median(stalls[mode]) * 1e3,
@@ -84,12 +90,12 @@ def run(
                     "stall_ratio": ratio if mode == "async" else 1.0,
                 }
             )
-        summary[f"{dev}: async stall / sync save"] = ratio
-        summary[f"{dev}: goal met (<= {GOAL})"] = ratio <= GOAL
+        summary[f"{label}: async stall / sync save"] = ratio
+        summary[f"{label}: goal met (<= {GOAL})"] = ratio <= GOAL
     return BenchResult(
         experiment="save",
         title=f"{TITLE} ({LAYERS} x {width}^2 float32, AdamW)",
-        keys=("device", "mode"),
+        keys=("device", "strategy", "mode"),
         columns=COLUMNS,
         rows=rows,
         summary=summary,
@@ -108,15 +114,17 @@ def run(
 
 
 def _time_saves(
-    dev: torch.device, width: int, rounds: int, folder: Path
+    dev: torch.device, strategy: str, width: int, rounds: int, folder: Path
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
     """Per mode, each round's stall and time until published (seconds), and the checkpoint's
-    size (MiB)."""
+    size (MiB). Under fsdp the first Runtime makes the process group of one that the second
+    joins, and leaves it at its teardown."""
     import gpukit as gk
 
     runs: dict[str, Any] = {}
     for mode in MODES:
         rt = gk.Runtime(
+            strategy=strategy,
             devices=[str(dev)],
             seed=0,
             checkpoints=folder / mode,
@@ -145,9 +153,9 @@ def _time_saves(
                 if round_:
                     stalls[mode].append(stalled)
                     writes[mode].append(written)
-        mib = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+        mib = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
     finally:
-        for rt, _, _ in runs.values():
+        for rt, _, _ in reversed(runs.values()):  # the group's maker last (see above)
             rt.teardown()
     return stalls, writes, mib
 
@@ -172,8 +180,9 @@ def _notes() -> list[str]:
     return [
         "training stalled: how long rt.save() kept the loop from its next step. sync: the "
         "whole save (write, fsync, manifest, rename, latest, prune). async: the collective "
-        "part and the copy to host memory, into the previous save's (pinned on a GPU); the "
-        "finiteness check runs on the writing thread.",
+        "part and the copy to host memory, into the previous save's (pinned on a GPU; the "
+        "finiteness check runs on the writing thread); under fsdp also the gathers of the "
+        "exported full weights, which need the training group.",
         "until published: from the call until 'latest' names the new checkpoint (the same as "
         "the stall for sync). stall / sync save: the median over the rounds of the async "
         f"stall over the same round's synchronous save; the goal is at most {GOAL}.",
@@ -183,17 +192,19 @@ def _notes() -> list[str]:
 
 
 def plot(result: BenchResult, path: Path) -> None:
-    """Bars: each device's stall per mode, with the ratio on the async bar."""
+    """Bars: each device and strategy's stall per mode, with the ratio on the async bar."""
     from gpukit.bench.plotting import figure
 
-    devices = list(dict.fromkeys(r["device"] for r in result.rows))
-    by_key = {(r["device"], r["mode"]): r for r in result.rows}
+    groups = list(dict.fromkeys((r["device"], r.get("strategy", "single")) for r in result.rows))
+    by_key = {(r["device"], r.get("strategy", "single"), r["mode"]): r for r in result.rows}
     with figure(path, "The stall of one checkpoint save", "device", "stall (ms)") as ax:
         for i, mode in enumerate(MODES):
-            xs = [d + (i - 0.5) * 0.4 for d in range(len(devices))]
-            heights = [by_key[(dev, mode)]["stall_ms"] for dev in devices]
+            xs = [g + (i - 0.5) * 0.4 for g in range(len(groups))]
+            heights = [by_key[(group[0], group[1], mode)]["stall_ms"] for group in groups]
             bars = ax.bar(xs, heights, 0.4, label=mode)
-            labels = [f"{by_key[(dev, mode)]['stall_ratio']:.3f}x" for dev in devices]
+            labels = [
+                f"{by_key[(group[0], group[1], mode)]['stall_ratio']:.3f}x" for group in groups
+            ]
             ax.bar_label(bars, labels, fontsize=7)
-        ax.set_xticks(range(len(devices)))
-        ax.set_xticklabels(devices)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{dev} {strategy}" for dev, strategy in groups])

@@ -2,7 +2,8 @@
 
 The save's collective part ran in the foreground (see ``writer``); what is left for the thread
 is rank 0's files: write them from host copies, fsync, write the manifest, rename the folder
-into place, point ``latest`` and prune, as a synchronous save does. A write the disk refuses
+into place, point ``latest`` and prune, as a synchronous save does. Under fsdp every rank has a
+thread, which writes its shards first (see ``sharded_behind``). A write the disk refuses
 is noted as the synchronous path notes it, and the folder it began is removed; the error
 reaches every rank at the next point where they all are (the next save, a load, the end of the
 run): :meth:`Background.settle` waits for the thread there, the ranks agree, and each raises
@@ -44,9 +45,9 @@ _SAID_S = 0.1
 
 class Background:
     """One rank's checkpoint write in flight, if any, and its outcome until the ranks agree
-    on it. Only rank 0 ever starts one; every rank calls :meth:`settle`. ``landed`` is told,
-    on the thread, the step of each write that ended without failing (attributes only: the
-    main thread may be anywhere)."""
+    on it. Rank 0 starts one (under fsdp every rank does); every rank calls :meth:`settle`.
+    ``landed`` is told, on the thread, the step of each write that ended without failing
+    (attributes only: the main thread may be anywhere)."""
 
     def __init__(self, landed: Callable[[int], None] = lambda step: None) -> None:
         self._landed = landed
@@ -67,12 +68,13 @@ class Background:
         *,
         step: int,
         directory: Path,
-        tmp: Path,
+        tmp: Path | None,
         failures: Failures,
         needed: int,
     ) -> None:
         """Run ``write`` on a thread; a write failure is noted in ``failures`` (whose folder
-        lock the thread gives back when done) and what it began in ``tmp`` removed."""
+        lock the thread gives back when done) and what it began in ``tmp`` removed (None: the
+        folder is another rank's to remove, rank 0's under fsdp)."""
         assert self._done is None, "a checkpoint write is already in flight"
         self.step, self._failures, self._directory, self._needed = (
             step,
@@ -90,7 +92,7 @@ class Background:
             except BaseException as err:  # a bug, not the disk: still reported at settle
                 failures.error = err
             finally:
-                if failures.error is not None and not failures.busy:
+                if failures.error is not None and not failures.busy and tmp is not None:
                     clean_up(directory, tmp)
                 failures.release()
 
@@ -134,7 +136,7 @@ class Background:
         deadline: Callable[[], float | None] = lambda: None,
     ) -> bool:
         """Collective: every rank calls it where they all are (``why``: the next save, a load,
-        the end). Rank 0 waits for its write (until ``deadline``, see :meth:`wait`: once a
+        the end). Each rank waits for its write (until ``deadline``, see :meth:`wait`: once a
         stop was asked for), saying how long when it had to wait; then the ranks agree, and
         when the write failed each raises the same CheckpointWriteError. Returns, on every
         rank, whether rank 0's write landed (False: none was in flight, or it was given up)."""

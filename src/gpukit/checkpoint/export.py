@@ -8,6 +8,12 @@ the model's size. The files' headers are known before any value is (names, shape
 are the same on every rank), so each file is written front to back in the format
 safetensors reads (an 8-byte little-endian header length, the JSON header, the bytes).
 
+A checkpoint written in the background (``async_save``) cannot gather on its thread: the
+gathers are collectives of the training group, which training uses meanwhile. There
+:func:`gather` copies the full weights to rank 0's host memory in the save (rank 0 then holds
+the whole model there, as a save of whole weights does) and :func:`write` writes the same
+files, byte for byte, from the thread.
+
 Up to ``max_shard_bytes`` of weights go into one file, ``model.safetensors`` as for a model
 that is not sharded. Beyond it the weights are split as Hugging Face splits them:
 ``model-00001-of-00003.safetensors``... with ``model.safetensors.index.json`` naming each
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,7 +39,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from gpukit.checkpoint import finite
+from gpukit.checkpoint import finite, snapshot
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
 
@@ -93,6 +100,38 @@ def shard_names(name: str, count: int) -> list[str]:
     return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How the full weights of a model are written: the files, the names in each (in the
+    order written, the same on every rank), and the live values by name."""
+
+    values: dict[str, Any]
+    params: set[str]
+    names: list[str]
+    groups: list[list[str]]
+    total: int
+
+
+def _layout(model: nn.Module, name: str, max_shard_bytes: int) -> _Layout:
+    tied = tied_names(model)
+    values = {k: v for k, v in model.state_dict().items() if k not in tied}
+    for key, value in values.items():
+        if value.dtype not in _DTYPES:
+            raise TypeError(f"{key} is {value.dtype}, which gpukit cannot export to safetensors")
+    # Widest dtype first, then by name (as safetensors orders them): every offset is then a
+    # multiple of its value's item size.
+    order = sorted(values, key=lambda k: (-values[k].element_size(), k))
+    sizes = [(k, values[k].numel() * values[k].element_size()) for k in order]
+    groups = plan(sizes, max_shard_bytes)
+    return _Layout(
+        values=values,
+        params={n for n, _ in model.named_parameters(remove_duplicate=False)},
+        names=shard_names(name, len(groups)),
+        groups=groups,
+        total=sum(size for _, size in sizes),
+    )
+
+
 def export(
     model: nn.Module,
     strategy: Strategy,
@@ -110,22 +149,12 @@ def export(
     ``guard`` (rank 0): a context manager factory every write goes through (the checkpoint
     writer's, which notes a refused write); once a write failed rank 0 writes nothing more
     but still joins every gather, so no rank waits for it."""
-    tied = tied_names(model)
-    values = {k: v for k, v in model.state_dict().items() if k not in tied}
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for key, value in values.items():
-        if value.dtype not in _DTYPES:
-            raise TypeError(f"{key} is {value.dtype}, which gpukit cannot export to safetensors")
-    # Widest dtype first, then by name (as safetensors orders them): every offset is then a
-    # multiple of its value's item size.
-    order = sorted(values, key=lambda k: (-values[k].element_size(), k))
-    sizes = [(k, values[k].numel() * values[k].element_size()) for k in order]
-    groups = plan(sizes, max_shard_bytes)
-    names = shard_names(name, len(groups))
+    layout = _layout(model, name, max_shard_bytes)
+    values = layout.values
     writing = strategy.rank == 0
     bad: list[str] = []
     written: list[str] = []
-    for file, keys in zip(names, groups, strict=True):
+    for file, keys in zip(layout.names, layout.groups, strict=True):
         out: BinaryIO | None = None
         if writing:
             out = _attempt(guard, partial(_open, folder / file, keys, values))
@@ -135,7 +164,7 @@ def export(
             if out is None:
                 continue
             host = full.detach().to("cpu").contiguous()
-            bad += finite.problems([(file, key, host, key not in params)])
+            bad += finite.problems([(file, key, host, key not in layout.params)])
             if _attempt(guard, partial(_write, out, host)) is None:
                 out.close()
                 out = None
@@ -143,17 +172,71 @@ def export(
         if out is not None:
             out.close()
             written.append(file)
-    if writing and len(names) > 1 and len(written) == len(names):
-        total = sum(size for _, size in sizes)
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {
-                k: f for f, keys in zip(names, groups, strict=True) for k in sorted(keys)
-            },
-        }
-        if _attempt(guard, partial(_dump, folder / (name + INDEX), index)) is not None:
-            written.append(name + INDEX)
+    indexed = writing and len(layout.names) > 1 and len(written) == len(layout.names)
+    if indexed and _attempt(guard, partial(_dump, folder / (name + INDEX), _index(layout))):
+        written.append(name + INDEX)
     return written, bad
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Rank 0's copy in host memory of a sharded model's full weights, to be written as
+    :func:`export` writes them (see :func:`gather` and :func:`write`)."""
+
+    name: str
+    layout: _Layout  # its ``values`` are the host copies
+
+
+def gather(
+    model: nn.Module, strategy: Strategy, name: str, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Gathered | None:
+    """The full weights of the sharded ``model`` copied to rank 0's host memory, for
+    :func:`write` to write later (a checkpoint written in the background); None on the
+    other ranks. Collective, as :func:`export`, in the same order; rank 0 then holds the
+    whole model in host memory (one full tensor at a time on its device). On a GPU the
+    copies are enqueued: ``snapshot.wait_copies`` before reading them."""
+    layout = _layout(model, name, max_shard_bytes)
+    copies: dict[str, Any] = {}
+    for keys in layout.groups:
+        for key in keys:
+            value = layout.values[key]
+            full = _gathered(value) if is_dtensor(value) else value  # every rank joins
+            if strategy.rank == 0:
+                # A copy even on a CPU: one rank's gather may return the live tensor, which
+                # training changes in place.
+                copies[key] = snapshot.host_copy(full)
+            del full
+    if strategy.rank != 0:
+        return None
+    return Gathered(name, replace(layout, values=copies))
+
+
+def write(gathered: Gathered, folder: Path) -> tuple[list[str], list[str]]:
+    """Write what :func:`gather` copied into ``folder``, in the files :func:`export` writes,
+    byte for byte; returns the files written and the non-finite values found."""
+    layout = gathered.layout
+    bad: list[str] = []
+    for file, keys in zip(layout.names, layout.groups, strict=True):
+        with _open(folder / file, keys, layout.values) as out:
+            for key in keys:
+                host = layout.values[key].contiguous()
+                bad += finite.problems([(file, key, host, key not in layout.params)])
+                _write(out, host)
+    written = list(layout.names)
+    if len(layout.names) > 1:
+        _dump(folder / (gathered.name + INDEX), _index(layout))
+        written.append(gathered.name + INDEX)
+    return written, bad
+
+
+def _index(layout: _Layout) -> dict[str, Any]:
+    """``model.safetensors.index.json``: the total size and each weight's file."""
+    return {
+        "metadata": {"total_size": layout.total},
+        "weight_map": {
+            k: f for f, keys in zip(layout.names, layout.groups, strict=True) for k in sorted(keys)
+        },
+    }
 
 
 def _gathered(value: Any) -> torch.Tensor:

@@ -132,6 +132,18 @@ def needed_bytes(models: list[Any], optimizers: Sequence[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors(held))
 
 
+def check_room(directory: Path, needed: int) -> None:
+    """A write in the background must not find the disk full half way through while training
+    goes on: refused now, as the full disk it would meet (every rank raises it)."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(
+            errnos.ENOSPC,
+            f"not enough free space for the checkpoint to be written in the background "
+            f"({free} bytes free, about {needed} needed)",
+        )
+
+
 def message(
     err_text: str, code: int | None, directory: Path, step: int, needed: int, rank: int
 ) -> tuple[int | None, str]:

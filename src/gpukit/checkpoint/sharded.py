@@ -31,7 +31,7 @@ from torch import nn
 
 from gpukit._util.text import described
 from gpukit._util.tree import map_tensors
-from gpukit.checkpoint import finite
+from gpukit.checkpoint import finite, snapshot
 from gpukit.checkpoint.live import Precision, RunState, user_model
 from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
@@ -136,6 +136,24 @@ def save(
     dcp.save({"model": model, "optim": optim}, checkpoint_id=str(folder / SHARDED))
     mine = finite.problems(_optimizer_entries(optim, strategy.rank))
     return sorted({line for rank in strategy.all_gather_object(mine) for line in rank})
+
+
+def stage(models: list[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """This rank's shards of the models and optimizers copied to host memory, laid out as
+    :func:`save` writes them, for :func:`write` to write while training changes the live
+    ones (no collective; on a GPU the copies are enqueued: ``snapshot.wait_copies``)."""
+    model, optim = _state_dicts(models, optimizers)
+    return {"model": snapshot.tree(model), "optim": snapshot.tree(optim)}
+
+
+def write(staged: dict[str, Any], folder: Path, rank: int, group: Any) -> list[str]:
+    """Write what :func:`stage` copied into ``folder/sharded`` (collective over ``group``,
+    every rank's thread together: DCP plans the files with it). Returns the non-finite
+    optimizer values in this rank's shards."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(staged, checkpoint_id=str(folder / SHARDED), process_group=group)
+    return finite.problems(_optimizer_entries(staged["optim"], rank))
 
 
 def written_by(folder: Path, rank: int) -> list[Path]:

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import _remove_duplicate_names  # save_model's own rule for tied names
 
 from gpukit._util.tree import map_tensors
+from gpukit.strategies._fsdp_api import is_dtensor
 
 Copy = Callable[[torch.Tensor], torch.Tensor]  # a tensor to its copy in host memory
 # What a buffer fits: the shape, the dtype, and whether it is pinned (copies from a GPU).
@@ -38,8 +39,13 @@ _Fit = tuple[tuple[int, ...], torch.dtype, bool]
 def host_copy(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``tensor``'s values in host memory: ``out`` (contiguous, of its shape and dtype), else
     new memory, pinned when it lives on a GPU (the copy is then enqueued: call
-    :func:`wait_copies` before reading it)."""
+    :func:`wait_copies` before reading it). A DTensor (an fsdp shard) stays one, its local
+    shard copied into new memory: torch.distributed.checkpoint writes it where it belongs."""
     tensor = tensor.detach()
+    if is_dtensor(tensor):
+        # DTensor's own copy keeps its mesh and placements; from a GPU, non_blocking puts the
+        # copy in pinned memory, as torch's own staging for asynchronous saves does.
+        return tensor.to("cpu", copy=True, non_blocking=tensor.device.type != "cpu")
     pinned = _pinned(tensor)
     if out is None:
         if tensor.device.type == "cpu":

@@ -13,12 +13,12 @@ Given a :class:`~gpukit.checkpoint.background.Background` (``async_save``), a sa
 weights does its collective part as above (the ranks' random states, the checks, the
 agreement) and copies what it writes to host memory; the files are then written, fsynced,
 renamed and published by a thread while training goes on, in the same format (see
-``background``). Sharded checkpoints are always written in the foreground.
+``background``). A sharded save copies every rank's shards to host memory and writes them
+from a thread on every rank (see ``sharded_behind``).
 """
 
 from __future__ import annotations
 
-import errno
 import random
 import shutil
 from collections.abc import Sequence
@@ -29,10 +29,16 @@ import numpy as np
 import torch
 from safetensors.torch import save_file, save_model
 
-from gpukit.checkpoint import files, finite, objects, publish, sharded, snapshot
+from gpukit.checkpoint import files, finite, objects, publish, sharded, sharded_behind, snapshot
 from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.export import export as export_weights
-from gpukit.checkpoint.failure import Failures, clean_up, needed_bytes, raise_agreed
+from gpukit.checkpoint.failure import (
+    Failures,
+    check_room,
+    clean_up,
+    needed_bytes,
+    raise_agreed,
+)
 from gpukit.checkpoint.fit import (
     optimizer_entries,
     parameter_names,
@@ -60,8 +66,8 @@ def save(
     Collective: every rank calls it (rank 0 writes; under fsdp every rank writes its shards
     too). Under fsdp ``export`` says whether it also holds the full weights (the shards
     alone resume the run). See :mod:`gpukit.checkpoint`.
-    With ``background`` (not under fsdp), rank 0's files are written by its thread after
-    this returns (the collective part and the host copies done here).
+    With ``background``, the files are written by a thread after this returns (the
+    collective part and the host copies done here): rank 0's, or under fsdp every rank's.
     Users call it through the Runtime::
 
         rt.save("ckpt", keep=3)  # ckpt/step-00000040/ and ckpt/latest
@@ -94,7 +100,27 @@ def save(
             directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-    if background is not None and not shards:
+    if background is not None and shards:
+        progress = None
+        if strategy.rank == 0:
+            progress = _progress(state, strategy, precision, rng, True, accumulate)
+            progress["fresh_optimizers"] = [
+                i for i, o in enumerate(state.optimizers) if not o.state
+            ]
+            progress |= extras
+        return sharded_behind.save(
+            background,
+            directory,
+            final,
+            failures,
+            state,
+            strategy,
+            models,
+            progress,
+            keep=keep,
+            export=export,
+        )
+    if background is not None:
         return _save_behind(
             background,
             directory,
@@ -193,7 +219,7 @@ def _save_behind(
     if strategy.rank == 0 and failures.ok:
         with failures.noted():
             needed = needed_bytes(models, state.optimizers)
-            _check_room(directory, needed)
+            check_room(directory, needed)
             progress = _progress(state, strategy, precision, rng, False, accumulate)
             progress["fresh_optimizers"] = []
             progress |= extras
@@ -243,18 +269,6 @@ def _save_behind(
         needed=needed,
     )
     return final
-
-
-def _check_room(directory: Path, needed: int) -> None:
-    """A write in the background must not find the disk full half way through while training
-    goes on: refused now, as the full disk it would meet (every rank raises it)."""
-    free = shutil.disk_usage(directory).free
-    if free < needed:
-        raise OSError(
-            errno.ENOSPC,
-            f"not enough free space for the checkpoint to be written in the background "
-            f"({free} bytes free, about {needed} needed)",
-        )
 
 
 def _entries(

@@ -24,11 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
 from gpukit import _env
 from gpukit._util import placement
 from gpukit.checkpoint import files
 from gpukit.checkpoint import lock as folder_lock
-from gpukit.errors import Preempted
+from gpukit.errors import Preempted, warn_user
 from gpukit.launch.faults import FaultPlan
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
@@ -99,6 +103,7 @@ class Lifecycle:
         self.writing_step: int | None = None  # a save's step written in the background
         self._made_step = -1  # the step of the last save or load, the same on every rank
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
+        self._watching: list[RemovableHandle] = []  # set-up models' first-forward hooks
         self.beat("start", 0)
 
     @property
@@ -110,11 +115,39 @@ class Lifecycle:
         if self.heartbeat is not None:
             self.heartbeat.beat(phase, step)
 
-    def before_first_pass(self) -> None:
-        """A loader's pass or a step is about to start: resume first, once (``"auto"``)."""
+    def before_first_pass(self) -> Any:
+        """A loader's pass or a step is about to start: resume first, once (``"auto"``).
+        Returns what the resume returned (the checkpoint's epoch and step, None without one)."""
+        self._stop_watching()
+        if self.resumed:
+            return None
+        self.resumed = True
+        return self._resume()
+
+    def resume_before_forward(self, module: nn.Module) -> None:
+        """Resume (``"auto"``), if not done by then, before ``module``'s first forward: a loop
+        that reads its batches itself calls the model before anything else the Runtime sees,
+        and that forward must run on the resumed weights. The hook goes first (before fsdp's
+        own, which gathers the weights) and is removed from every model at the resume."""
         if not self.resumed:
-            self.resumed = True
-            self._resume()
+            hook = torch.compiler.disable(self._at_first_forward)  # loads, gathers: eager
+            self._watching.append(module.register_forward_pre_hook(hook, prepend=True))
+
+    def _at_first_forward(self, module: nn.Module, args: Any) -> None:
+        progress = self.before_first_pass()
+        if progress is not None and progress["step"] > 0:
+            warn_user(
+                f"resumed at step {progress['step']} at the first forward of a set-up model: "
+                "whatever this program chose before that call (its batch, by rt.global_step "
+                "or from the random generators) was chosen as a new run would choose it. Call "
+                "rt.resume() right after rt.setup(...), or read batches from a loader set up "
+                "with rt.setup, so that the run resumes before the loop starts"
+            )
+
+    def _stop_watching(self) -> None:
+        for handle in self._watching:
+            handle.remove()
+        self._watching.clear()
 
     def step_begins(self, step: int) -> None:
         """Optimizer step ``step + 1`` begins (``step`` taken so far): a save still pending
@@ -129,11 +162,12 @@ class Lifecycle:
     def poison_loss(self) -> bool:
         return self.faults.nan_now
 
-    def save_made(self, step: int, *, in_place: bool) -> None:
+    def save_made(self, step: int, *, in_place: bool, own_write: bool = True) -> None:
         """A checkpoint at ``step`` was made (saved, or loaded): a periodic save pending for
         that step is made by it, and the interval of ``save_every`` counts from now. It is
         ``in_place`` (a synchronous save, a load), or else being written in the background
-        until :meth:`landed` or :meth:`settled` says how that ended."""
+        until :meth:`landed` or :meth:`settled` says how that ended; ``own_write``: this
+        rank's thread writes a part of it (else its part is done)."""
         self._last_save = time.monotonic()
         self._made_step = step
         if self._pending == ("save", step):
@@ -142,9 +176,9 @@ class Lifecycle:
             self.saved(step)
             return
         self.writing_step = step
-        if self.rank != 0 and self.heartbeat is not None:
-            # Only rank 0 writes in the background: this rank's part is done. The launcher
-            # takes the smallest saved step over the ranks: rank 0's, once its write lands.
+        if not own_write and self.heartbeat is not None:
+            # Rank 0 writes (whole weights): this rank's part is done. The launcher takes the
+            # smallest saved step over the ranks: rank 0's, once its write lands.
             self.heartbeat.saved(step)
 
     def saved(self, step: int) -> None:
@@ -258,7 +292,8 @@ class Lifecycle:
         self.beat("end", step)
 
     def close(self) -> None:
-        """Give the signal handlers and the checkpoints folder back."""
+        """Give the signal handlers, the checkpoints folder and the models' hooks back."""
+        self._stop_watching()
         if self.preemption is not None:
             self.preemption.uninstall()
         if self.lock is not None:

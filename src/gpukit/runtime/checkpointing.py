@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from gpukit import _env, checkpoint
-from gpukit.checkpoint import pretrained, sharded
+from gpukit.checkpoint import pretrained
 from gpukit.checkpoint.background import Background
-from gpukit.checkpoint.fit import user_models
 from gpukit.checkpoint.live import user_model
-from gpukit.errors import ConfigError, warn_user
+from gpukit.errors import ConfigError
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
@@ -72,7 +71,6 @@ class Checkpointing:
         self.runtime = runtime
         # The write in flight (async_save), if any; its thread tells the lifecycle it landed.
         self.background = Background(landed=lifecycle.landed)
-        self._said_sharded = False
         # A save written in the background since the last settle, on every rank alike (saves
         # are collective): only then do the ranks meet to settle it.
         self._unsettled = False
@@ -95,7 +93,8 @@ class Checkpointing:
         Runtime's ``export`` setting) says whether it also holds the full weights.
 
         With ``async_save`` it returns once the files' contents are copied to host memory, and
-        a thread writes them (see ``gpukit.checkpoint.background``)."""
+        a thread writes them (under fsdp a thread on every rank writes its shards; see
+        ``gpukit.checkpoint.background``)."""
         return self.save_now(directory, keep, export=export, background=self.settings.async_save)
 
     def save_now(
@@ -116,15 +115,6 @@ class Checkpointing:
         self.strategy.check_every_rank_calls("rt.save")
         self.runtime.close_window()
         self.settle("this save")  # one write in flight at most: the one before finishes first
-        if background and sharded.applies(user_models(self.state, self.strategy, self.precision)):
-            background = False
-            if not self._said_sharded:
-                self._said_sharded = True
-                warn_user(
-                    "async_save=True: checkpoints of sharded (fsdp) models are written "
-                    "synchronously (every rank writes its shards through "
-                    "torch.distributed.checkpoint, in the save itself)"
-                )
         path = checkpoint.save(
             Path(folder),
             self.state,
@@ -136,7 +126,12 @@ class Checkpointing:
             background=self.background if background else None,
         )
         self._unsettled = background
-        self.lifecycle.save_made(self.state.global_step, in_place=not background)
+        self.lifecycle.save_made(
+            self.state.global_step,
+            in_place=not background,
+            # Whether this rank writes too (rank 0; every rank under fsdp), or is done.
+            own_write=self.background.step is not None,
+        )
         return path
 
     def load(self, directory: str | Path | None = None) -> dict[str, int]:
@@ -255,7 +250,7 @@ class Checkpointing:
 
     def resume(self) -> dict[str, int] | None:
         """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),
-        else None. ``resume="auto"`` calls it by itself before the first pass or step."""
+        else None. ``resume="auto"`` calls it by itself before the first pass, step or forward."""
         self.lifecycle.resumed = True
         folder = self.lifecycle.folder
         found = checkpoint.resumable(folder) if folder is not None else None

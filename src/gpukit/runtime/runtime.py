@@ -257,6 +257,7 @@ class Runtime:
             placed = self._compiler.before_strategy(self.precision.setup_module(user), user)
             module = self._compiler.after_strategy(self.strategy.setup_module(placed))
             self.state.modules.append(module)
+            self.lifecycle.resume_before_forward(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
             self._stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
         self.state.optimizers += [

@@ -221,7 +221,8 @@ class Settings:
         help="auto: continue from the newest good checkpoint in checkpoints",
         allowed="auto, None",
         doc='"auto": continue from the newest good checkpoint in ``checkpoints`` when there '
-        "is one (before the first pass over a loader or the first step), else start fresh.",
+        "is one (before the first pass over a loader, step, or forward of a set-up model), else "
+        "start fresh.",
         check=check_resume,
         flag=False,
         no_flag="none: --resume continues from --out's newest checkpoint",
@@ -297,8 +298,9 @@ class Settings:
         "files, in the same format, while training goes on. A save waits for the one before "
         "(saying how long); a failed write raises its ``CheckpointWriteError`` at the next "
         "save, load or the end of the run, on every rank; a preemption's save is synchronous; "
-        "the end of the run waits for the write. Under fsdp saves stay synchronous (with a "
-        "warning). False: every save returns once its files are in place.",
+        "the end of the run waits for the write. Under fsdp every rank copies its shards and "
+        "writes them on a thread of its own. False: every save returns once its files are in "
+        "place.",
         check=check_async_save,
         parse=parse_on_off,
         metavar="on|off",

@@ -230,6 +230,11 @@ class Strategy(abc.ABC):
     def barrier(self) -> None:  # noqa: B027
         """Wait until every rank reaches this point."""
 
+    def background_group(self) -> Any:
+        """The process group for collectives run on a thread beside training (a checkpoint
+        written in the background); None alone, where nothing needs one."""
+        return None
+
     def check_every_rank_calls(self, what: str) -> None:  # noqa: B027
         """Before a collective that only some ranks might call (``rt.save`` under
         ``if rank == 0``): fail within a short timeout naming the ranks that did not come,

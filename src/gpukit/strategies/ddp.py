@@ -116,6 +116,7 @@ class DDP(Strategy):
         self.launch_env: placement.LaunchEnv | None = None
         self._owns_group = False
         self._guard: Any = None
+        self._background: Any = None  # made at its first use (see background_group)
 
     def configure(self, devices: list[Device]) -> None:
         super().configure(devices)
@@ -321,6 +322,15 @@ class DDP(Strategy):
     def barrier(self) -> None:
         dist.barrier()
 
+    def background_group(self) -> Any:
+        """A gloo group of every rank for a thread's collectives (a checkpoint's background
+        write): training's own group must never see collectives from two threads at once,
+        whose order would differ between ranks. Made at the first call, which every rank
+        makes at the same point (making a group is collective), and kept for the run."""
+        if self._background is None:
+            self._background = dist.new_group(backend="gloo")
+        return self._background
+
     def check_every_rank_calls(self, what: str) -> None:
         if self._guard is None:
             return
@@ -350,14 +360,19 @@ class DDP(Strategy):
         nothing to tear down."""
         successor._owns_group, self._owns_group = self._owns_group, False
         successor.setup_environment()  # the group exists: a guard group (and fsdp's mesh)
-        if self._guard is not None and dist.is_initialized():
-            dist.destroy_process_group(self._guard)
-        self._guard = None
+        self._drop_side_groups()
 
     def teardown(self) -> None:
-        if self._guard is not None and not self._owns_group and dist.is_initialized():
-            dist.destroy_process_group(self._guard)  # the user's own group stays
-        self._guard = None
+        if not self._owns_group:
+            self._drop_side_groups()  # the user's own group stays
+        self._guard = self._background = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+    def _drop_side_groups(self) -> None:
+        """Destroy the groups made beside the training one (the guard, the background's)."""
+        for group in (self._guard, self._background):
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._guard = self._background = None
