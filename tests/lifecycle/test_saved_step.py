@@ -148,3 +148,19 @@ def test_a_stop_with_no_step_end_names_the_write_it_cuts_short(
     assert "(the newest checkpoint is step 2; the one of step 4, still being written, is lost)" in (
         said
     ), said
+
+
+def test_a_rank_with_nothing_to_write_records_its_part_at_once(tmp_path: Path) -> None:
+    """Whole weights in the background: rank 0 alone writes; the other ranks' part of the
+    save is done when it returns (the launcher reads the smallest step over the ranks)."""
+    rt, _, _, _ = _setup(tmp_path)
+    beats = _Beats()
+    rt.lifecycle.heartbeat = beats  # type: ignore[assignment]
+    rt.lifecycle.save_made(7, in_place=False, own_write=False)
+    assert beats.saved_step == 7
+    assert rt.lifecycle.saved_step == -1 and rt.lifecycle.in_flight == 7  # not landed here
+    rt.lifecycle.save_made(8, in_place=False, own_write=True)
+    assert beats.saved_step == 7  # this rank's thread writes: recorded when it lands
+    rt.lifecycle.landed(8)
+    assert beats.saved_step == 8 and rt.lifecycle.saved_step == 8
+    rt.teardown()
