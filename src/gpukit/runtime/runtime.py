@@ -330,9 +330,12 @@ class Runtime:
         >>> rt.global_step
         1
         """
-        self._ensure_ready()
+        if not self._ready:
+            self._ensure_ready()
         if not self.lifecycle.resumed:
             self.lifecycle.before_first_pass()
+        if not self._compiler.graphs:  # every step: no closure to make where nothing wraps it
+            return self._stepper.train_step(optimizer, batch, compute_loss)
         return self._compiler.step(lambda: self._stepper.train_step(optimizer, batch, compute_loss))
 
     def backward(self, loss: torch.Tensor) -> None:

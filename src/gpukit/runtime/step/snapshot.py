@@ -70,6 +70,8 @@ class BufferGuard:
         """Copies of the buffers the coming step may change (all of them the first time), and
         the version of each buffer not copied: a retry must see it unchanged."""
         buffers = self.buffers
+        if not buffers:  # every step of a model without buffers: nothing to keep
+            return _NOTHING
         if self.changing is None:
             every = range(len(buffers))
             return SavedBuffers(
@@ -127,13 +129,18 @@ class SavedBuffers:
     versions: list[tuple[int, int]]
 
 
+_NOTHING = SavedBuffers([], [])  # what a model without buffers keeps (never changed)
+
+
 class RngState:
     """The CPU's random generator and those of the GPUs in ``devices``, saved now."""
 
     def __init__(self, gpus: Sequence[int]) -> None:
-        self.cpu = torch.get_rng_state()
+        self.cpu = torch.default_generator.get_state()  # torch.get_rng_state, one call less
         self.cuda: list[tuple[int, Any]] = (
-            [(i, torch.cuda.get_rng_state(i)) for i in gpus] if torch.cuda.is_initialized() else []
+            [(i, torch.cuda.get_rng_state(i)) for i in gpus]
+            if gpus and torch.cuda.is_initialized()
+            else []
         )
 
     @staticmethod
