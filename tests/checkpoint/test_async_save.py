@@ -485,8 +485,8 @@ def test_on_a_gpu_the_copies_are_pinned_and_the_checkpoint_loads_as_a_synchronou
     pinned: list[bool] = []
     real_copy = snapshot.host_copy
 
-    def noted(tensor: torch.Tensor) -> torch.Tensor:
-        out = real_copy(tensor)
+    def noted(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        out = real_copy(tensor, into)
         if tensor.device.type == "cuda":
             pinned.append(out.is_pinned())
         return out

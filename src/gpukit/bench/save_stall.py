@@ -180,8 +180,9 @@ def _notes() -> list[str]:
     return [
         "training stalled: how long rt.save() kept the loop from its next step. sync: the "
         "whole save (write, fsync, manifest, rename, latest, prune). async: the collective "
-        "part, the finiteness check and the copy to host memory (pinned on a GPU); under "
-        "fsdp also the gathers of the exported full weights, which need the training group.",
+        "part and the copy to host memory, into the previous save's (pinned on a GPU; the "
+        "finiteness check runs on the writing thread); under fsdp also the gathers of the "
+        "exported full weights, which need the training group.",
         "until published: from the call until 'latest' names the new checkpoint (the same as "
         "the stall for sync). stall / sync save: the median over the rounds of the async "
         f"stall over the same round's synchronous save; the goal is at most {GOAL}.",

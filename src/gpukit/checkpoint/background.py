@@ -10,7 +10,12 @@ run): :meth:`Background.settle` waits for the thread there, the ranks agree, and
 the same :class:`~gpukit.errors.CheckpointWriteError` a synchronous save raises.
 
 A crash or a kill while the thread writes costs nothing but this checkpoint: it lives in
-``.tmp-step-N/`` until its rename, and ``latest`` keeps naming the previous one.
+``.tmp-step-N/`` until its rename, and ``latest`` keeps naming the previous one. A step counts
+as saved once its write has ended: the thread says so (``landed``), and :meth:`Background.settle`
+tells every rank whether it did.
+
+The host copies a write reads are kept for the next save (``buffers``, see ``snapshot``) until
+:meth:`Background.free`: a checkpoint's size in host memory while saves go on.
 
 >>> bg = Background()
 >>> bg.step is None, bg.wait()
@@ -20,6 +25,7 @@ A crash or a kill while the thread writes costs nothing but this checkpoint: it 
 from __future__ import annotations
 
 import atexit
+import queue
 import sys
 import threading
 import time
@@ -29,6 +35,7 @@ from typing import Any
 
 from gpukit.checkpoint import files
 from gpukit.checkpoint.failure import Failures, clean_up, raise_agreed
+from gpukit.checkpoint.snapshot import HostBuffers
 
 _POLL_S = 0.05  # how often a wait looks again at its deadline (a stop may set one meanwhile)
 # A wait this long or longer is said: a save that waited for the one before is a slower save
@@ -38,10 +45,16 @@ _SAID_S = 0.1
 
 class Background:
     """One rank's checkpoint write in flight, if any, and its outcome until the ranks agree
-    on it. Rank 0 starts one (under fsdp every rank does); every rank calls :meth:`settle`."""
+    on it. Rank 0 starts one (under fsdp every rank does); every rank calls :meth:`settle`.
+    ``landed`` is told, on the thread, the step of each write that ended without failing
+    (attributes only: the main thread may be anywhere)."""
 
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
+    def __init__(self, landed: Callable[[int], None] = lambda step: None) -> None:
+        self._landed = landed
+        self.buffers = HostBuffers()  # the last write's host copies, for the next save
+        self._writer: _Writer | None = None
+        self._done: threading.Event | None = None  # set when the write in flight has ended
+        self._last: threading.Event | None = None  # the same for the last write started
         self.step: int | None = None  # the step being written, until it is settled
         self._failures = Failures()
         self._directory = Path()
@@ -62,7 +75,7 @@ class Background:
         """Run ``write`` on a thread; a write failure is noted in ``failures`` (whose folder
         lock the thread gives back when done) and what it began in ``tmp`` removed (None: the
         folder is another rank's to remove, rank 0's under fsdp)."""
-        assert self._thread is None, "a checkpoint write is already in flight"
+        assert self._done is None, "a checkpoint write is already in flight"
         self.step, self._failures, self._directory, self._needed = (
             step,
             failures,
@@ -74,6 +87,8 @@ class Background:
             try:
                 with failures.noted():
                     write()
+                if failures.error is None:
+                    self._landed(step)
             except BaseException as err:  # a bug, not the disk: still reported at settle
                 failures.error = err
             finally:
@@ -81,13 +96,17 @@ class Background:
                     clean_up(directory, tmp)
                 failures.release()
 
-        # A daemon: a stop past its grace period must be able to end the process; the normal
-        # end of a program waits for it (see _at_exit).
-        self._thread = threading.Thread(target=run, name=f"gpukit-save-{step}", daemon=True)
+        given_up = self._last is not None and not self._last.is_set()
+        if self._writer is None or given_up or not self._writer.alive:
+            # The first write; or the last one was given up and may still be writing (the
+            # old thread ends once it does); or a fork left the thread behind: a new thread.
+            if self._writer is not None:
+                self._writer.stop()
+            self._writer = _Writer()
         if not self._registered:
             atexit.register(self._at_exit)
             self._registered = True
-        self._thread.start()
+        self._done = self._last = self._writer.run(run)
 
     def wait(self, deadline: Callable[[], float | None] = lambda: None) -> float:
         """Wait for the write in flight, until it ends or the time ``deadline`` gives (on
@@ -100,14 +119,14 @@ class Background:
             limit = deadline()
             if limit is not None and time.monotonic() >= limit:
                 break
-            assert self._thread is not None
-            self._thread.join(_POLL_S)
+            assert self._done is not None
+            self._done.wait(_POLL_S)
         return time.monotonic() - began
 
     @property
     def writing(self) -> bool:
         """A write is still under way on the thread."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._done is not None and not self._done.is_set()
 
     def settle(
         self,
@@ -115,16 +134,19 @@ class Background:
         say: Callable[[str], None],
         why: str,
         deadline: Callable[[], float | None] = lambda: None,
-    ) -> None:
+    ) -> bool:
         """Collective: every rank calls it where they all are (``why``: the next save, a load,
         the end). Each rank waits for its write (until ``deadline``, see :meth:`wait`: once a
         stop was asked for), saying how long when it had to wait; then the ranks agree, and
-        when the write failed each raises the same CheckpointWriteError."""
+        when the write failed each raises the same CheckpointWriteError. Returns, on every
+        rank, whether rank 0's write landed (False: none was in flight, or it was given up)."""
         step, failures = self.step, self._failures
+        landed = step is not None
         if step is not None and self.writing:
             waited = self.wait(deadline)
             if self.writing:  # past the grace: this one is lost, the previous one stays
                 self._abandoned = True
+                landed = False
                 failures = Failures()
                 say(
                     f"gpukit: {why}: the checkpoint of step {step} was still being written "
@@ -133,15 +155,25 @@ class Background:
                 )
             elif waited >= _SAID_S:
                 say(f"gpukit: {why} waited {waited:.1f} s for the checkpoint of step {step}")
-        self._thread, self.step, self._failures = None, None, Failures()
+        self._done, self.step, self._failures = None, None, Failures()
         found = failures.agree(strategy)
         if found:
             raise_agreed(found, failures.error, strategy, self._directory, step or 0, self._needed)
+        # Only rank 0 writes: the others learn from it whether the step is saved.
+        return bool(strategy.broadcast_object(landed, 0))
+
+    def free(self) -> None:
+        """Let the host copies kept for the next save go, and the thread (the end of the
+        run; a later save starts another)."""
+        self.buffers.clear()
+        if self._writer is not None:
+            self._writer.stop()  # once its write, if any, ends
+            self._writer = None
 
     def _at_exit(self) -> None:
         """The program ends without a last settle (no teardown): the write finishes, and a
         failure is said rather than lost."""
-        if self._thread is None or self._abandoned:
+        if self._done is None or self._abandoned:
             return
         self.wait()
         if self._failures.error is not None:
@@ -151,3 +183,42 @@ class Background:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+class _Writer:
+    """A thread that runs the writes handed to it, one after another. Started once: a save
+    then only hands over its write, where starting a thread waits until the new thread runs
+    (milliseconds on a CPU that other processes keep busy). A daemon: a stop past its grace
+    period must be able to end the process; the normal end of a program waits for the write
+    (see ``Background._at_exit``)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="gpukit-save", daemon=True)
+        self._thread.start()
+
+    def run(self, write: Callable[[], None]) -> threading.Event:
+        """Hand ``write`` over (it must not raise); the event is set once it has run."""
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                write()
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        return done
+
+    @property
+    def alive(self) -> bool:
+        """The thread runs (a forked child has none of its parent's threads)."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """End the thread once the writes handed over have run."""
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()

@@ -215,6 +215,7 @@ def _save_behind(
     models = user_models(state, strategy, precision)
     write = None
     needed = 0
+    lease = None
     if strategy.rank == 0 and failures.ok:
         with failures.noted():
             needed = needed_bytes(models, state.optimizers)
@@ -222,8 +223,11 @@ def _save_behind(
             progress = _progress(state, strategy, precision, rng, False, accumulate)
             progress["fresh_optimizers"] = []
             progress |= extras
-            weights = [snapshot.weights(model) for model in models]
-            progress = snapshot.tree(progress)
+            # Into the last save's copies: the write that read them has ended (this save
+            # settled it first), and a lease never hands out memory a write still reads.
+            lease = background.buffers.lease()
+            weights = [snapshot.weights(model, lease.copy) for model in models]
+            progress = snapshot.tree(progress, lease.copy)
             # The check reads the copies, on the thread: the values saved, off the step's path.
             named = [
                 snapshot.named(m.state_dict(), *w) for m, w in zip(models, weights, strict=True)
@@ -233,16 +237,22 @@ def _save_behind(
             step = state.global_step
 
             def write() -> None:
-                bad = finite.problems(entries)
-                for i, (tensors, metadata) in enumerate(weights):
-                    name = weights_name(i, len(weights))
-                    save_file(tensors, str(tmp / name), metadata=metadata)
-                    files.ordinary_mode(tmp / name)
-                torch.save(progress, tmp / files.STATE)
+                assert lease is not None
+                try:
+                    bad = finite.problems(entries)
+                    for i, (tensors, metadata) in enumerate(weights):
+                        name = weights_name(i, len(weights))
+                        save_file(tensors, str(tmp / name), metadata=metadata)
+                        files.ordinary_mode(tmp / name)
+                    torch.save(progress, tmp / files.STATE)
+                finally:
+                    lease.give_back()  # the copies are read: the next save may fill them
                 publish.finish(directory, final, step, bad, {}, keep)
 
     found = failures.agree(strategy)  # what went wrong here, before the thread starts
     if found:
+        if lease is not None:  # no thread will read the copies
+            lease.give_back()
         if strategy.rank == 0 and not failures.busy:
             clean_up(directory, tmp)
         failures.release()

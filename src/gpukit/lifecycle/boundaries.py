@@ -96,9 +96,12 @@ class Lifecycle:
                 _env.restart_count(),
                 agent=_env.torchrun_agent() if local_first else None,
                 newest=lambda: self.saved_step,
+                writing=lambda: self.in_flight,
             )
         self._last_save = time.monotonic()
-        self.saved_step = -1  # the step of the last checkpoint this run wrote or loaded
+        self.saved_step = -1  # the step of the last checkpoint in place: written or loaded
+        self.writing_step: int | None = None  # a save's step written in the background
+        self._made_step = -1  # the step of the last save or load, the same on every rank
         self.resumed = config.resume != "auto"  # True once there is nothing left to resume
         self._watching: list[RemovableHandle] = []  # set-up models' first-forward hooks
         self.beat("start", 0)
@@ -159,15 +162,58 @@ class Lifecycle:
     def poison_loss(self) -> bool:
         return self.faults.nan_now
 
-    def saved(self, step: int) -> None:
-        """A checkpoint at ``step`` is complete (written, or loaded): a periodic save pending
-        for that step is made by it."""
+    def save_made(self, step: int, *, in_place: bool, own_write: bool = True) -> None:
+        """A checkpoint at ``step`` was made (saved, or loaded): a periodic save pending for
+        that step is made by it, and the interval of ``save_every`` counts from now. It is
+        ``in_place`` (a synchronous save, a load), or else being written in the background
+        until :meth:`landed` or :meth:`settled` says how that ended; ``own_write``: this
+        rank's thread writes a part of it (else its part is done)."""
         self._last_save = time.monotonic()
-        self.saved_step = step
+        self._made_step = step
         if self._pending == ("save", step):
             self._pending = None
+        if in_place:
+            self.saved(step)
+            return
+        self.writing_step = step
+        if not own_write and self.heartbeat is not None:
+            # Rank 0 writes (whole weights): this rank's part is done. The launcher takes the
+            # smallest saved step over the ranks: rank 0's, once its write lands.
+            self.heartbeat.saved(step)
+
+    def saved(self, step: int) -> None:
+        """The checkpoint at ``step`` is in place (written, or loaded)."""
+        self.saved_step = step
         if self.heartbeat is not None:
             self.heartbeat.saved(step)
+
+    def landed(self, step: int) -> None:
+        """The background write of ``step`` ended on this rank's thread (rank 0): attributes
+        only, on that thread; the heartbeat records it with the next beat (one writer)."""
+        if step > self.saved_step:  # a write given up at a stop may end after a later save
+            self.saved_step = step
+            if self.heartbeat is not None:
+                self.heartbeat.saved_step = step
+
+    def settled(self, landed: bool) -> None:
+        """The ranks agreed on the background write in flight: whether it ``landed``."""
+        step, self.writing_step = self.writing_step, None
+        if landed and step is not None:
+            self.saved(step)
+        elif step == self._made_step:  # given up: that step has no checkpoint after all
+            self._made_step = -1
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the checkpoint being written in the background, if any, not yet in
+        place."""
+        step = self.writing_step
+        return step if step is not None and step != self.saved_step else None
+
+    def made(self, step: int) -> bool:
+        """The last save or load was of ``step`` (in place or being written): the same on
+        every rank, where ``saved_step`` is not (rank 0's thread tells it first)."""
+        return step == self._made_step
 
     def step_ended(self, step: int) -> None:
         """After optimizer step ``step``: a periodic checkpoint when one is due, and the
@@ -194,7 +240,7 @@ class Lifecycle:
         preempt = self.preemption
         if kind == "stop" and preempt is not None:
             preempt.saving()
-        if self.saved_step == step and self.folder is not None:
+        if self.made(step) and self.folder is not None:
             path = self.folder / files.folder_name(step)  # the program saved it itself
         else:
             path = self._save(kind == "save")  # a stop's save is written before it stops
@@ -203,9 +249,22 @@ class Lifecycle:
         assert preempt is not None
         self._settle()  # the program's own save of this step may still be being written
         preempt.leave_together()
+        if self.saved_step == step:
+            saved = f"saved {path}"
+        else:  # that write was given up at the end of the grace: the newest is older
+            newest = self.saved_step
+            older = (
+                f"the newest checkpoint is {path.with_name(files.folder_name(newest))}"
+                if newest >= 0
+                else "no checkpoint was saved"
+            )
+            saved = (
+                f"the checkpoint of step {step} was still being written at the end of the "
+                f"grace period and is not saved ({older})"
+            )
         stop = Preempted(
             f"{preempt.requested}: stopped after step {step} on every rank and "
-            f"saved {path}. Resume with `gpukit train ... --resume` (same --out), or "
+            f"{saved}. Resume with `gpukit train ... --resume` (same --out), or "
             f"gk.Runtime(checkpoints={str(self.folder)!r}, resume='auto')"
         )
         # Said once: by rank 0, or by gpukit's launcher, which reads it from rank 0's record.

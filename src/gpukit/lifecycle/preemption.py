@@ -85,8 +85,9 @@ class Preemption:
     """Catches SIGTERM and SIGINT for a Runtime that has somewhere to save (see the module
     docstring). ``store`` gives the process group's store (called once the group exists);
     ``agent`` is the process id of a torchrun agent to ask to stop when needed, if any;
-    ``newest`` gives the step of the newest checkpoint (for the message of a stop that could
-    not save)."""
+    ``newest`` gives the step of the newest checkpoint in place and ``writing`` the step of
+    one being written in the background, if any (for the message of a stop that could not
+    save)."""
 
     def __init__(
         self,
@@ -97,12 +98,13 @@ class Preemption:
         attempt: int = 0,
         agent: int | None = None,
         newest: Callable[[], int] = lambda: -1,
+        writing: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self._store = store
         self._heartbeat = heartbeat
         self._agent = agent
-        self._newest = newest
+        self._newest, self._writing = newest, writing
         self._prefix = f"gpukit/preempt/{attempt}/"
         self.requested: str | None = None  # what asked: "SIGTERM received by rank 1"
         self.stop_at: int | None = None
@@ -198,6 +200,9 @@ class Preemption:
         so (a scheduler's SIGKILL would end it without a word)."""
         newest = self._newest()
         saved = f"the newest checkpoint is step {newest}" if newest >= 0 else "no checkpoint"
+        writing = self._writing()
+        if writing is not None:  # the exit cuts its write short
+            saved += f"; the one of step {writing}, still being written, is lost"
         if self.rank == 0:  # every rank gives up alike: said once
             print(
                 f"gpukit: {self.requested} {grace:.0f} s ago, and no step ended since to save "

@@ -69,7 +69,8 @@ class Checkpointing:
         self.settings, self.state, self.strategy = settings, state, strategy
         self.precision, self.lifecycle, self.stepper = precision, lifecycle, stepper
         self.runtime = runtime
-        self.background = Background()  # the write in flight (async_save), if any
+        # The write in flight (async_save), if any; its thread tells the lifecycle it landed.
+        self.background = Background(landed=lifecycle.landed)
         # A save written in the background since the last settle, on every rank alike (saves
         # are collective): only then do the ranks meet to settle it.
         self._unsettled = False
@@ -125,7 +126,12 @@ class Checkpointing:
             background=self.background if background else None,
         )
         self._unsettled = background
-        self.lifecycle.saved(self.state.global_step)
+        self.lifecycle.save_made(
+            self.state.global_step,
+            in_place=not background,
+            # Whether this rank writes too (rank 0; every rank under fsdp), or is done.
+            own_write=self.background.step is not None,
+        )
         return path
 
     def load(self, directory: str | Path | None = None) -> dict[str, int]:
@@ -141,7 +147,7 @@ class Checkpointing:
         )
         self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
-        self.lifecycle.saved(self.state.global_step)
+        self.lifecycle.save_made(self.state.global_step, in_place=True)
         return progress
 
     def load_weights(
@@ -209,7 +215,8 @@ class Checkpointing:
         if not self._unsettled:
             return
         self._unsettled = False
-        self.background.settle(self.strategy, self.runtime.say, why, self._deadline)
+        landed = self.background.settle(self.strategy, self.runtime.say, why, self._deadline)
+        self.lifecycle.settled(landed)  # the step counts as saved once its write landed
 
     def _deadline(self) -> float | None:
         """Until when a write in flight is waited for: without limit, but once a stop was
@@ -222,18 +229,24 @@ class Checkpointing:
         return self._stop_seen + _env.stop_grace() / 2
 
     def end(self, failing: bool) -> None:
-        """The run ends (``rt.teardown``): settle the write in flight, every rank together.
-        While an error ends it (``failing``: the ranks may not all be here) only this rank
-        waits (within half the stop grace when a stop was asked for) and says a failed
-        write."""
-        if not failing:
-            self.settle("the end of the run")
-            return
-        self._unsettled = False
+        """The run ends (``rt.teardown``): settle the write in flight, every rank together,
+        and free the host copies kept for the next save. While an error ends it (``failing``:
+        the ranks may not all be here) only this rank waits (within half the stop grace when
+        a stop was asked for) and says a failed write."""
         try:
-            self.background.settle(_Alone(), self.runtime.say, "the end of the run", self._deadline)
-        except Exception as err:  # the error already ending the run goes on; this one is said
-            self.runtime.say(f"gpukit: {err}")
+            if not failing:
+                self.settle("the end of the run")
+                return
+            self._unsettled = False
+            try:
+                landed = self.background.settle(
+                    _Alone(), self.runtime.say, "the end of the run", self._deadline
+                )
+                self.lifecycle.settled(landed)
+            except Exception as err:  # the error already ending the run goes on; said here
+                self.runtime.say(f"gpukit: {err}")
+        finally:
+            self.background.free()  # the host copies kept for the next save: none comes
 
     def resume(self) -> dict[str, int] | None:
         """Continue from the newest good checkpoint in ``checkpoints`` (its epoch and step),

@@ -175,7 +175,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
                 validation_seconds += time.perf_counter() - checking
                 if csv_log is not None:
                     csv_log.update(rt.history, stamp)
-            if checkpoints is not None and rt.lifecycle.saved_step != rt.global_step:
+            if checkpoints is not None and not rt.lifecycle.made(rt.global_step):
                 rt.save(checkpoints)
         rt.flush_logs()
         bar.finish(rt.global_step, rt.history)  # the last line shows the last loss
