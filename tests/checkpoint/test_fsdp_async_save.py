@@ -461,3 +461,29 @@ def test_a_rank_killed_during_a_sharded_write_leaves_the_previous_checkpoint(
     assert_bit_identical(resumed["weights"], synchronous["weights"])
     assert (folder / "latest").read_text().strip() == "step-00000006"
     assert not list(folder.glob(".tmp*"))
+
+
+def test_rank_0_does_not_count_a_step_another_rank_failed_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0's own part went well, but another rank's did not (a second rank that failed, as
+    # the gather of the ranks' outcomes tells it): the checkpoint is removed, not published,
+    # and rank 0 must not count its step as saved (its heartbeat says so to the launcher).
+    from gpukit.checkpoint import sharded_behind
+
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    real = sharded_behind._all_gather_object
+
+    def another_failed(obj: Any, group: Any) -> list[Any]:
+        return [*real(obj, group), ({}, [], False)]
+
+    monkeypatch.setattr(sharded_behind, "_all_gather_object", another_failed)
+    rt.save()
+    rt.wait_for_save()
+    assert not (tmp_path / "step-00000001").exists() and not list(tmp_path.glob(".tmp*"))
+    assert rt.lifecycle.saved_step == -1
+    assert rt.lifecycle.in_flight == 1
+    monkeypatch.undo()
+    rt.teardown()

@@ -64,7 +64,7 @@ class Background:
 
     def start(
         self,
-        write: Callable[[], None],
+        write: Callable[[], bool | None],
         *,
         step: int,
         directory: Path,
@@ -74,7 +74,9 @@ class Background:
     ) -> None:
         """Run ``write`` on a thread; a write failure is noted in ``failures`` (whose folder
         lock the thread gives back when done) and what it began in ``tmp`` removed (None: the
-        folder is another rank's to remove, rank 0's under fsdp)."""
+        folder is another rank's to remove, rank 0's under fsdp). ``write`` returns False when
+        its own part went well but the checkpoint was not published (another rank's part
+        failed, which that rank raises at the settle): the step has not landed."""
         assert self._done is None, "a checkpoint write is already in flight"
         self.step, self._failures, self._directory, self._needed = (
             step,
@@ -85,9 +87,10 @@ class Background:
 
         def run() -> None:
             try:
+                published: bool | None = False
                 with failures.noted():
-                    write()
-                if failures.error is None:
+                    published = write()
+                if failures.error is None and published is not False:
                     self._landed(step)
             except BaseException as err:  # a bug, not the disk: still reported at settle
                 failures.error = err

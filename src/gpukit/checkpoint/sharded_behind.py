@@ -93,7 +93,7 @@ def save(
         raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
     step, rank = state.global_step, strategy.rank
 
-    def write() -> None:
+    def write() -> bool:
         bad: list[str] = []
         mine: dict[str, Any] = {}
         error: BaseException | None = None
@@ -106,14 +106,16 @@ def save(
         said = _all_gather_object((mine, bad, error is None), group)
         if error is not None:
             raise error
-        if rank != 0:
-            return
         if not all(ok for _, _, ok in said):  # another rank failed and raises it at settle
-            clean_up(directory, tmp)
-            return
+            if rank == 0:
+                clean_up(directory, tmp)
+            return False  # not landed: this rank's part alone went well
+        if rank != 0:
+            return True
         known = {name: entry for part, _, _ in said for name, entry in part.items()}
         found = sorted({line for _, lines, _ in said for line in lines})
         _finish(directory, final, step, keep, tmp, found, known, gathered, progress)
+        return True
 
     background.start(
         write,
