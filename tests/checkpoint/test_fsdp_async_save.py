@@ -487,3 +487,34 @@ def test_rank_0_does_not_count_a_step_another_rank_failed_to_write(
     assert rt.lifecycle.in_flight == 1
     monkeypatch.undo()
     rt.teardown()
+
+
+def test_the_room_checked_for_a_sharded_save_counts_the_exported_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for the shards (weights and optimizer state) but not for the full weights the
+    # export writes beside them: refused in the save, not found half way through the write.
+    import shutil
+
+    from gpukit.checkpoint.failure import needed_bytes
+
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    shards = needed_bytes(rt._checkpointing.state.modules, [optimizer])
+    real = shutil.disk_usage
+
+    def tight(path: Any) -> Any:
+        total, used, _ = real(path)
+        return type(real(path))(total, used, shards + 1)
+
+    monkeypatch.setattr(shutil, "disk_usage", tight)
+    with pytest.raises(CheckpointWriteError) as caught:
+        rt.save()
+    assert caught.value.errno == errno.ENOSPC
+    assert rt._checkpointing.background.step is None  # no thread was started
+    rt.save(export=False)  # the shards alone fit
+    monkeypatch.undo()
+    rt.teardown()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    assert not (tmp_path / "step-00000001" / "model.safetensors").exists()

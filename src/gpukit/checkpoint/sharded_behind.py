@@ -63,6 +63,8 @@ def save(
     # DTensors count whole: about every rank's shards together, all on the folder's disk,
     # which rank 0 checks (it made the folder; the others may not see it yet).
     needed = needed_bytes(models, state.optimizers)
+    if export:  # the full weights once more, beside their shards
+        needed += needed_bytes(models, [])
     if strategy.rank == 0 and failures.ok:
         with failures.noted():
             check_room(directory, needed)
