@@ -518,3 +518,25 @@ def test_the_room_checked_for_a_sharded_save_counts_the_exported_weights(
     rt.teardown()
     assert (tmp_path / "latest").read_text().strip() == "step-00000001"
     assert not (tmp_path / "step-00000001" / "model.safetensors").exists()
+
+
+def test_a_save_beside_a_sharded_write_given_up_is_written_in_the_save(
+    tmp_path: Path, held_writes: threading.Event
+) -> None:
+    # A stop gave up waiting for a write that still runs on its thread, its collectives on
+    # the background group. A second write there would run beside it, the two threads'
+    # collectives matched differently on each rank: the next save is written synchronously.
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    rt.save()  # held
+    background = rt._checkpointing.background
+    assert not background.settle(rt.strategy, print, "a stop", lambda: 0.0)  # given up
+    _step(rt, model, optimizer)
+    rt.save()
+    assert background.step is None  # no write handed to a thread
+    assert rt.lifecycle.saved_step == 2 and rt.lifecycle.in_flight is None
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    assert gk_checkpoint.problem(tmp_path / "step-00000002") is None
+    held_writes.set()
+    rt.teardown()
