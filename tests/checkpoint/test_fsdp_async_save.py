@@ -540,3 +540,37 @@ def test_a_save_beside_a_sharded_write_given_up_is_written_in_the_save(
     assert gk_checkpoint.problem(tmp_path / "step-00000002") is None
     held_writes.set()
     rt.teardown()
+
+
+def test_the_writing_thread_works_on_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new thread's current GPU is GPU 0; DCP's writer synchronises the current device's
+    # stream even for host copies, which on rank k would make a context on GPU 0.
+    from gpukit.checkpoint import sharded_behind
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    sharded_behind.use_device(torch.device("cpu"))
+    sharded_behind.use_device(torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)]
+
+
+def test_the_writing_thread_is_put_on_the_ranks_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpukit.checkpoint import sharded_behind
+
+    used: list[tuple[bool, torch.device]] = []
+    real = sharded_behind.use_device
+
+    def recorded(device: torch.device) -> None:
+        used.append((threading.current_thread() is threading.main_thread(), device))
+        real(device)
+
+    monkeypatch.setattr(sharded_behind, "use_device", recorded)
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    rt.save()
+    rt.wait_for_save()
+    assert used == [(False, rt.strategy.device.torch)]
+    rt.teardown()

@@ -93,13 +93,14 @@ def save(
             clean_up(directory, tmp)
         failures.release()
         raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
-    step, rank = state.global_step, strategy.rank
+    step, rank, device = state.global_step, strategy.rank, strategy.device.torch
 
     def write() -> bool:
         bad: list[str] = []
         mine: dict[str, Any] = {}
         error: BaseException | None = None
         try:
+            use_device(device)
             bad = sharded.write(staged, tmp, rank, group)
             # Each rank fsyncs and hashes its own files, all at once (see writer).
             mine = files.describe(tmp, sharded.written_by(tmp, rank))
@@ -128,6 +129,14 @@ def save(
         needed=needed,
     )
     return final
+
+
+def use_device(device: torch.device) -> None:
+    """Make this rank's GPU the current one on the writing thread: a new thread starts on
+    GPU 0, and DCP's writer, given host copies, still synchronises the current device's
+    stream, which would make every rank a context on GPU 0 (memory there, every rank's)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _finish(
