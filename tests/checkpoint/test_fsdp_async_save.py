@@ -461,3 +461,116 @@ def test_a_rank_killed_during_a_sharded_write_leaves_the_previous_checkpoint(
     assert_bit_identical(resumed["weights"], synchronous["weights"])
     assert (folder / "latest").read_text().strip() == "step-00000006"
     assert not list(folder.glob(".tmp*"))
+
+
+def test_rank_0_does_not_count_a_step_another_rank_failed_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0's own part went well, but another rank's did not (a second rank that failed, as
+    # the gather of the ranks' outcomes tells it): the checkpoint is removed, not published,
+    # and rank 0 must not count its step as saved (its heartbeat says so to the launcher).
+    from gpukit.checkpoint import sharded_behind
+
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    real = sharded_behind._all_gather_object
+
+    def another_failed(obj: Any, group: Any) -> list[Any]:
+        return [*real(obj, group), ({}, [], False)]
+
+    monkeypatch.setattr(sharded_behind, "_all_gather_object", another_failed)
+    rt.save()
+    rt.wait_for_save()
+    assert not (tmp_path / "step-00000001").exists() and not list(tmp_path.glob(".tmp*"))
+    assert rt.lifecycle.saved_step == -1
+    assert rt.lifecycle.in_flight == 1
+    monkeypatch.undo()
+    rt.teardown()
+
+
+def test_the_room_checked_for_a_sharded_save_counts_the_exported_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for the shards (weights and optimizer state) but not for the full weights the
+    # export writes beside them: refused in the save, not found half way through the write.
+    import shutil
+
+    from gpukit.checkpoint.failure import needed_bytes
+
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    shards = needed_bytes(rt._checkpointing.state.modules, [optimizer])
+    real = shutil.disk_usage
+
+    def tight(path: Any) -> Any:
+        total, used, _ = real(path)
+        return type(real(path))(total, used, shards + 1)
+
+    monkeypatch.setattr(shutil, "disk_usage", tight)
+    with pytest.raises(CheckpointWriteError) as caught:
+        rt.save()
+    assert caught.value.errno == errno.ENOSPC
+    assert rt._checkpointing.background.step is None  # no thread was started
+    rt.save(export=False)  # the shards alone fit
+    monkeypatch.undo()
+    rt.teardown()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    assert not (tmp_path / "step-00000001" / "model.safetensors").exists()
+
+
+def test_a_save_beside_a_sharded_write_given_up_is_written_in_the_save(
+    tmp_path: Path, held_writes: threading.Event
+) -> None:
+    # A stop gave up waiting for a write that still runs on its thread, its collectives on
+    # the background group. A second write there would run beside it, the two threads'
+    # collectives matched differently on each rank: the next save is written synchronously.
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    rt.save()  # held
+    background = rt._checkpointing.background
+    assert not background.settle(rt.strategy, print, "a stop", lambda: 0.0)  # given up
+    _step(rt, model, optimizer)
+    rt.save()
+    assert background.step is None  # no write handed to a thread
+    assert rt.lifecycle.saved_step == 2 and rt.lifecycle.in_flight is None
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    assert gk_checkpoint.problem(tmp_path / "step-00000002") is None
+    held_writes.set()
+    rt.teardown()
+
+
+def test_the_writing_thread_works_on_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new thread's current GPU is GPU 0; DCP's writer synchronises the current device's
+    # stream even for host copies, which on rank k would make a context on GPU 0.
+    from gpukit.checkpoint import sharded_behind
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    sharded_behind.use_device(torch.device("cpu"))
+    sharded_behind.use_device(torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)]
+
+
+def test_the_writing_thread_is_put_on_the_ranks_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpukit.checkpoint import sharded_behind
+
+    used: list[tuple[bool, torch.device]] = []
+    real = sharded_behind.use_device
+
+    def recorded(device: torch.device) -> None:
+        used.append((threading.current_thread() is threading.main_thread(), device))
+        real(device)
+
+    monkeypatch.setattr(sharded_behind, "use_device", recorded)
+    rt = _runtime(1, tmp_path, async_save=True)
+    model, optimizer = _set_up(rt)
+    _step(rt, model, optimizer)
+    rt.save()
+    rt.wait_for_save()
+    assert used == [(False, rt.strategy.device.torch)]
+    rt.teardown()

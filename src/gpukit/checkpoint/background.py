@@ -61,10 +61,15 @@ class Background:
         self._needed = 0
         self._registered = False
         self._abandoned = False  # a stop gave up waiting for it: the exit does not wait
+        # Some rank gave up a write at a settle (the ranks agreed on it there): its thread may
+        # still run, under fsdp inside a collective of the background group, where a second
+        # write's collectives would be matched with its own. The run's saves are then written
+        # in the save (a stop's is anyway, and the run ends with it).
+        self.gave_up = False
 
     def start(
         self,
-        write: Callable[[], None],
+        write: Callable[[], bool | None],
         *,
         step: int,
         directory: Path,
@@ -74,7 +79,9 @@ class Background:
     ) -> None:
         """Run ``write`` on a thread; a write failure is noted in ``failures`` (whose folder
         lock the thread gives back when done) and what it began in ``tmp`` removed (None: the
-        folder is another rank's to remove, rank 0's under fsdp)."""
+        folder is another rank's to remove, rank 0's under fsdp). ``write`` returns False when
+        its own part went well but the checkpoint was not published (another rank's part
+        failed, which that rank raises at the settle): the step has not landed."""
         assert self._done is None, "a checkpoint write is already in flight"
         self.step, self._failures, self._directory, self._needed = (
             step,
@@ -85,9 +92,10 @@ class Background:
 
         def run() -> None:
             try:
+                published: bool | None = False
                 with failures.noted():
-                    write()
-                if failures.error is None:
+                    published = write()
+                if failures.error is None and published is not False:
                     self._landed(step)
             except BaseException as err:  # a bug, not the disk: still reported at settle
                 failures.error = err
@@ -142,10 +150,11 @@ class Background:
         rank, whether rank 0's write landed (False: none was in flight, or it was given up)."""
         step, failures = self.step, self._failures
         landed = step is not None
+        gave_up = False
         if step is not None and self.writing:
             waited = self.wait(deadline)
             if self.writing:  # past the grace: this one is lost, the previous one stays
-                self._abandoned = True
+                self._abandoned = gave_up = True
                 landed = False
                 failures = Failures()
                 say(
@@ -156,11 +165,13 @@ class Background:
             elif waited >= _SAID_S:
                 say(f"gpukit: {why} waited {waited:.1f} s for the checkpoint of step {step}")
         self._done, self.step, self._failures = None, None, Failures()
+        # Only rank 0 publishes: the others learn from it whether the step is saved.
+        said = strategy.all_gather_object((landed, gave_up))
+        self.gave_up = self.gave_up or any(given for _, given in said)
         found = failures.agree(strategy)
         if found:
             raise_agreed(found, failures.error, strategy, self._directory, step or 0, self._needed)
-        # Only rank 0 writes: the others learn from it whether the step is saved.
-        return bool(strategy.broadcast_object(landed, 0))
+        return bool(said[0][0])
 
     def free(self) -> None:
         """Let the host copies kept for the next save go, and the thread (the end of the

@@ -63,6 +63,8 @@ def save(
     # DTensors count whole: about every rank's shards together, all on the folder's disk,
     # which rank 0 checks (it made the folder; the others may not see it yet).
     needed = needed_bytes(models, state.optimizers)
+    if export:  # the full weights once more, beside their shards
+        needed += needed_bytes(models, [])
     if strategy.rank == 0 and failures.ok:
         with failures.noted():
             check_room(directory, needed)
@@ -91,13 +93,14 @@ def save(
             clean_up(directory, tmp)
         failures.release()
         raise_agreed(found, failures.error, strategy, directory, state.global_step, needed)
-    step, rank = state.global_step, strategy.rank
+    step, rank, device = state.global_step, strategy.rank, strategy.device.torch
 
-    def write() -> None:
+    def write() -> bool:
         bad: list[str] = []
         mine: dict[str, Any] = {}
         error: BaseException | None = None
         try:
+            use_device(device)
             bad = sharded.write(staged, tmp, rank, group)
             # Each rank fsyncs and hashes its own files, all at once (see writer).
             mine = files.describe(tmp, sharded.written_by(tmp, rank))
@@ -106,14 +109,16 @@ def save(
         said = _all_gather_object((mine, bad, error is None), group)
         if error is not None:
             raise error
-        if rank != 0:
-            return
         if not all(ok for _, _, ok in said):  # another rank failed and raises it at settle
-            clean_up(directory, tmp)
-            return
+            if rank == 0:
+                clean_up(directory, tmp)
+            return False  # not landed: this rank's part alone went well
+        if rank != 0:
+            return True
         known = {name: entry for part, _, _ in said for name, entry in part.items()}
         found = sorted({line for _, lines, _ in said for line in lines})
         _finish(directory, final, step, keep, tmp, found, known, gathered, progress)
+        return True
 
     background.start(
         write,
@@ -124,6 +129,14 @@ def save(
         needed=needed,
     )
     return final
+
+
+def use_device(device: torch.device) -> None:
+    """Make this rank's GPU the current one on the writing thread: a new thread starts on
+    GPU 0, and DCP's writer, given host copies, still synchronises the current device's
+    stream, which would make every rank a context on GPU 0 (memory there, every rank's)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _finish(

@@ -115,6 +115,7 @@ class Checkpointing:
         self.strategy.check_every_rank_calls("rt.save")
         self.runtime.close_window()
         self.settle("this save")  # one write in flight at most: the one before finishes first
+        background = background and not self.background.gave_up  # (see Background.gave_up)
         path = checkpoint.save(
             Path(folder),
             self.state,
