@@ -21,6 +21,8 @@ the async stall over the synchronous save of the same round. The goal: at most
 
 from __future__ import annotations
 
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -132,7 +134,10 @@ def _time_saves(
             async_save=mode == "async",
         )
         net = nn.Sequential(*(nn.Linear(width, width) for _ in range(LAYERS)))
-        model, optimizer = rt.setup(net, torch.optim.AdamW(net.parameters()))
+        # fsdp prints its plan once per process: not this experiment's output (and a doctest's
+        # output would depend on what ran before it in the process).
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, optimizer = rt.setup(net, torch.optim.AdamW(net.parameters()))
         runs[mode] = (rt, model, optimizer)
     stalls: dict[str, list[float]] = {m: [] for m in MODES}
     writes: dict[str, list[float]] = {m: [] for m in MODES}
