@@ -293,6 +293,20 @@ def test_the_same_failure_three_times_is_a_crash_loop(tmp_path: Path) -> None:
     assert len(ports(tmp_path)) == 3  # stopped early: attempts 3..5 never ran
 
 
+def test_different_failures_that_save_nothing_three_times_are_a_crash_loop(
+    tmp_path: Path,
+) -> None:
+    # Each attempt trains to step 2 and fails another way; none saves: no attempt gets further.
+    done = run_train(tmp_path, "0=kill,1=exit,2=raise,3=kill", "--max-restarts", "5", light=True)
+    assert done.returncode == 1, done.stderr
+    assert (
+        "gpukit launch: not restarted: 3 failed attempts in a row (a crash loop), none of them "
+        "saved a new checkpoint (there is none): restarting would not get further"
+    ) in done.stderr
+    assert "; the job has trained (to step " in done.stderr, done.stderr
+    assert len(ports(tmp_path)) == 3  # stopped early: attempts 3..5 never ran
+
+
 def test_a_hang_names_the_stuck_rank_its_line_and_what_the_other_waits_in(
     tmp_path: Path,
 ) -> None:

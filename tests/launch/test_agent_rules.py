@@ -22,7 +22,15 @@ from gpukit.launch.failures import (
 )
 from gpukit.launch.hang_reports import Frame, Watch, blame, hang_report, main_stack, user_frame
 from gpukit.launch.heartbeat import Beat
-from gpukit.launch.restarts import Progress, Restart, crash_loop, redone, stop_reason
+from gpukit.launch.restarts import (
+    Progress,
+    Restart,
+    crash_loop,
+    no_new_save,
+    redone,
+    stop_reason,
+    trained,
+)
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8093"
 
@@ -96,6 +104,49 @@ def test_restart_rules_in_order() -> None:
     assert stop_reason([boom], True, 0, 2, 3) is None
 
 
+def test_a_job_that_has_trained_restarts_a_failure_before_the_attempts_first_step() -> None:
+    # Attempt 0 trained and saved step 40; attempt 1's rank 1 was killed in start-up.
+    trained_at = Fault("killed", 1, "-9 (SIGKILL)", 43, "rank 1 was killed at step 43", 0, saved=40)
+    in_startup = Fault("killed", 1, "-9 (SIGKILL)", None, "rank 1 was killed", 1, saved=40)
+    rule = trained(40, 43)
+    assert rule == "the job has trained (checkpoint at step 40)"
+    assert stop_reason([trained_at, in_startup], rule is not None, 1, 60, 3) is None
+    # No checkpoint, but an attempt took steps: trained all the same.
+    assert trained(-1, 7) == "the job has trained (to step 7, no checkpoint yet)"
+    # Never trained: no attempt took a step, no checkpoint.
+    assert trained(-1, -1) is None
+    why = stop_reason([in_startup], False, 0, 60, 3)
+    assert why is not None and "failed before its first step" in why
+    # A failure that would come again or a divergence stops even a job that has trained.
+    again = Fault("exited", 0, "2", None, "rank 0 exited with code 2", 1, True, saved=40)
+    assert "would fail the same way" in str(stop_reason([trained_at, again], True, 1, 60, 3))
+    split = Fault("diverged", 1, "diverged", 44, "rank 1 diverged", 1, saved=40)
+    assert "diverged" in str(stop_reason([trained_at, split], True, 1, 60, 3))
+
+
+def test_a_crash_loop_is_attempts_that_save_nothing_new_whatever_their_failures() -> None:
+    def fault(rank: int, saved: int, message: str = "boom") -> Fault:
+        return Fault("raised", rank, message, None, f"rank {rank} raised {message}", saved=saved)
+
+    # Different failures, no new checkpoint in 3 attempts: a crash loop.
+    mixed = [fault(0, 8), fault(1, 8, "other"), fault(0, 8, "third"), fault(1, 8)]
+    assert not crash_loop(mixed, repeats=3) and no_new_save(mixed, repeats=3)
+    why = stop_reason(mixed, True, 3, 60, 3)
+    assert why == (
+        "3 failed attempts in a row (a crash loop), none of them saved a new checkpoint (the "
+        "newest is step 8): restarting would not get further"
+    )
+    # The same failure over and over, each attempt saving further: the job progresses.
+    moving = [fault(1, 4), fault(1, 8), fault(1, 12)]
+    assert crash_loop(moving, repeats=3) and not no_new_save(moving, repeats=3)
+    assert stop_reason(moving, True, 3, 60, 3) is None
+    # One attempt that saved resets the count; the first attempts count from no checkpoint.
+    assert not no_new_save([fault(0, 8), fault(0, 8), fault(0, 12), fault(0, 12)], repeats=3)
+    assert no_new_save([fault(0, -1)] * 3, repeats=3)
+    assert not no_new_save([fault(0, 4), fault(0, 4), fault(0, 4)], repeats=3)
+    assert not no_new_save([fault(0, -1)] * 2, repeats=3)
+
+
 def test_a_failure_that_would_repeat_is_not_restarted(tmp_path: Path) -> None:
     # gpukit train exits 2 on bad input and on a checkpoint the disk refused
     exited = RankEnd(0, 2, 1_000, step=6).fault(0)
@@ -165,6 +216,14 @@ def test_restart_lines() -> None:
     )
     assert "stopping 1.2 s" in r.timing() and "2.0 s (import + rendezvous)" in r.timing()
     assert "n/a (setup + resume)" in r.timing()
+    early = Fault("killed", 1, "", None, "rank 1 was killed by SIGKILL")
+    rule = "the job has trained (checkpoint at step 40)"
+    r = Restart(3, early, redone(40, 40), 0.5, rule=rule, early=True)
+    assert r.line(60) == (
+        "restart 3/60 after rank 1 was killed by SIGKILL before the attempt's first step; 0 "
+        "step(s) since the checkpoint at step 40 are redone; the job has trained (checkpoint "
+        "at step 40): restarting"
+    )
 
 
 def test_the_hang_blames_the_rank_furthest_behind_then_the_oldest_beat() -> None:

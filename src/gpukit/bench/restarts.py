@@ -131,8 +131,13 @@ def _minus(later: float | None, earlier: float | None) -> float | None:
     return None if later is None or earlier is None else later - earlier
 
 
-def run(quick: bool = False) -> BenchResult:
-    """Run the job ``repeats`` times (see the module doc) and report the medians."""
+def run(quick: bool = False, soak: int | None = None, seed: int | None = None) -> BenchResult:
+    """Run the job ``repeats`` times (see the module doc) and report the medians; with
+    ``soak``, the soak instead (``gpukit.bench.soak``: that many faults, ``seed``)."""
+    if soak is not None:
+        from gpukit.bench import soak as soaked
+
+        return soaked.run(quick, soak, seed)
     repeats = 1 if quick else 3
     load_before = os.getloadavg()
     jobs = []
@@ -184,6 +189,10 @@ def run(quick: bool = False) -> BenchResult:
 
 def plot(result: BenchResult, path: Path) -> None:
     """Each phase's seconds, cold start beside restart."""
+    if "fault" in result.keys:  # a soak's result
+        from gpukit.bench import soak
+
+        return soak.plot(result, path)
     rows = [r for r in result.rows if r["phase"] != "total"]
     with figure(path, TITLE, "phase", "seconds (median)", size=(11.0, 4.5)) as ax:
         xs = range(len(rows))

@@ -31,7 +31,10 @@ Experiments (each runs alone as `gpukit bench NAME`, all in turn as `gpukit benc
                  strategy on this CPU (single; ddp, fsdp, dp, dp-balanced on cpu,cpu)
     restarts     a 2-rank gpukit train that fails once under --max-restarts 1: the restart's
                  phases (stop, python, import torch, import gpukit, process group, set-up,
-                 first step) beside the cold start's, and restart / cold start
+                 first step) beside the cold start's, and restart / cold start; with
+                 --soak N [--seed S]: N kill -9s (and SIGTERMs) at random moments of a run
+                 under --max-restarts 60, the time each cost, and whether it ends bitwise
+                 equal to a run without them
     save         the stall of rt.save() with async_save against a synchronous save of the
                  same model (4 square layers, AdamW), as a ratio; the goal is <= 0.10
 
@@ -49,6 +52,7 @@ Example:
     gpukit bench overhead --steps 200 --rounds 40
     gpukit bench trace --workload nanogpt --steps 20 --rounds 7
     gpukit bench speed --quick
+    gpukit bench restarts --soak 10 --seed 7
 """
 
 from __future__ import annotations
@@ -100,6 +104,17 @@ def register(sub: Any) -> None:
             one.add_argument("--rounds", type=int, metavar="R", help="rounds")
         if name == "save":
             one.add_argument("--rounds", type=int, metavar="R", help="saves of each kind timed")
+        if name == "restarts":
+            one.add_argument(
+                "--soak",
+                type=int,
+                metavar="N",
+                help="instead: N faults at random moments of a run under --max-restarts 60, "
+                "and whether it ends bitwise equal to a run without them",
+            )
+            one.add_argument(
+                "--seed", type=int, metavar="S", help="the soak's faults (default: new)"
+            )
         if name == "calibration":
             one.add_argument("--steps", type=int, metavar="N", help="training steps timed")
         if name == "trace":
@@ -169,6 +184,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             if value < 1:
                 raise ConfigError(f"--{flag} {value}: give a whole number of at least 1")
             options[flag] = value
+    soak = getattr(args, "soak", None)
+    if soak is not None:
+        if soak < 1:
+            raise ConfigError(f"--soak {soak}: give a whole number of faults, at least 1")
+        options["soak"] = soak
+    if getattr(args, "seed", None) is not None:
+        if soak is None:
+            raise ConfigError(f"--seed {args.seed}: it seeds --soak N; give --soak too")
+        options["seed"] = args.seed
     workload = getattr(args, "workload", None)
     if workload is not None:
         from gpukit.bench.trace_cost import check_workload

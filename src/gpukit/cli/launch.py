@@ -10,8 +10,9 @@ gpukit starts the processes itself, on every machine, and watches them:
     the one that failed first (raised, exited or was killed by a signal), with its step and
     phase when it runs a gpukit Runtime, then one line per process;
   - --max-restarts K starts every process again after a failure (a Runtime resumes from its
-    newest checkpoint by itself), unless the job failed before its first step or fails the
-    same way 3 times in a row; each restart says the steps it redoes, the end what each cost;
+    newest checkpoint by itself), at any moment of a job that has trained (start-up and
+    saves included), unless the job never took a step or 3 failed attempts in a row saved
+    no new checkpoint; each restart says the rule, the steps it redoes, the end what each cost;
   - --hang-timeout S (default 300; 0: never): when a process running a gpukit Runtime makes
     no progress for S seconds, every process writes its stack, the report names the stuck
     one and its line and what the others wait in, and the job is stopped (or restarted);

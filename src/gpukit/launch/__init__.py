@@ -16,8 +16,8 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
   seconds after its start, while another has, is reported the same way as stuck in start-up
   (``hang_watch``, ``hang_reports``);
 - **restarts**: a failed attempt is started again, every rank, on a fresh port, up to
-  ``max_restarts`` times, unless it failed before its first step or keeps failing the same
-  way (``restarts``);
+  ``max_restarts`` times, unless the job never took a step or its failed attempts keep saving
+  nothing new (``restarts``);
 - **preemption**: SIGTERM/SIGINT to the launcher, or to any rank, reaches every rank: they save
   at one step and exit 143, and so does the launcher, without restarting (``supervisor``);
 - **no orphans**: workers die with the launcher, even when it is SIGKILLed (Linux; elsewhere

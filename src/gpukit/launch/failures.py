@@ -89,6 +89,7 @@ class Fault:
     text: str  # "rank 1 was killed by SIGKILL at step 6 (phase backward)"
     attempt: int = 0
     will_repeat: bool = False  # bad input or a save the disk refused: the same again
+    saved: int = -1  # the job's newest checkpoint once this attempt ended (-1: none)
 
     def same_as(self, other: Fault) -> bool:
         """The same failure: same kind, rank, first line of the message and step."""

@@ -3,7 +3,7 @@
 Each rank is one of ``run_job``'s workers, so ``rt.launch`` watches what ``gpukit launch``
 watches: heartbeats, a hang (no beat for ``hang_timeout`` seconds: the report names the stuck
 rank and its line), the first failure named with its step, restarts (``max_restarts``, never
-before the first step nor in a crash loop), SIGTERM/SIGINT passed on for one coordinated save,
+for a job that took no step nor in a crash loop), SIGTERM/SIGINT passed on for one coordinated save,
 and workers that die with this process.
 
 A rank is a fresh interpreter running the runner (``_launched_script.py --call FILE``). FILE, in

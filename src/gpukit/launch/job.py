@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -32,6 +33,7 @@ from gpukit.launch.restarts import (
     redone,
     stop_reason,
     summary,
+    trained,
 )
 from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter, RankStarter
@@ -75,9 +77,11 @@ def run_job(
     ranks that beat, i.e. that run a gpukit Runtime, are watched, each from its first beat and
     once every rank has beaten. ``startup_timeout``: seconds a rank may take from its start to
     its first beat, once another rank has beaten (0: never; None: ``GPUKIT_STARTUP_TIMEOUT``,
-    else 900); the job is then stopped and not restarted. ``master_port``: the first
+    else 900); the job is then stopped, and restarted only if it has trained (see
+    ``restarts``). ``master_port``: the first
     attempt's port (later attempts take a fresh one; default: a free one each time).
-    ``crash_loop``: stop restarting after this many identical failures in a row. ``grace``:
+    ``crash_loop``: stop restarting after this many failed attempts in a row that saved no new
+    checkpoint. ``grace``:
     seconds the other ranks get to fail on their own after the first failure.
     ``stop_timeout``: seconds the ranks get to save and exit after a stop request (default:
     ``GPUKIT_STOP_GRACE``, else 25, under the 30 s Slurm and Kubernetes give before SIGKILL).
@@ -175,6 +179,8 @@ def _attempts(
             restarts[-1].startup_s = outcome.progress.startup_s()
             restarts[-1].resume_s = outcome.progress.resume_s()
         job.checkpoint = max(job.checkpoint, outcome.progress.checkpoint)
+        if outcome.progress.advanced and outcome.progress.step is not None:
+            job.furthest = max(job.furthest, outcome.progress.step)
         faults = job.faults
         if outcome.status == "ok":
             _say(s, summary(s.name, faults, restarts, "done") if restarts else [])
@@ -206,15 +212,26 @@ def _attempts(
                 return BAD_INPUT_EXIT
             _say(s, [headline(outcome.ends, s.name), *rank_lines(outcome.ends)])
         assert outcome.fault is not None
-        faults.append(outcome.fault)
-        why = stop_reason(faults, outcome.progress.advanced, job.used, s.max_restarts, repeats)
+        faults.append(replace(outcome.fault, saved=job.checkpoint))
+        # The job's history decides, not this attempt's: a job that trained before restarts a
+        # failure in a restart's start-up (rendezvous, loading the checkpoint) like any other.
+        rule = trained(job.checkpoint, job.furthest)
+        why = stop_reason(faults, rule is not None, job.used, s.max_restarts, repeats)
         if why is not None:
             lines = [f"{s.name}: not restarted: {why}"] if why else []
             _say(s, lines + _ended(s, faults, restarts, "failed"))
             return 1
         job.used += 1
-        lost = redone(outcome.progress.step, job.checkpoint)
-        restarts.append(Restart(job.used, outcome.fault, lost, outcome.stop_s))
+        # A rank that failed before its first beat did no step: the attempt began at the
+        # checkpoint, and nothing since it is redone.
+        step = outcome.progress.step
+        lost = redone(
+            job.checkpoint if step is None and job.checkpoint >= 0 else step, job.checkpoint
+        )
+        early = not outcome.progress.advanced
+        restarts.append(
+            Restart(job.used, outcome.fault, lost, outcome.stop_s, rule=rule or "", early=early)
+        )
         _say(s, [f"{s.name}: {restarts[-1].line(s.max_restarts)}"])
 
 
@@ -268,4 +285,4 @@ def _check(nproc: int, max_restarts: int, hang_timeout: float | None, repeats: i
     if hang_timeout is not None and not hang_timeout >= 0:
         raise ConfigError(f"hang_timeout={hang_timeout}: give seconds >= 0 (0: never)")
     if repeats < 1:
-        raise ConfigError(f"crash_loop={repeats}: give 1 or more identical failures")
+        raise ConfigError(f"crash_loop={repeats}: give 1 or more failed attempts")

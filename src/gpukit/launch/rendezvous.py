@@ -60,6 +60,7 @@ class JobState:
     attempt: int = 0  # the job's attempt number (GPUKIT_ATTEMPT)
     used: int = 0  # restarts after failures so far
     checkpoint: int = -1  # the newest checkpoint every rank took part in (-1: none)
+    furthest: int = -1  # the furthest step an attempt advanced to (-1: none did)
     faults: list[Fault] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -68,12 +69,14 @@ class JobState:
             "attempt": self.attempt,
             "used": self.used,
             "checkpoint": self.checkpoint,
+            "furthest": self.furthest,
             "faults": faults,
         }
 
     def adopt(self, data: dict[str, Any]) -> None:
         self.attempt, self.used = int(data["attempt"]), int(data["used"])
         self.checkpoint = int(data["checkpoint"])
+        self.furthest = int(data.get("furthest", -1))
         self.faults = [Fault(**f) for f in data["faults"]]
 
 

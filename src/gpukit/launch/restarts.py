@@ -5,22 +5,31 @@ A failed attempt is restarted (all ranks, a fresh port) unless:
 - its failure would come again: a rank exited with code 2 (gpukit's command line on bad input
   or on a checkpoint the disk refused), or raised a gpukit error that says so (a
   ``ConfigError``, a ``CheckpointWriteError``: ``will_repeat``);
-- it failed before its first step: no rank's heartbeat step moved past where the attempt began
-  (a rank that never beat has not begun). An import error, a wrong path, a model that does not
-  fit: restarting would fail the same way;
-- the same failure (kind, rank, first line of the message, step) came ``repeats`` times in a
-  row: a crash loop;
+- the job never trained: no attempt's heartbeat step moved past where it began (a rank that
+  never beat has not begun) and no checkpoint is known. An import error, a wrong path, a model
+  that does not fit: restarting would fail the same way. This is the job's history, not the
+  attempt's: once the job has trained, a failure at any later moment (a rank killed while a
+  restart starts up, joins the process group, loads the checkpoint or saves) is restarted;
+- ``repeats`` failed attempts in a row saved no new step (the job's newest checkpoint did not
+  move): a crash loop, whatever each failure was;
 - no restarts are left.
+
+Each restart's line says which rule let it through (``the job has trained (checkpoint at step
+40)``).
 
 The heartbeats also tell what a restart costs: the steps since the last checkpoint, done again
 (``step - saved_step``), and the time from the failure to training again, in three phases:
 stopping the workers, starting processes until every rank's first beat (import, rendezvous),
 and from there to the first step done (setup, loading the checkpoint).
 
+>>> from dataclasses import replace
 >>> from gpukit.launch.failures import Fault, RankEnd
 >>> boom = Fault("raised", 1, "ValueError: bad", 6, "rank 1 raised ValueError: bad at step 6")
 >>> crash_loop([boom, boom], repeats=3), crash_loop([boom, boom, boom], repeats=3)
 (False, True)
+>>> saved = [replace(boom, saved=s) for s in (4, 8, 8, 8)]  # the job's newest checkpoint
+>>> no_new_save(saved, repeats=2), no_new_save(saved, repeats=3)
+(True, False)
 >>> redone(6, 4)
 '2 step(s) since the checkpoint at step 4 are redone'
 """
@@ -50,10 +59,38 @@ def crash_loop(faults: list[Fault], repeats: int = DEFAULT_CRASH_LOOP) -> bool:
     return all(f.same_as(last) for f in faults[-repeats:])
 
 
+def no_new_save(faults: list[Fault], repeats: int = DEFAULT_CRASH_LOOP) -> bool:
+    """The last ``repeats`` failed attempts saved no new step: the job's newest checkpoint
+    after them (``Fault.saved``) is where it was before the first of them (-1 before the job's
+    first attempt)."""
+    if repeats < 1 or len(faults) < repeats:
+        return False
+    before = faults[-repeats - 1].saved if len(faults) > repeats else -1
+    return all(f.saved <= before for f in faults[-repeats:])
+
+
+def trained(checkpoint: int, furthest: int) -> str | None:
+    """How the job has trained, in words, or None when it never has: ``checkpoint``, the
+    newest checkpoint every rank took part in (-1: none); ``furthest``, the furthest step an
+    attempt advanced to (-1: none did).
+
+    >>> trained(40, 43), trained(-1, 7), trained(-1, -1)
+    ('the job has trained (checkpoint at step 40)', 'the job has trained (to step 7, no \
+checkpoint yet)', None)
+    """
+    if checkpoint >= 0:
+        return f"the job has trained (checkpoint at step {checkpoint})"
+    if furthest >= 0:
+        return f"the job has trained (to step {furthest}, no checkpoint yet)"
+    return None
+
+
 def stop_reason(
-    faults: list[Fault], advanced: bool, restarts_done: int, max_restarts: int, repeats: int
+    faults: list[Fault], trained: bool, restarts_done: int, max_restarts: int, repeats: int
 ) -> str | None:
-    """Why the job must not be restarted after its latest fault; None: restart it."""
+    """Why the job must not be restarted after its latest fault; None: restart it.
+    ``trained``: some attempt of the job advanced, or a checkpoint of it exists (the job's
+    history, not the latest attempt's)."""
     if max_restarts == 0:
         return ""  # restarts were not asked for: nothing to explain
     if faults and faults[-1].will_repeat:
@@ -61,17 +98,26 @@ def stop_reason(
             f"{faults[-1].text} (bad input, or a checkpoint the disk refused): restarting "
             "would fail the same way"
         )
-    if not advanced:
-        return "it failed before its first step: restarting would fail the same way"
+    if not trained:
+        return (
+            "it failed before its first step: restarting would fail the same way (no attempt "
+            "of the job took a step, and it has no checkpoint)"
+        )
     if faults[-1].kind == "diverged":
         return (
             "the ranks' collectives diverged, a fault of the program: a restart resumes "
             "exactly and would diverge the same way"
         )
-    if crash_loop(faults, repeats):
+    if no_new_save(faults, repeats):
+        saved = faults[-1].saved
+        newest = f"the newest is step {saved}" if saved >= 0 else "there is none"
+        if crash_loop(faults, repeats):
+            what = f"the same failure {repeats} times in a row (a crash loop)"
+        else:
+            what = f"{repeats} failed attempts in a row (a crash loop)"
         return (
-            f"the same failure {repeats} times in a row (a crash loop): restarting would fail "
-            "the same way"
+            f"{what}, none of them saved a new checkpoint ({newest}): restarting would not "
+            "get further"
         )
     if restarts_done >= max_restarts:
         return f"no restarts left (all {max_restarts} used)"
@@ -201,9 +247,13 @@ class Restart:
     stop_s: float | None  # from the failure (or the hang's detection) to every worker gone
     startup_s: float | None = None  # start of the processes to every rank's first beat
     resume_s: float | None = None  # first beats to the first step done
+    rule: str = ""  # why it was restarted: "the job has trained (checkpoint at step 40)"
+    early: bool = False  # the failure came before the attempt's first step (start-up, load)
 
     def line(self, of: int) -> str:
-        return f"restart {self.number}/{of} after {self.fault.text}; {self.redone}"
+        moment = " before the attempt's first step" if self.early else ""
+        line = f"restart {self.number}/{of} after {self.fault.text}{moment}; {self.redone}"
+        return f"{line}; {self.rule}: restarting" if self.rule else line
 
     def timing(self) -> str:
         return (
