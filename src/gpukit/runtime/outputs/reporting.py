@@ -10,7 +10,10 @@ finalized when the function ``rt.launch`` runs returns (``"success"``) or raises
 exception is on its way out, as in a ``finally:`` block, else ``"success"``).
 
 A logger that fails stops the run with a :class:`~gpukit.errors.LoggerError` naming it (its
-error is the cause): training on without the log it was asked for would lose it silently.
+error is the cause): training on without the log it was asked for would lose it silently. A
+logger whose files the disk refuses (an ``OSError``: full, read-only, too large) stops it with
+an :class:`~gpukit.errors.OutputWriteError` naming the file, the errno and the fix instead: a
+restart would meet the same disk.
 While the run is already failing, a logger's failure to finalize is only logged, so that the
 first error is the one raised.
 
@@ -28,7 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Protocol
 
-from gpukit.errors import ConfigError, LoggerError
+from gpukit._util.files import write_error
+from gpukit.errors import ConfigError, LoggerError, OutputWriteError
 from gpukit.loggers.base import Logger, logger_name
 from gpukit.strategies import Strategy
 
@@ -110,6 +114,10 @@ class Reporting:
         for logger in self.loggers:
             try:
                 getattr(logger, method)(*args)
+            except OutputWriteError:
+                raise  # the logger's own file, already named with its errno and fix
+            except OSError as err:  # a library's writer refused: the disk, as gpukit says it
+                raise _write_failure(logger, method, err) from err
             except Exception as err:
                 raise LoggerError(
                     f"logger {logger_name(logger)} failed in {method} at step "
@@ -118,3 +126,14 @@ class Reporting:
                     "every record so far): fix what the logger needs, or leave it out of "
                     "gk.Runtime(loggers=...)"
                 ) from err
+
+
+def _write_failure(logger: Logger, method: str, err: OSError) -> OutputWriteError:
+    """The disk refused a logger's write: the file it names (else the logger's folder)."""
+    where = err.filename if isinstance(err.filename, str) else getattr(logger, "folder", None)
+    return write_error(
+        where if where is not None else f"the files of logger {logger_name(logger)}",
+        err,
+        kept=f"logger {logger_name(logger)} failed in {method}; what it wrote before stays",
+        option="--out, or the logger's folder",
+    )
