@@ -45,7 +45,7 @@ class CsvLogger(BaseLogger):
         """Merge ``params`` into ``hyperparams.json`` (rewritten whole, aside then renamed)."""
         make_folder(self.folder, option=_OPTION)
         path = self.folder / "hyperparams.json"
-        known = json.loads(path.read_text()) if path.exists() else {}
+        known = json.loads(path.read_text()) if path.is_file() else {}
         text = json.dumps({**known, **params}, indent=2, default=str) + "\n"
         write_atomic(path, text, option=_OPTION)
 
