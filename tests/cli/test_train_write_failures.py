@@ -42,10 +42,12 @@ def _rows(path: Path) -> int:
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("devices", ["1", "2"])
 def test_a_folder_put_where_metrics_csv_goes_stops_the_run_and_is_not_restarted(
-    tmp_path: Path,
+    tmp_path: Path, devices: str
 ) -> None:
     args = [*MLP, "--max-steps", "1000000", "--out", "run", "--max-restarts", "2"]
+    args += ["--devices", devices]
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpukit", "train", *args],
         cwd=tmp_path,
@@ -67,9 +69,13 @@ def test_a_folder_put_where_metrics_csv_goes_stops_the_run_and_is_not_restarted(
         proc.wait()
     assert proc.returncode == 1, output  # the launcher's code for a rank that failed
     said = "could not write run/metrics.csv: a folder stands where the file goes (EISDIR)"
-    assert output.count(said) == 1, output
+    assert output.count(f"gpukit train: error: {said}") == 1, output  # said once, in full
     assert "Fix: move that folder away, or give another folder" in output, output
-    assert "not restarted" in output and "restarting would fail the same way" in output, output
+    # Rank 0 writes the run's files: the failure is its own, another rank is not blamed.
+    (first,) = [line for line in output.splitlines() if "the first failure" in line]
+    assert first.startswith(f"gpukit train: rank 0 raised OutputWriteError: {said}"), output
+    assert f"not restarted: rank 0 raised OutputWriteError: {said}" in output, output
+    assert "restarting would fail the same way" in output, output
     assert "restart 1/2" not in output and "Traceback" not in output, output
     assert list(metrics.iterdir()) == []  # nothing was written into the folder in the way
 

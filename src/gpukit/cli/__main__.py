@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One rank of a job that gpukit's launcher started: it prints this once for all.
         launched = _launched_script
         if not (launched.is_bad_input(err) and launched.report_bad_input(err)):
+            if err.will_repeat:
+                launched.report_repeating(err)
             print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2 if err.will_repeat else 1
     except KeyboardInterrupt:

@@ -209,6 +209,15 @@ def report_bad_input(err: BaseException, where: str | None = None) -> bool:
     return True
 
 
+def report_repeating(err: BaseException) -> None:
+    """Under gpukit's launcher, record ``err``, a gpukit error a restart would meet again that
+    the command prints itself (a file the disk refused), unless this process recorded its
+    failure already: the launcher then knows this rank failed of its own (the others only
+    lost it) and does not restart the job."""
+    if os.environ.get("GPUKIT_JOB_DIR") and not _recorded():
+        record(err)
+
+
 def _recorded() -> bool:
     """Whether this process already wrote its error file (its own record is the better one)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
