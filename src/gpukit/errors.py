@@ -115,6 +115,14 @@ class LoggerError(GpukitError, RuntimeError):
     still holds every record."""
 
 
+class LoggerWriteError(LoggerError, OutputWriteError):
+    """A logger's files could not be written (a full disk, a read-only folder): a
+    :class:`LoggerError` naming the logger and the call, and an :class:`OutputWriteError`
+    naming the file, the errno and the fix, which gpukit's launcher does not restart."""
+
+    will_repeat = True
+
+
 class LaunchError(GpukitError):
     """A rank of a launched job failed; the message holds its error and traceback."""
 

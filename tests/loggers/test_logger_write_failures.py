@@ -1,5 +1,6 @@
-"""A logger whose files the disk refuses stops the run with one OutputWriteError naming the
-file, the errno and the fix (not a LoggerError: a restart would meet the same disk). Root
+"""A logger whose files the disk refuses stops the run with one LoggerWriteError: a
+LoggerError naming the logger, and an OutputWriteError naming the file, the errno and the fix
+(not restarted: a restart would meet the same disk). Root
 ignores chmod, so the refusals are a file where the logger's folder should be (ENOTDIR) and a
 folder where its file goes (EISDIR)."""
 
@@ -22,18 +23,21 @@ def test_a_third_party_writers_oserror_is_one_output_write_error(tmp_path: Path)
     (tmp_path / "file").write_text("not a folder")
     folder = tmp_path / "file" / "tb"
     rt = gk.Runtime(devices="cpu", loggers=[TensorBoardLogger(folder)])
-    caught: gk.OutputWriteError | None = None
+    caught: gk.LoggerWriteError | None = None
     try:
         rt.log_metrics(val_loss=0.5)
-    except gk.OutputWriteError as err:
+    except gk.LoggerWriteError as err:
         caught = err
         rt.teardown()  # as a `finally:` does: the logger's failing finalize is only logged
     assert caught is not None
     text = str(caught)
-    assert text.startswith(f"could not write {folder}: a file stands where a folder should be")
-    assert "(ENOTDIR)" in text and "logger tensorboard failed in" in text, text
+    assert text.startswith("logger tensorboard failed in log_metrics at step 0: NotADirectory")
+    assert f"could not write {folder}: a file stands where a folder should be (ENOTDIR)" in text
     assert "Fix: move that file away" in text and caught.errno == errno.ENOTDIR
-    assert not isinstance(caught, gk.LoggerError)
+    assert caught.path == str(folder)
+    # Both: the logger's failure, and a write the disk refused (not restarted).
+    assert isinstance(caught, gk.LoggerError) and isinstance(caught, gk.OutputWriteError)
+    assert caught.will_repeat
 
 
 def test_csv_loggers_params_meeting_a_folder_leave_its_files_whole(tmp_path: Path) -> None:
