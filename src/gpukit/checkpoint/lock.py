@@ -147,6 +147,11 @@ def hold(folder: str | os.PathLike[str], *, command: str, fix: str) -> FolderLoc
             _write(fd, command)
         except OSError as err:  # a full disk, a size limit: the record does not fit
             os.close(fd)
+            with contextlib.suppress(OSError):
+                (path / LOCK_FILE).unlink()
+            for made in reversed(created):
+                with contextlib.suppress(OSError):
+                    made.rmdir()
             raise _unwritable(path, "cannot write its lock file", err) from err
         return _register(FolderLock(path, fd, created))
 
