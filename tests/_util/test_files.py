@@ -141,3 +141,25 @@ def test_a_file_size_limit_is_efbig_and_leaves_whole_lines(tmp_path: Path) -> No
     lines = path.read_text().split("\n")
     assert lines[-1] == "" and lines[0] == "step,loss", lines  # ends with a whole line
     assert all(line.endswith(",0.123456") for line in lines[1:-1]), lines
+
+
+def test_metrics_csv_rewritten_for_a_resume_reaches_the_disk_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpukit.train.report import MetricsCsv
+
+    path = tmp_path / "metrics.csv"
+    files.write_atomic(path, "step,loss\n2,0.5\n4,0.25\n")
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def noted(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", noted)
+    log = MetricsCsv(path, resumed_from_step=2)  # keeps step 2, rewritten whole
+    assert [os.path.basename(p) for p in synced] == [f".metrics.csv.tmp-{os.getpid()}"]
+    log.update([{"step": 3.0, "loss": 0.4}])  # an append: the run's rows, not synced each
+    assert len(synced) == 1
+    assert path.read_text().splitlines() == ["step,loss", "2,0.5", "3,0.4"]

@@ -64,12 +64,15 @@ class CsvLogger(BaseLogger):
         return f"CsvLogger({str(self.folder)!r})"
 
 
-def write_history(path: Path, history: list[dict[str, float]], option: str = "--out") -> None:
+def write_history(
+    path: Path, history: list[dict[str, float]], option: str = "--out", *, sync: bool = False
+) -> None:
     """Write ``history`` as a CSV (step, then the metrics by name), replacing the file whole:
     written aside and renamed, so a reader never sees half a file (a failure is an
-    :class:`~gpukit.errors.OutputWriteError`, the old file kept)."""
+    :class:`~gpukit.errors.OutputWriteError`, the old file kept). ``sync`` flushes it to the
+    disk before the rename (a file a resumed run reads)."""
     names = column_names(history)
-    write_atomic(path, csv_text(history, names, header=True), option=option)
+    write_atomic(path, csv_text(history, names, header=True), sync=sync, option=option)
 
 
 def csv_text(history: list[dict[str, float]], names: list[str], *, header: bool = False) -> str:

@@ -241,7 +241,8 @@ class MetricsCsv:
         self._names = column_names(self.rows)
         self._seen = 0  # records of this run's history already in the file
         make_folder(path.parent)
-        write_history(path, self.rows)
+        # A resumed run reads it back: the rows it keeps reach the disk before the rename.
+        write_history(path, self.rows, sync=True)
 
     def update(
         self,
@@ -259,7 +260,7 @@ class MetricsCsv:
         names = column_names(new)
         if not set(names) <= set(self._names):  # a new column: the header changes
             self._names = column_names(self.rows)
-            write_history(self.path, self.rows)
+            write_history(self.path, self.rows, sync=True)
             return
         append(self.path, csv_text(new, self._names))
 
