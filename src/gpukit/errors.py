@@ -70,7 +70,25 @@ class ConfigError(GpukitError, ValueError):
     will_repeat = True
 
 
-class CheckpointWriteError(GpukitError, OSError):
+class OutputWriteError(GpukitError, OSError):
+    """A file gpukit writes could not be written (``metrics.csv``, ``metrics.json``, a plot,
+    ``config.toml``, a logger's files, a report, a lock, the launcher's job folder): the disk
+    is full (ENOSPC), a file would pass the size limit (EFBIG), the folder is not writable
+    (EACCES, EPERM), is on a read-only file system (EROFS), or a folder stands where the file
+    goes (EISDIR). The message names the file, the errno and the fix; ``path`` is the file
+    and ``errno`` the one underneath. A file gpukit replaces whole is written aside and renamed,
+    so the previous one is still there, whole; an appended file is cut back to its last whole
+    line. Only the process that writes the file raises it (rank 0 for the run's shared files).
+
+    Restarting would fail the same way, so gpukit's launcher does not restart a job for it.
+    It is also an ``OSError``, so code that already catches write errors keeps working.
+    """
+
+    will_repeat = True
+    path: str | None = None
+
+
+class CheckpointWriteError(OutputWriteError):
     """A checkpoint could not be written: the disk is full (ENOSPC), a file would pass the size
     limit (EFBIG), the folder is not writable (EACCES, EPERM) or is on a read-only file system
     (EROFS). The message names the folder, the bytes the checkpoint needs and those free there,
@@ -95,6 +113,14 @@ class LoggerError(GpukitError, RuntimeError):
     refused a value): the message names the logger and the call, and the run stops rather than
     train on without its log. The logger's own error is the ``__cause__``; ``rt.history``
     still holds every record."""
+
+
+class LoggerWriteError(LoggerError, OutputWriteError):
+    """A logger's files could not be written (a full disk, a read-only folder): a
+    :class:`LoggerError` naming the logger and the call, and an :class:`OutputWriteError`
+    naming the file, the errno and the fix, which gpukit's launcher does not restart."""
+
+    will_repeat = True
 
 
 class LaunchError(GpukitError):

@@ -273,3 +273,20 @@ def test_a_killed_holders_children_still_hold_it_and_are_named(
             pass
     else:
         raise AssertionError("the lock outlived every process that held it")
+
+
+def test_a_lock_record_the_disk_refuses_is_the_folders_error_with_its_errno(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk refuses the holder's record (root ignores chmod: the os call fails instead).
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(gk.ConfigError) as caught:
+        folder_lock.hold(tmp_path / "run", command="gpukit train", fix="unused")
+    text = str(caught.value)
+    assert text.startswith(f"{tmp_path / 'run'}: cannot write its lock file (No space left"), text
+    assert "ENOSPC): give a folder you can write" in text, text
+    assert not folder_lock.held_here(tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # the folder it made for the lock is removed again

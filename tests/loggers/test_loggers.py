@@ -33,6 +33,7 @@ def test_csv_appends_rows_and_rewrites_the_file_for_a_new_column(tmp_path: Path)
         ["30", "1.0", "1.75"],
     ]
     assert not list(tmp_path.glob("*.partial"))  # written aside, then renamed
+    assert not list(tmp_path.glob(".*.tmp-*"))
     # The same file format as gpukit train's metrics.csv, read back by its reader.
     assert read_history(log.path)[-1] == {"step": 30, "loss": 1.0, "val_loss": 1.75}
 

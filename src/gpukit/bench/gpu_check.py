@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from gpukit._util.files import make_folder, write_atomic
 from gpukit.bench.environment import environment_of
 from gpukit.bench.measure import bench_devices
 from gpukit.bench.suite import names
@@ -148,7 +149,7 @@ def run_checks(
                     passed, detail = False, f"could not read its result: {err!r}"
         seconds = time.perf_counter() - start
         status = "not finished" if rc is None else f"exit {rc}"
-        log.write_text(f"$ {shlex.join(check.argv)}\n({status}, {seconds:.1f} s)\n\n{output}")
+        write_atomic(log, f"$ {shlex.join(check.argv)}\n({status}, {seconds:.1f} s)\n\n{output}")
         outcome = Outcome(check.name, passed, seconds, detail, shlex.join(check.argv), log.name)
         echo(_line(outcome))
         outcomes.append(outcome)
@@ -192,7 +193,7 @@ def write_summary(folder: Path, outcomes: Sequence[Outcome], env: dict[str, Any]
     """``summary.json`` and ``summary.md``: one PASS/FAIL line per check, and the machine."""
     passed = sum(o.passed for o in outcomes)
     data = {"passed": passed, "checks": [asdict(o) for o in outcomes], "environment": env}
-    (folder / "summary.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_atomic(folder / "summary.json", json.dumps(data, indent=2) + "\n")
     gpus = [d["name"] for d in env.get("devices", []) if d["device"].startswith("cuda")]
     lines = [
         "# gpukit GPU check",
@@ -213,7 +214,7 @@ def write_summary(folder: Path, outcomes: Sequence[Outcome], env: dict[str, Any]
         lines.append(
             f"| {o.name} | {result} | {o.seconds:.1f} | {detail} | [{o.output}]({o.output}) |"
         )
-    (folder / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(folder / "summary.md", "\n".join(lines) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = torch.cuda.get_device_name(gpus[0]) if gpus else "cpu"
     folder = results_folder(args.out, name)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder)
     every = checks(folder, args.quick)
     selected = _select(every, args.only)
     given = list(sys.argv[1:] if argv is None else argv)
@@ -299,7 +300,7 @@ def _judge_doctor(rc: int, stdout: str, folder: Path) -> tuple[bool, str]:
         report = json.loads(stdout)
     except json.JSONDecodeError:
         return False, f"exit {rc}; no JSON report"
-    (folder / "doctor.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_atomic(folder / "doctor.json", json.dumps(report, indent=2) + "\n")
     return rc == 0, f"status {report.get('status', '?')} (exit {rc})"
 
 

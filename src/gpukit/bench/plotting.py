@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.files import replaced
+
 
 @contextlib.contextmanager
 def figure(
@@ -52,7 +54,8 @@ def figure(
         if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=8, loc="best")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        with replaced(path) as temporary:
+            fig.savefig(temporary, dpi=120, format=path.suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.files import write_atomic
 from gpukit.bench.result import BenchResult, format_value
 from gpukit.bench.suite import Outcome, experiment
 
@@ -67,7 +68,7 @@ def write_report(
         lines += [f"- {k}: {format_value(v, 3)}" for k, v in o.result.summary.items()]
         lines += [f"- {note}" for note in o.result.notes]
     path = folder / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_atomic(path, "\n".join(lines) + "\n")
     return path
 
 

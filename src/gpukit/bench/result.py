@@ -25,6 +25,7 @@ from typing import Any
 
 from rich.table import Table
 
+from gpukit._util.files import write_atomic
 from gpukit._util.text import make_table
 from gpukit.errors import ConfigError
 
@@ -129,7 +130,7 @@ class BenchResult:
     def write_json(self, folder: Path) -> Path:
         """Write ``<experiment>.json`` in ``folder``; returns its path."""
         path = folder / f"{self.experiment}.json"
-        path.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         return path
 
 

@@ -30,15 +30,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.files import size_limit
 from gpukit._util.text import format_bytes
 from gpukit._util.tree import tensors
 from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import CheckpointWriteError, ConfigError
-
-try:
-    import resource
-except ImportError:  # Windows: no file-size limit to read
-    resource = None  # type: ignore[assignment]
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 # What torch's zip writer says when a write came up short (it keeps no errno).
@@ -95,7 +91,7 @@ def reason(code: int | None) -> tuple[str, str]:
             "keep fewer checkpoints (keep=, --keep)",
         )
     if code == errnos.EFBIG:
-        limit = _size_limit()
+        limit = size_limit()
         which = f"this process may write files of {format_bytes(limit)} at most (ulimit -f)"
         return (
             "a file would pass the largest size allowed: "
@@ -158,7 +154,7 @@ def message(
         free = None
     if code is None and _SHORT_WRITE.search(err_text):
         # torch.save keeps no errno: the numbers tell a full disk from a file-size limit.
-        limit = _size_limit()
+        limit = size_limit()
         if free is not None and free < needed:
             code = errnos.ENOSPC
         elif limit is not None and limit < needed:
@@ -282,14 +278,6 @@ def clean_up(directory: Path, tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     with contextlib.suppress(OSError):
         (directory / ".tmp-latest").unlink()
-
-
-def _size_limit() -> int | None:
-    """This process's file-size limit in bytes (``ulimit -f``), or None when unlimited."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _first_line(text: str, width: int = 120) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -142,7 +143,16 @@ def hold(folder: str | os.PathLike[str], *, command: str, fix: str) -> FolderLoc
         if not same:  # its holder removed the file as it released it: lock the new one
             os.close(fd)
             continue
-        _write(fd, command)
+        try:
+            _write(fd, command)
+        except OSError as err:  # a full disk, a size limit: the record does not fit
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                (path / LOCK_FILE).unlink()
+            for made in reversed(created):
+                with contextlib.suppress(OSError):
+                    made.rmdir()
+            raise _unwritable(path, "cannot write its lock file", err) from err
         return _register(FolderLock(path, fd, created))
 
 
@@ -201,9 +211,11 @@ def _make(folder: Path) -> list[Path]:
 
 def _unwritable(folder: Path, what: str, err: OSError) -> ConfigError:
     """The ConfigError for a folder this run cannot write (its cause: the OSError)."""
+    said = err.strerror or type(err).__name__
+    if err.errno is not None and err.errno in errno.errorcode:
+        said += f", {errno.errorcode[err.errno]}"
     return ConfigError(
-        f"{folder}: {what} ({err.strerror or type(err).__name__}): give a folder you can "
-        "write, or fix its permissions"
+        f"{folder}: {what} ({said}): give a folder you can write, or fix its permissions"
     )
 
 

@@ -3,7 +3,7 @@ provides ``NAME``, ``register(subparsers)`` and ``run(args) -> exit code``.
 
 Exit codes: 0 success; 1 the command ran and found a failure (e.g. a doctor check FAILed);
 2 bad input or a failure that would come again (a usage error, or a GpukitError whose
-``will_repeat`` says so: a ConfigError, a DeviceError, a checkpoint the disk refused), printed in
+``will_repeat`` says so: a ConfigError, a DeviceError, a file the disk refused), printed in
 one or two lines without a traceback; gpukit's launcher restarts no rank that exits 2. Other
 GpukitErrors (a collective that failed, NaN gradients) print the same way and exit 1.
 Running out of device memory exits 1 with the explanation of ``gpukit.explain`` (the numbers of
@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One rank of a job that gpukit's launcher started: it prints this once for all.
         launched = _launched_script
         if not (launched.is_bad_input(err) and launched.report_bad_input(err)):
+            if err.will_repeat:
+                launched.report_repeating(err)
             print(f"gpukit {args.command}: error: {err}", file=sys.stderr)
         return 2 if err.will_repeat else 1
     except KeyboardInterrupt:

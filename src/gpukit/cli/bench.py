@@ -67,6 +67,7 @@ from typing import Any
 
 from rich.console import Console
 
+from gpukit._util.files import write_atomic
 from gpukit.bench.result import BenchResult, load_result
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError
@@ -164,7 +165,7 @@ def _one(args: argparse.Namespace) -> int:
         result: BenchResult = module.run(quick=args.quick, **options)
     files = []
     if json_file is not None:
-        json_file.write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+        write_atomic(json_file, json.dumps(result.to_dict(), indent=2, default=str) + "\n")
         files.append(json_file)
     elif folder is not None:
         files.append(result.write_json(folder))

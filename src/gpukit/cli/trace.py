@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit import _env
+from gpukit._util.files import write_atomic
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
 from gpukit.errors import ConfigError, GpukitError
 
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if profile is not None:
         found["profile"] = profile.to_dict()
     if args.out is not None:
-        args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+        write_atomic(args.out, json.dumps(found, indent=2) + "\n")
     if args.json:
         print_json(found)
     else:

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from gpukit._util import placement
+from gpukit._util.files import make_folder, replaced, write_atomic
 from gpukit.errors import ConfigError
 
 StepSource = Literal["auto", "runtime", "optimizer"]
@@ -120,7 +121,7 @@ class StepProfile:
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder, option="the profile's folder")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         every = schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat)
         self._profiler = profile(
@@ -223,10 +224,11 @@ class StepProfile:
         rank = _rank() if self.rank is None else self.rank
         name = f"gpukit_rank{rank}.{last}"
         path = self.folder / f"{name}.pt.trace.json"
-        prof.export_chrome_trace(str(path))
+        with replaced(path, option="the profile's folder") as temporary:
+            prof.export_chrome_trace(str(temporary))
         table = prof.key_averages().table(sort_by=_sort_key(prof, self.cuda), row_limit=ROWS)
         table_path = self.folder / f"{name}.summary.txt"
-        table_path.write_text(table + "\n", encoding="utf-8")
+        write_atomic(table_path, table + "\n", option="the profile's folder")
         self.windows.append(Window(first, last, rank, path, table_path, table))
 
 

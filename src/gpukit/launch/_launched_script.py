@@ -30,6 +30,7 @@ itself, and must import nothing beyond the standard library.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -175,11 +176,15 @@ def record(err: BaseException, extra: dict[str, str] | None = None) -> None:
             },
         }
     }
+    # Written aside and renamed: the launcher reads the whole record or none, never half of one.
+    partial = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(path, "w") as file:
+        with open(partial, "w") as file:
             json.dump(data, file)
-    except OSError:
-        pass  # the script's own error matters more than our record of it
+        os.replace(partial, path)
+    except OSError:  # the script's own error matters more than our record of it
+        with contextlib.suppress(OSError):
+            os.remove(partial)
 
 
 # gpukit's errors for input a user can fix (checked by name: this file imports no gpukit).
@@ -202,6 +207,15 @@ def report_bad_input(err: BaseException, where: str | None = None) -> bool:
         return False
     record(err, {"bad_input": str(err), **({"where": where} if where else {})})
     return True
+
+
+def report_repeating(err: BaseException) -> None:
+    """Under gpukit's launcher, record ``err``, a gpukit error a restart would meet again that
+    the command prints itself (a file the disk refused), unless this process recorded its
+    failure already: the launcher then knows this rank failed of its own (the others only
+    lost it) and does not restart the job."""
+    if os.environ.get("GPUKIT_JOB_DIR") and not _recorded():
+        record(err)
 
 
 def _recorded() -> bool:

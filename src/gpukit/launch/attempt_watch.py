@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TextIO
 
+from gpukit._util.files import write_atomic
+from gpukit.errors import OutputWriteError
 from gpukit.launch import heartbeat
 from gpukit.launch.failures import (
     ErrorRecord,
@@ -242,7 +244,10 @@ class AttemptWatch:
             return
         s, number = self._settings, self.attempt.number
         kept = f"  stack dumps and {REPORT_FILE} are kept in {s.folder}"
-        (s.folder / REPORT_FILE).write_text(f"attempt {number}\n{found.report}\n")
+        try:
+            write_atomic(s.folder / REPORT_FILE, f"attempt {number}\n{found.report}\n")
+        except OutputWriteError as err:  # the report is said here in full all the same
+            kept = f"  {err}"
         print(f"{found.report}\n{kept}", file=s.out, flush=True)
         fault = Fault("hung", found.rank, found.where, found.step, found.text, number)
         self.hang = (fault, now)

@@ -43,14 +43,16 @@ from typing import Any, NoReturn
 import torch
 
 from gpukit import _env, errors
+from gpukit._util.files import converted, write_atomic
 from gpukit.errors import ConfigError, GpukitError, LaunchError, Preempted
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, INTERRUPTED_EXIT, RUNNER, _launched_script, run_job
 from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import PREEMPTED_EXIT, RankEnd, failures, headline, rank_lines
 from gpukit.launch.hang_reports import REPORT_FILE
+from gpukit.launch.job_folders import fresh_job_dir, release, swept
 from gpukit.launch.start_methods import start_method
 from gpukit.launch.starters import CommandStarter, RankStarter
-from gpukit.launch.supervisor import Attempt, fresh_job_dir
+from gpukit.launch.supervisor import Attempt
 from gpukit.launch.workers import Worker, die_with, watch_worker
 
 NAME = "rt.launch"
@@ -94,12 +96,14 @@ def launch_function(
     check_options(max_restarts, hang_timeout)
     call = (make_runtime, fn, args)
     method = start_method(fn, call)
+    for line in swept(NAME):
+        print(line, file=sys.stderr, flush=True)
     folder = fresh_job_dir()
     ended: list[tuple[Attempt, Outcome]] = []
     try:
         if method == "spawn":
             path = folder / CALL_FILE
-            with path.open("wb") as file:
+            with converted(path, option="TMPDIR=a writable folder"), path.open("wb") as file:
                 pickle.dump(_preparation(), file)
                 # Plain pickle: tensors among the arguments travel by value.
                 pickle.dump(_Call(*call), file)
@@ -120,6 +124,7 @@ def launch_function(
         )
         return _result(code, ended, folder)
     finally:
+        release(folder)
         if not (folder / REPORT_FILE).exists():  # a hang's stack dumps stay: its report said so
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -141,7 +146,7 @@ class _Call:
         if runtime.is_global_zero and folder is not None:
             # Plain pickle copies tensors by value (torch's own pickling would share memory
             # with a process that is about to exit).
-            (folder / f"result-{_env.attempt()}.pkl").write_bytes(pickle.dumps(result))
+            write_atomic(folder / f"result-{_env.attempt()}.pkl", pickle.dumps(result))
 
 
 def _preparation() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpukit import _env
+from gpukit._util.files import make_folder
 from gpukit.errors import ConfigError
 from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import (
@@ -24,6 +25,7 @@ from gpukit.launch.failures import (
     rank_lines,
 )
 from gpukit.launch.hang_reports import REPORT_FILE
+from gpukit.launch.job_folders import fresh_job_dir, release, swept
 from gpukit.launch.node_messages import settle
 from gpukit.launch.rendezvous import JobState, LocalMeeting, Nodes, StoreMeeting
 from gpukit.launch.restarts import (
@@ -37,7 +39,7 @@ from gpukit.launch.restarts import (
 )
 from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter, RankStarter
-from gpukit.launch.supervisor import Attempt, Settings, fresh_job_dir
+from gpukit.launch.supervisor import Attempt, Settings
 from gpukit.launch.workers import kill_leftovers
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
@@ -110,8 +112,11 @@ def run_job(
     if startup_timeout is not None and not 0 <= startup_timeout < float("inf"):
         raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
     startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
+    if job_dir is None:
+        for line in swept(name):
+            print(line, file=out if out is not None else sys.stderr, flush=True)
     folder = Path(job_dir) if job_dir is not None else fresh_job_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder, option="job_dir=")
     variables = {**_env.environment(), **(env or {})}
     if nproc > 1:
         variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
@@ -138,8 +143,10 @@ def run_job(
         meeting.close()
         kill_leftovers()
         # After a hang the stack dumps and the report stay (the report said where).
-        if job_dir is None and not (folder / REPORT_FILE).exists():
-            shutil.rmtree(folder, ignore_errors=True)
+        if job_dir is None:
+            release(folder)
+            if not (folder / REPORT_FILE).exists():
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _attempts(

@@ -3,8 +3,8 @@
 A failed attempt is restarted (all ranks, a fresh port) unless:
 
 - its failure would come again: a rank exited with code 2 (gpukit's command line on bad input
-  or on a checkpoint the disk refused), or raised a gpukit error that says so (a
-  ``ConfigError``, a ``CheckpointWriteError``: ``will_repeat``);
+  or on a file the disk refused), or raised a gpukit error that says so (a
+  ``ConfigError``, an ``OutputWriteError`` such as a ``CheckpointWriteError``: ``will_repeat``);
 - the job never trained: no attempt's heartbeat step moved past where it began (a rank that
   never beat has not begun) and no checkpoint is known. An import error, a wrong path, a model
   that does not fit: restarting would fail the same way. This is the job's history, not the
@@ -36,10 +36,12 @@ and from there to the first step done (setup, loading the checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpukit._util.files import append
 from gpukit.launch.failures import Fault, RankEnd
 from gpukit.launch.heartbeat import Beat
 
@@ -95,7 +97,7 @@ def stop_reason(
         return ""  # restarts were not asked for: nothing to explain
     if faults and faults[-1].will_repeat:
         return (
-            f"{faults[-1].text} (bad input, or a checkpoint the disk refused): restarting "
+            f"{faults[-1].text} (bad input, or a write the disk refused): restarting "
             "would fail the same way"
         )
     if not trained:
@@ -230,11 +232,10 @@ def record_attempt(
         "ends": {str(e.rank): [e.ended_ns / 1e9, e.code, e.stopped] for e in ends},
         "gone": gone,
     }
-    try:
-        with open(folder / ATTEMPTS_FILE, "a") as file:
-            file.write(json.dumps(line) + "\n")
-    except OSError:
-        pass  # a record for measuring restarts: a full disk must not fail the job for it
+    # A record for measuring restarts: a full disk must not fail the job for it, and a failed
+    # append is cut back to whole lines, so its readers never meet half a record.
+    with contextlib.suppress(OSError):
+        append(folder / ATTEMPTS_FILE, json.dumps(line) + "\n")
 
 
 @dataclass

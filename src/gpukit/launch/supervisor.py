@@ -22,9 +22,7 @@ alike.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,8 +123,3 @@ class Attempt:
 
     def error_file(self, rank: int) -> Path:
         return self.settings.folder / f"error-{rank}-{self.number}.json"
-
-
-def fresh_job_dir() -> Path:
-    """A new folder for one job's heartbeats, error records and stack dumps."""
-    return Path(tempfile.mkdtemp(prefix=f"gpukit-job-{os.getpid()}-"))

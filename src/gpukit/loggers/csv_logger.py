@@ -17,12 +17,16 @@ go to ``hyperparams.json`` beside it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.files import append, make_folder, write_atomic
 from gpukit.loggers.base import BaseLogger
+
+_OPTION = "CsvLogger's folder"
 
 
 class CsvLogger(BaseLogger):
@@ -39,39 +43,51 @@ class CsvLogger(BaseLogger):
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Merge ``params`` into ``hyperparams.json`` (rewritten whole, aside then renamed)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder, option=_OPTION)
         path = self.folder / "hyperparams.json"
-        known = json.loads(path.read_text()) if path.exists() else {}
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps({**known, **params}, indent=2, default=str) + "\n")
-        os.replace(partial, path)
+        known = json.loads(path.read_text()) if path.is_file() else {}
+        text = json.dumps({**known, **params}, indent=2, default=str) + "\n"
+        write_atomic(path, text, option=_OPTION)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Append a row; a new metric name rewrites the file with the wider header."""
         record: dict[str, float] = {"step": step, **metrics}
         self._records.append(record)
         if not self._names or not set(metrics) <= set(self._names):
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_folder(self.folder, option=_OPTION)
             self._names = column_names(self._records)
-            write_history(self.path, self._records)
+            write_history(self.path, self._records, _OPTION)
             return
-        with open(self.path, "a", newline="") as f:
-            write_rows(csv.writer(f), [record], self._names)
+        append(self.path, csv_text([record], self._names), option=_OPTION)
 
     def __repr__(self) -> str:
         return f"CsvLogger({str(self.folder)!r})"
 
 
-def write_history(path: Path, history: list[dict[str, float]]) -> None:
+def write_history(
+    path: Path, history: list[dict[str, float]], option: str = "--out", *, sync: bool = False
+) -> None:
     """Write ``history`` as a CSV (step, then the metrics by name), replacing the file whole:
-    written aside and renamed, so a reader never sees half a file."""
+    written aside and renamed, so a reader never sees half a file (a failure is an
+    :class:`~gpukit.errors.OutputWriteError`, the old file kept). ``sync`` flushes it to the
+    disk before the rename (a file a resumed run reads)."""
     names = column_names(history)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", newline="") as f:
-        writer = csv.writer(f)
+    write_atomic(path, csv_text(history, names, header=True), sync=sync, option=option)
+
+
+def csv_text(history: list[dict[str, float]], names: list[str], *, header: bool = False) -> str:
+    """``history``'s records as CSV lines (the header line first when ``header``), as
+    :func:`write_rows` writes them.
+
+    >>> csv_text([{"step": 3, "loss": 0.5}], ["loss"], header=True).splitlines()
+    ['step,loss', '3,0.5']
+    """
+    text = io.StringIO()
+    writer = csv.writer(text)
+    if header:
         writer.writerow(["step", *names])
-        write_rows(writer, history, names)
-    os.replace(partial, path)
+    write_rows(writer, history, names)
+    return text.getvalue()
 
 
 # Columns that say where a record stands come first, in this order (gpukit train's metrics.csv

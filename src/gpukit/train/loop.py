@@ -34,6 +34,7 @@ import torch
 from rich.console import Console
 
 from gpukit import _env
+from gpukit._util.files import write_atomic
 from gpukit.diagnostics.memory_breakdown import breakdown
 from gpukit.diagnostics.peak_tensors import PeakTensors
 from gpukit.diagnostics.trace import untraced
@@ -133,7 +134,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
     if config.out and rt.is_global_zero:
         csv_log = MetricsCsv(Path(config.out) / "metrics.csv", resumed)
         flags = rerun_flags(recorded, rt.precision.name, getattr(rt.strategy, "options", None))
-        (Path(config.out) / "config.toml").write_text(to_toml(flags))
+        write_atomic(Path(config.out) / "config.toml", to_toml(flags))
     # metrics.csv's columns besides the metrics: all read on the host, nothing from a device.
     before = csv_log.elapsed if csv_log is not None else 0.0  # a resumed run's time so far
 

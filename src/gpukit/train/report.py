@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from gpukit._util.files import append, make_folder, replaced, write_atomic
 from gpukit.diagnostics.memory import DeviceMemory, MemoryReport
 from gpukit.diagnostics.memory import report as memory_report
 from gpukit.errors import ConfigError
-from gpukit.loggers.csv_logger import column_names, write_history, write_rows
+from gpukit.loggers.csv_logger import column_names, csv_text, write_history
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads.base import Workload
 from gpukit.workloads.flops import mfu
@@ -206,9 +207,10 @@ def write_outputs(
 ) -> None:
     """metrics.json, metrics.csv (the logged ``history``) and loss.png under ``out``; the plot
     marks ``resumed_from_step`` when given."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    make_folder(out)
+    # Each replaced whole (written aside, renamed): a failure keeps the previous file whole.
     write_history(out / "metrics.csv", history)
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     _plot_loss(out / "loss.png", history, metrics, resumed_from_step)
 
 
@@ -238,8 +240,9 @@ class MetricsCsv:
         self.elapsed = next((r["elapsed"] for r in reversed(self.rows) if "elapsed" in r), 0.0)
         self._names = column_names(self.rows)
         self._seen = 0  # records of this run's history already in the file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_history(path, self.rows)
+        make_folder(path.parent)
+        # A resumed run reads it back: the rows it keeps reach the disk before the rename.
+        write_history(path, self.rows, sync=True)
 
     def update(
         self,
@@ -257,10 +260,9 @@ class MetricsCsv:
         names = column_names(new)
         if not set(names) <= set(self._names):  # a new column: the header changes
             self._names = column_names(self.rows)
-            write_history(self.path, self.rows)
+            write_history(self.path, self.rows, sync=True)
             return
-        with open(self.path, "a", newline="") as f:
-            write_rows(csv.writer(f), new, self._names)
+        append(self.path, csv_text(new, self._names))
 
     def whole(self, history: list[dict[str, float]]) -> list[dict[str, float]]:
         """The whole run's records as the file holds them: the kept rows of earlier runs,
@@ -336,5 +338,8 @@ def _plot_loss(
     )
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with replaced(path) as temporary:
+            fig.savefig(temporary, dpi=100, format="png")
+    finally:
+        plt.close(fig)

@@ -10,7 +10,10 @@ finalized when the function ``rt.launch`` runs returns (``"success"``) or raises
 exception is on its way out, as in a ``finally:`` block, else ``"success"``).
 
 A logger that fails stops the run with a :class:`~gpukit.errors.LoggerError` naming it (its
-error is the cause): training on without the log it was asked for would lose it silently.
+error is the cause): training on without the log it was asked for would lose it silently. A
+logger whose files the disk refuses (an ``OSError``: full, read-only, too large) stops it with
+a :class:`~gpukit.errors.LoggerWriteError`, also an :class:`~gpukit.errors.OutputWriteError`
+naming the file, the errno and the fix: a restart would meet the same disk.
 While the run is already failing, a logger's failure to finalize is only logged, so that the
 first error is the one raised.
 
@@ -28,7 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Protocol
 
-from gpukit.errors import ConfigError, LoggerError
+from gpukit._util.files import write_error
+from gpukit.errors import ConfigError, LoggerError, LoggerWriteError, OutputWriteError
 from gpukit.loggers.base import Logger, logger_name
 from gpukit.strategies import Strategy
 
@@ -110,6 +114,8 @@ class Reporting:
         for logger in self.loggers:
             try:
                 getattr(logger, method)(*args)
+            except OSError as err:  # the disk refused the logger (or the library it calls)
+                raise _write_failure(logger, method, err, self.state.global_step) from err
             except Exception as err:
                 raise LoggerError(
                     f"logger {logger_name(logger)} failed in {method} at step "
@@ -118,3 +124,26 @@ class Reporting:
                     "every record so far): fix what the logger needs, or leave it out of "
                     "gk.Runtime(loggers=...)"
                 ) from err
+
+
+def _write_failure(logger: Logger, method: str, err: OSError, step: int) -> LoggerWriteError:
+    """The disk refused a logger's write: the logger, the call, and the file (the one the
+    error names, else the logger's folder) with the errno and the fix. A logger of gpukit's
+    own said it already (an OutputWriteError); a library's ``OSError`` is worded here."""
+    name = logger_name(logger)
+    said = err
+    if not isinstance(err, OutputWriteError):
+        where = err.filename if isinstance(err.filename, str) else getattr(logger, "folder", None)
+        said = write_error(
+            where if where is not None else f"the files of logger {name}",
+            err,
+            kept="the run stops rather than train on without its log (rt.history holds every "
+            "record so far)",
+            option="--out, or the logger's folder; or leave the logger out of "
+            "gk.Runtime(loggers=...)",
+        )
+    error = LoggerWriteError(
+        f"logger {name} failed in {method} at step {step}: {type(err).__name__}: {said}"
+    )
+    error.errno, error.path = said.errno, getattr(said, "path", None)
+    return error
