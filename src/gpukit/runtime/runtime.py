@@ -218,8 +218,8 @@ class Runtime:
         a rank with no heartbeat for ``hang_timeout`` seconds is reported hung with its line
         (0: never; None: 300), the first failure is raised, and the ranks are started again up
         to ``max_restarts`` times after a failure at any moment once the job has taken a step
-        (``resume="auto"`` resumes them from the newest checkpoint). Otherwise calls ``fn`` here. When ``fn``
-        returns, the last logging window is read back (every rank is there).
+        (``resume="auto"`` resumes them from the newest checkpoint). Otherwise calls ``fn``
+        here. When ``fn`` returns, the last logging window is read back (every rank is there).
         """
         check_options(max_restarts, hang_timeout)
         run = functools.partial(_then_close_window, fn)
