@@ -929,6 +929,18 @@ API_CASES = [
         "data.txt is a file",
         id="profile-folder-is-a-file",
     ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu").progress(range(2), epochs=0),
+        ConfigError,
+        r"rt.progress\(epochs=0\): give a whole number, 1 or more",
+        id="progress-epochs-0",
+    ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu", checkpoints="run/ck", loggers=["csv", "csv"]),
+        ConfigError,
+        r"'csv' is given twice.*give each logger once",
+        id="loggers-csv-twice",
+    ),
 ]
 
 
@@ -1207,6 +1219,18 @@ CLI_CASES = [
         {},
         ["--profile data.txt", "give a folder"],
         id="trace-profile-to-a-file",
+    ),
+    pytest.param(
+        ["trace", "--profile-window", "1,1,3", "--workload", "mlp"],
+        {},
+        ["--profile-window 1,1,3 without --profile", "add --profile DIR"],
+        id="trace-profile-window-without-profile",
+    ),
+    pytest.param(
+        train("--workload", "mlp", "--logger", "csv,csv"),
+        {},
+        ["--logger 'csv,csv'", "csv given twice"],
+        id="train-logger-twice",
     ),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),
