@@ -1232,6 +1232,18 @@ CLI_CASES = [
         ["--logger 'csv,csv'", "csv given twice"],
         id="train-logger-twice",
     ),
+    pytest.param(
+        ["plan", "--workload", "mlp", "--precision", "16-mixed", "--target", "cpu"],
+        {},
+        ["precision '16-mixed' needs a CUDA GPU, but the device is cpu", "'bf16-mixed' or '32'"],
+        id="plan-16-mixed-on-cpu",
+    ),
+    pytest.param(
+        ["plan", "--workload", "mlp", "--precision", "bf16-mixed", "--target", "t4"],
+        {},
+        ["precision 'bf16-mixed' needs a GPU with bfloat16", "T4 has none"],
+        id="plan-bf16-mixed-on-t4",
+    ),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),
     pytest.param(["launch", "--nnodes", "0", "data.txt"], {}, ["--nnodes 0"], id="launch-nnodes-0"),
