@@ -105,6 +105,8 @@ def test_bad_input_on_one_rank_only_is_its_line(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("gpukit launch: error: local rank 1 has no device")
+    # It names what works: the same script runs with either spelling.
+    assert "devices='auto' (every process on the CPU), or devices='cpu, cpu'" in line
 
 
 @pytest.mark.processes
