@@ -941,6 +941,12 @@ API_CASES = [
         r"'csv' is given twice.*give each logger once",
         id="loggers-csv-twice",
     ),
+    pytest.param(
+        runtime_call("setup", nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters())),
+        ConfigError,
+        r"the optimizer SGD holds 2 parameter\(s\), and none is a parameter of a model rt.setup",
+        id="setup-optimizer-of-another-model",
+    ),
 ]
 
 
@@ -1384,7 +1390,26 @@ ACCEPTED = [
         lambda: backward(lambda m: m(torch.ones(4, 2)).mean().reshape(1)) is None, id="loss-(1,)"
     ),
     pytest.param(lambda: load_workload(f"{WORKLOADS}:fine").batch_size == 32, id="workload-fine"),
+    pytest.param(lambda: optimizer_with_a_loss_weight() == 3, id="setup-optimizer-extra-param"),
+    pytest.param(lambda: optimizer_of_an_earlier_model() == 2, id="setup-optimizer-earlier-model"),
 ]
+
+
+def optimizer_with_a_loss_weight() -> int:
+    """An optimizer over the model and a learnable weight of the loss: accepted (one of its
+    parameters is the model's); returns how many parameters it steps."""
+    model, weight = nn.Linear(2, 1), nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([*model.parameters(), weight], lr=0.1)
+    _, opt = R(devices="cpu").setup(model, opt)
+    return sum(len(g["params"]) for g in opt.param_groups)
+
+
+def optimizer_of_an_earlier_model() -> int:
+    """A GAN's second setup may carry the first model's optimizer: it trains a set-up model."""
+    rt, first, second = R(devices="cpu"), nn.Linear(2, 1), nn.Linear(2, 1)
+    rt.setup(first)
+    _, opt = rt.setup(second, torch.optim.SGD(first.parameters(), lr=0.1))
+    return len(opt.param_groups[0]["params"])
 
 
 @pytest.mark.parametrize("call", ACCEPTED)
