@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.launch.attempt_watch import Outcome
 from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
@@ -23,7 +22,6 @@ from gpukit.launch.failures import (
 )
 from gpukit.launch.hang_reports import Frame, Watch, blame, hang_report, main_stack, user_frame
 from gpukit.launch.heartbeat import Beat
-from gpukit.launch.job import stopped_line
 from gpukit.launch.restarts import Progress, Restart, crash_loop, redone, stop_reason
 
 PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8093"
@@ -303,23 +301,3 @@ def test_no_divergence_is_claimed_without_proof() -> None:
     ]
     same = [RankEnd(r, -6, r, where_called=where[0], calls=5) for r in (0, 1)]
     assert all(diverged(e) is None for e in (raised, killed, aborted, same))
-
-
-@pytest.mark.parametrize(
-    ("saved", "said"),
-    [
-        pytest.param(8, "killed (the newest checkpoint is step 8)", id="an-earlier-attempts"),
-        pytest.param(0, "killed (the newest checkpoint is step 0)", id="step-0"),
-        pytest.param(-1, "killed (no checkpoint)", id="none"),
-    ],
-)
-def test_a_stop_past_the_grace_names_the_jobs_newest_checkpoint(saved: int, said: str) -> None:
-    """Ranks of a restarted attempt killed at the grace before they loaded the checkpoint: their
-    heartbeats hold none (-1, or 0 for one still at its start), the job knows the newest."""
-    progress = Progress(0.0, 2)
-    progress.observe(beat(0, 1.0, 0, "start"))
-    progress.observe(beat(1, 1.0, 0, "start"))
-    ends = [RankEnd(r, -9, 0, stopped=True) for r in range(2)]
-    line = stopped_line("gpukit launch", Outcome("preempted", ends, progress), saved)
-    assert line.startswith("gpukit launch: stopped on request (exit 143); the ranks did not")
-    assert said in line, line
