@@ -929,6 +929,24 @@ API_CASES = [
         "data.txt is a file",
         id="profile-folder-is-a-file",
     ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu").progress(range(2), epochs=0),
+        ConfigError,
+        r"rt.progress\(epochs=0\): give a whole number, 1 or more",
+        id="progress-epochs-0",
+    ),
+    pytest.param(
+        lambda: gk.Runtime(devices="cpu", checkpoints="run/ck", loggers=["csv", "csv"]),
+        ConfigError,
+        r"'csv' is given twice.*give each logger once",
+        id="loggers-csv-twice",
+    ),
+    pytest.param(
+        runtime_call("setup", nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters())),
+        ConfigError,
+        r"the optimizer SGD holds 2 parameter\(s\), and none is a parameter of a model rt.setup",
+        id="setup-optimizer-of-another-model",
+    ),
 ]
 
 
@@ -976,6 +994,26 @@ def test_garbage_launcher_variables_name_the_variable(
     with pytest.raises(ConfigError, match=pattern) as caught:
         gk.Runtime()
     assert "gpukit launch" in str(caught.value) and "Unset" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("devices", "works"),
+    [
+        pytest.param("cpu", "devices='cpu, cpu, cpu'", id="cpu"),
+        pytest.param(["cpu"], "devices='cpu, cpu, cpu'", id="cpu-list"),
+    ],
+)
+def test_too_few_devices_under_a_launcher_names_what_to_pass(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, devices: Any, works: str
+) -> None:
+    """Local rank 2 of 3 with one device: the message names the spellings that run under
+    gpukit launch on a CPU (devices='auto', or one 'cpu' per process)."""
+    env = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="local rank 2 has no device") as caught:
+        gk.Runtime(devices=devices)
+    assert f"devices='auto' (every process on the CPU), or {works}" in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -1208,6 +1246,30 @@ CLI_CASES = [
         ["--profile data.txt", "give a folder"],
         id="trace-profile-to-a-file",
     ),
+    pytest.param(
+        ["trace", "--profile-window", "1,1,3", "--workload", "mlp"],
+        {},
+        ["--profile-window 1,1,3 without --profile", "add --profile DIR"],
+        id="trace-profile-window-without-profile",
+    ),
+    pytest.param(
+        train("--workload", "mlp", "--logger", "csv,csv"),
+        {},
+        ["--logger 'csv,csv'", "csv given twice"],
+        id="train-logger-twice",
+    ),
+    pytest.param(
+        ["plan", "--workload", "mlp", "--precision", "16-mixed", "--target", "cpu"],
+        {},
+        ["precision '16-mixed' needs a CUDA GPU, but the device is cpu", "'bf16-mixed' or '32'"],
+        id="plan-16-mixed-on-cpu",
+    ),
+    pytest.param(
+        ["plan", "--workload", "mlp", "--precision", "bf16-mixed", "--target", "t4"],
+        {},
+        ["precision 'bf16-mixed' needs a GPU with bfloat16", "T4 has none"],
+        id="plan-bf16-mixed-on-t4",
+    ),
     pytest.param(["launch", "--nproc", "0", "missing.py"], {}, ["--nproc 0"], id="launch-nproc-0"),
     pytest.param(["launch", "missing.py"], {}, ["not found"], id="launch-missing-script"),
     pytest.param(["launch", "--nnodes", "0", "data.txt"], {}, ["--nnodes 0"], id="launch-nnodes-0"),
@@ -1328,7 +1390,26 @@ ACCEPTED = [
         lambda: backward(lambda m: m(torch.ones(4, 2)).mean().reshape(1)) is None, id="loss-(1,)"
     ),
     pytest.param(lambda: load_workload(f"{WORKLOADS}:fine").batch_size == 32, id="workload-fine"),
+    pytest.param(lambda: optimizer_with_a_loss_weight() == 3, id="setup-optimizer-extra-param"),
+    pytest.param(lambda: optimizer_of_an_earlier_model() == 2, id="setup-optimizer-earlier-model"),
 ]
+
+
+def optimizer_with_a_loss_weight() -> int:
+    """An optimizer over the model and a learnable weight of the loss: accepted (one of its
+    parameters is the model's); returns how many parameters it steps."""
+    model, weight = nn.Linear(2, 1), nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([*model.parameters(), weight], lr=0.1)
+    _, opt = R(devices="cpu").setup(model, opt)
+    return sum(len(g["params"]) for g in opt.param_groups)
+
+
+def optimizer_of_an_earlier_model() -> int:
+    """A GAN's second setup may carry the first model's optimizer: it trains a set-up model."""
+    rt, first, second = R(devices="cpu"), nn.Linear(2, 1), nn.Linear(2, 1)
+    rt.setup(first)
+    _, opt = rt.setup(second, torch.optim.SGD(first.parameters(), lr=0.1))
+    return len(opt.param_groups[0]["params"])
 
 
 @pytest.mark.parametrize("call", ACCEPTED)

@@ -206,3 +206,65 @@ def test_without_a_model_it_needs_exactly_one(tmp_path: Path) -> None:
     rt.setup(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="needs exactly one model set up, and setup saw 2"):
         rt.load_weights(tmp_path)
+
+
+def _truncated(folder: Path) -> Path:
+    save_file(_source(), str(folder / "whole.safetensors"))
+    data = (folder / "whole.safetensors").read_bytes()
+    (folder / "whole.safetensors").unlink()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return folder / "model.safetensors"
+
+
+def _shard_missing(folder: Path) -> Path:
+    _split(folder, _source())
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    return folder
+
+
+def _index_not_json(folder: Path) -> Path:
+    _split(folder, _source())
+    (folder / "model.safetensors.index.json").write_text("{not json")
+    return folder / "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        pytest.param(
+            lambda f: (f / "model.safetensors").write_text("a text file") and f,
+            r"model\.safetensors' is not a readable safetensors file \(.*header.*\): it is "
+            "another format, or was cut short",
+            id="not-safetensors",
+        ),
+        pytest.param(
+            _truncated, r"model\.safetensors' is not a readable safetensors file", id="truncated"
+        ),
+        pytest.param(
+            _shard_missing,
+            r"index '.*model\.safetensors\.index\.json' names 1 \('model-00002-of-00002"
+            r"\.safetensors'\) file\(s\) not in",
+            id="index-names-a-missing-shard",
+        ),
+        pytest.param(
+            _index_not_json,
+            r"index\.json' is not a safetensors index \(JSONDecodeError",
+            id="index-not-json",
+        ),
+    ],
+)
+def test_files_that_are_not_whole_safetensors_are_named_in_one_error(
+    tmp_path: Path, one_rank: Any, make: Any, said: str
+) -> None:
+    path = make(tmp_path)
+    rt, model = one_rank()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=said):
+        rt.load_weights(path)
+    _unchanged(model, before)
+
+
+def test_the_index_file_itself_is_read_as_its_folder(tmp_path: Path, one_rank: Any) -> None:
+    _split(tmp_path, _source())
+    rt, _ = one_rank()
+    assert rt.load_weights(tmp_path / "model.safetensors.index.json")["files"] == 2

@@ -105,6 +105,38 @@ def test_bad_input_on_one_rank_only_is_its_line(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("gpukit launch: error: local rank 1 has no device")
+    # It names what works: the same script runs with either spelling.
+    assert "devices='auto' (every process on the CPU), or devices='cpu, cpu'" in line
+
+
+FULL_DISK = """
+import errno, torch, gpukit as gk
+from gpukit.checkpoint import writer
+
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+writer.save_model = full  # the disk is full where rank 0 writes the weights
+rt = gk.Runtime(devices="cpu, cpu", checkpoints="ck")
+model = torch.nn.Linear(2, 1)
+model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+rt.backward(model(torch.ones(4, 2)).mean())
+rt.step(opt)
+rt.save()
+"""
+
+
+@pytest.mark.processes
+def test_a_checkpoint_the_disk_refused_is_said_once_for_the_job(tmp_path: Path) -> None:
+    """Rank 0 writes and fails, rank 1 writes nothing: every rank raises the agreed error, and
+    the launcher says it once, naming no rank, exits 2 and does not restart."""
+    (tmp_path / "train.py").write_text(FULL_DISK)
+    done = _gpukit("launch", "--nproc", "2", "--max-restarts", "2", "train.py", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpukit launch: error: could not write the checkpoint of step 1 in ck")
+    assert "the disk is full (ENOSPC)" in line
+    assert line.endswith("(CheckpointWriteError at train.py:14)")
 
 
 @pytest.mark.processes

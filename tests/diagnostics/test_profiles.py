@@ -4,6 +4,10 @@ its step markers, the summary table, the steps counted, files per rank, bad requ
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import gpukit as gk
 from gpukit.diagnostics.profiles import StepProfile
 from gpukit.errors import ConfigError
 
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 DDP2 = {"strategy": "ddp", "devices": ["cpu", "cpu"], "seed": 0}
 
 
@@ -164,3 +169,94 @@ def test_each_rank_writes_its_own_file(tmp_path: Path) -> None:
         assert len(_step_marks(path)) == 2
         assert "Self CPU" in (tmp_path / f"gpukit_rank{rank}.4.summary.txt").read_text()
     assert len(list(tmp_path.glob("*.pt.trace.json"))) == 2
+
+
+# -- one profiler at a time: two crash the process, so each case runs in a process of its own ----
+LOOP = """
+import sys, tempfile, torch, gpukit as gk
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def steps(n, rt=None):
+    for _ in range(n):
+        loss = model(torch.ones(4, 2)).mean()
+        if rt is None:
+            loss.backward(); opt.step(); opt.zero_grad()
+        else:
+            rt.backward(loss); rt.step(opt)
+"""
+
+NESTED = """
+rt = gk.Runtime(devices="cpu")
+model, opt = rt.setup(model, opt)
+with rt.profile(tempfile.mkdtemp(), wait=0, warmup=0, active=2):
+    with rt.profile(tempfile.mkdtemp(), wait=0, warmup=0, active=2):
+        steps(5, rt)
+"""
+
+INSIDE_TORCH = """
+rt = gk.Runtime(devices="cpu")
+model, opt = rt.setup(model, opt)
+with torch.profiler.profile():
+    with rt.profile(tempfile.mkdtemp(), wait=0, warmup=0, active=2):
+        steps(5, rt)
+"""
+
+# The script profiles each step itself, as some training scripts do.
+PROFILES_ITSELF = """
+for _ in range(6):
+    with torch.profiler.profile():
+        steps(1)
+"""
+
+
+def _python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        pytest.param(
+            NESTED, r"ConfigError: a profile of .* started inside the profile of", id="rt-in-rt"
+        ),
+        pytest.param(
+            INSIDE_TORCH,
+            r"ConfigError: profile of .*: another profiler is already recording",
+            id="rt-in-torch",
+        ),
+    ],
+)
+def test_a_second_profile_is_refused_not_a_segfault(tmp_path: Path, body: str, said: str) -> None:
+    (tmp_path / "two.py").write_text(LOOP + body)
+    done = _python(tmp_path, "two.py")
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert re.search(said, done.stderr), done.stderr[-2000:]
+    assert "two profilers at once crash the process" in done.stderr
+
+
+@pytest.mark.processes
+def test_trace_profile_over_a_script_that_profiles_refuses_the_scripts_profiler(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "profiles.py").write_text(LOOP + PROFILES_ITSELF)
+    args = ["-m", "gpukit", "trace", "--profile", "prof", "--profile-window", "0,0,3"]
+    done = _python(tmp_path, *args, "profiles.py")
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "the traced program failed (at profiles.py:" in done.stderr
+    assert "torch.profiler.profiler.profile started while a gpukit profile records" in done.stderr
+    alone = _python(tmp_path, "-m", "gpukit", "trace", "profiles.py")  # without --profile: runs
+    assert alone.returncode == 0, alone.stderr[-2000:]
+
+
+def test_torch_profilers_start_again_once_the_profile_ends(tmp_path: Path) -> None:
+    rt = gk.Runtime(devices="cpu")
+    refused = pytest.raises(ConfigError, match="started while a gpukit profile records")
+    with rt.profile(tmp_path, wait=1, warmup=0, active=1), refused:
+        torch.profiler.profile().__enter__()
+    with torch.profiler.profile() as prof:  # the guard is gone with the profile
+        torch.ones(2).sum()
+    assert prof.key_averages()

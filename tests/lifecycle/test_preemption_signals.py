@@ -236,6 +236,9 @@ def test_gpukit_train_stops_once_saved_and_exits_143(tmp_path: Path, pattern: Pa
     pattern(job, tmp_path)
     output, _ = _stopped(job, checkpoints)
     assert output.count("gpukit train: stopped on request (exit 143)") == 1, output
+    # The cause is the signal sent: the launcher passes a Ctrl-C on as SIGTERM, yet says SIGINT.
+    cause = {_one_rank: "SIGTERM received by rank 1", _ctrl_c: "SIGINT received by the launcher"}
+    assert f"(exit 143): {cause.get(pattern, 'SIGTERM received')}" in output, output
 
 
 @pytest.mark.slow

@@ -281,7 +281,8 @@ def test_teardown_collects_garbage_only_where_something_waits_on_it(
     for strategy, devices, cuda_started, expected in cases:
         collected.clear()
         rt = gk.Runtime(strategy=strategy, devices=devices, seed=0)
-        model, opt = rt.setup(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        model = _model()  # its optimizer over its own parameters: another's is refused
+        model, opt = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         rt.backward(model(torch.ones(2, 3)).sum())
         opt.step()
         with monkeypatch.context() as cuda:

@@ -112,6 +112,39 @@ def test_init_must_be_callable() -> None:
         gk.Runtime(devices="cpu", init=3)
 
 
+@pytest.mark.parametrize(
+    "init",
+    [
+        pytest.param(lambda: None, id="no-argument"),
+        pytest.param(lambda module, gain: None, id="two-arguments"),
+        pytest.param(lambda *, module: None, id="keyword-only"),
+    ],
+)
+def test_init_of_another_signature_is_refused_before_setup(init: Any) -> None:
+    with pytest.raises(ConfigError, match=r"it cannot be called as init\(module\) \("):
+        gk.Runtime(devices="cpu", init=init)
+
+
+def test_init_with_optional_arguments_is_accepted() -> None:
+    seen: list[str] = []
+    rt = gk.Runtime(devices="cpu", init=lambda m, gain=1.0, **kw: seen.append(type(m).__name__))
+    rt.setup(_meta(_bn_net))
+    assert "Linear" in seen
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_init_given_for_a_model_not_on_meta_says_it_is_not_used(strategy: str) -> None:
+    calls: list[nn.Module] = []
+    rt = gk.Runtime(strategy=strategy, devices="cpu", init=calls.append)
+    model = _normal(_bn_net)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match=r"init= is not used for this Sequential: it is not on"):
+        rt.setup(model)
+    assert calls == []  # the stated behaviour: the weights stay as built
+    assert_bit_identical(rt.full_state_dict(), before)
+    rt.teardown()
+
+
 # -- fsdp ----------------------------------------------------------------------------------------
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,15 @@ INDEX_SUFFIX = ".safetensors.index.json"
 
 def weight_files(path: str | Path) -> dict[str, Path]:
     """Each weight's name in the files at ``path`` and the file that holds it."""
-    from safetensors import safe_open
-
     root = Path(path)
+    if root.is_file() and root.name.endswith(INDEX_SUFFIX):
+        return _indexed(root)
     if root.is_file():
         files = [root]
     elif root.is_dir():
         indexes = sorted(root.glob(f"*{INDEX_SUFFIX}"))
         if indexes:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-            return {name: root / file for name, file in weight_map.items()}
+            return _indexed(indexes[0])
         files = sorted(root.glob("*.safetensors"))
     else:
         raise ConfigError(
@@ -57,7 +57,7 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         )
     found: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with opened_file(file) as handle:
             for name in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 if name in found:
                     raise ConfigError(
@@ -68,11 +68,49 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     return found
 
 
+def _indexed(index: Path) -> dict[str, Path]:
+    """The weight map of Hugging Face's index file, every file it names checked to be there
+    (a shard missing would otherwise surface halfway through the load)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        where = {str(name): index.parent / str(file) for name, file in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(
+            f"rt.load_weights: {str(index)!r} is not a safetensors index ({err!r}): it must "
+            'be JSON with a "weight_map" of weight name to file, as save_pretrained writes '
+            "it; write it again, or give the .safetensors file itself"
+        ) from None
+    absent = sorted({file.name for file in where.values() if not file.is_file()})
+    if absent:
+        raise ConfigError(
+            f"rt.load_weights: the index {str(index)!r} names {_some(absent)} file(s) not in "
+            f"{str(index.parent)!r}: copy the missing shards there (a download stopped "
+            "halfway?), or give a folder holding every file its index names"
+        )
+    return where
+
+
+@contextlib.contextmanager
+def opened_file(file: Path) -> Iterator[Any]:
+    """``safe_open`` on ``file``, its refusal (not safetensors, cut short) said with the name
+    of the file: the library's own message names neither the file nor what to do."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(
+            f"rt.load_weights: {str(file)!r} is not a readable safetensors file ({err}): "
+            "it is another format, or was cut short (a copy or download that stopped); "
+            "write or download it again, or give the .safetensors file the model was saved to"
+        ) from None
+    with handle as opened:
+        yield opened
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> dict[str, Any]:
     """Fill ``model``'s weights (its ``state_dict`` names) from the safetensors files at
     ``path`` (see the module doc); returns what was loaded and what was left."""
-    from safetensors import safe_open
-
     where = weight_files(path)
     slots = model.state_dict(keep_vars=True)
     shared: dict[int, list[str]] = {}
@@ -97,7 +135,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True) -> 
 
         def opened(file: Path) -> Any:
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                handles[file] = stack.enter_context(opened_file(file))
             return handles[file]
 
         for name, names in chosen:  # every shape first: a mismatch must change nothing

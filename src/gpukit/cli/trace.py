@@ -78,7 +78,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--profile-window",
-        default="1,1,3",
+        default=None,
         metavar="W,U,A",
         help="steps to wait, warm up and profile (1,1,3)",
     )
@@ -167,8 +167,14 @@ def _check(args: argparse.Namespace) -> Path | str:
 
 
 def _profile_window(args: argparse.Namespace) -> tuple[int, int, int]:
-    """--profile-window as (wait, warmup, active); checked whether --profile is given or not."""
-    text = str(args.profile_window)
+    """--profile-window as (wait, warmup, active) (1,1,3 when not given); refused without
+    --profile, where it would change nothing."""
+    if args.profile_window is not None and args.profile is None:
+        raise ConfigError(
+            f"--profile-window {args.profile_window} without --profile: the window is of the "
+            "profile, and none is taken; add --profile DIR, or drop --profile-window"
+        )
+    text = "1,1,3" if args.profile_window is None else str(args.profile_window)
     parts = [p.strip() for p in text.split(",")]
     if len(parts) == 3 and all(p.isdigit() for p in parts) and int(parts[2]) >= 1:
         wait, warmup, active = map(int, parts)

@@ -41,6 +41,7 @@ import torch
 
 from gpukit._util import placement
 from gpukit._util.files import make_folder, replaced, write_atomic
+from gpukit.diagnostics import one_profiler
 from gpukit.errors import ConfigError
 
 StepSource = Literal["auto", "runtime", "optimizer"]
@@ -118,6 +119,14 @@ class StepProfile:
     def __enter__(self) -> StepProfile:
         if self._profiler is not None:
             raise ConfigError("this profile is already active: start a new one")
+        if _active:
+            raise ConfigError(
+                f"a profile of {self.folder} started inside the profile of {_active[0].folder} "
+                "(rt.profile inside rt.profile, or under gpukit trace --profile): two "
+                "profilers at once crash the process (a segmentation fault inside torch's "
+                "profiler). End the first block before the second begins, or drop one"
+            )
+        one_profiler.refuse_if_recording(f"profile of {self.folder}")
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -132,6 +141,7 @@ class StepProfile:
             with_stack=self._with_stack,
         )
         self._profiler.__enter__()
+        one_profiler.guard()  # after ours started: from here another one is refused
         if self.source != "runtime":
             self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
         _active.append(self)
@@ -140,6 +150,8 @@ class StepProfile:
     def __exit__(self, *exc: object) -> None:
         if self in _active:
             _active.remove(self)
+        if not _active:
+            one_profiler.unguard()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

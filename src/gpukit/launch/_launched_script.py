@@ -187,12 +187,17 @@ def record(err: BaseException, extra: dict[str, str] | None = None) -> None:
             os.remove(partial)
 
 
-# gpukit's errors for input a user can fix (checked by name: this file imports no gpukit).
-_BAD_INPUT = ("ConfigError", "DeviceError")
+# gpukit's errors for input a user can fix (checked by name: this file imports no gpukit),
+# and a checkpoint the disk refused: every rank raises the same agreed message, though only
+# the writing ones failed, so it is said once by the launcher, as a command says it (exit 2:
+# a restart would meet it again), never once per rank nor blaming a rank that writes nothing.
+_BAD_INPUT = ("ConfigError", "DeviceError", "CheckpointWriteError")
 
 
 def is_bad_input(err: BaseException) -> bool:
-    """Whether ``err`` is gpukit's refusal of bad input (a ``ConfigError`` or ``DeviceError``)."""
+    """Whether ``err`` is gpukit's refusal of bad input (a ``ConfigError`` or ``DeviceError``),
+    or a ``CheckpointWriteError`` (a disk that refused the checkpoint, said alike by every
+    rank)."""
     return any(
         c.__module__ == "gpukit.errors" and c.__name__ in _BAD_INPUT for c in type(err).__mro__
     )

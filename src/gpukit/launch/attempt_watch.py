@@ -277,7 +277,8 @@ class AttemptWatch:
             fault = first.fault(number, ends)
             return Outcome("failed", ends, progress, fault, first.failed_at_ns / 1e9, stopped_at)
         if self.attempt.signals.received or any(e.preempted for e in ends):
-            return Outcome("preempted", ends, progress, preempted_message=_resume_hint(ends))
+            said = _resume_hint(ends, self.attempt.signals.received)
+            return Outcome("preempted", ends, progress, preempted_message=said)
         return Outcome("ok", ends, progress)  # a stop was relayed, yet every rank finished
 
     def _end(self, w: Worker) -> RankEnd:
@@ -302,11 +303,19 @@ class AttemptWatch:
         )
 
 
-def _resume_hint(ends: list[RankEnd]) -> str | None:
+def _resume_hint(ends: list[RankEnd], received: list[int]) -> str | None:
     """What a rank that stopped on request said (gpukit's Preempted: where it saved and how to
-    resume), rank 0's first."""
+    resume), rank 0's first. The launcher passes any stop signal on to the ranks as SIGTERM
+    (a rank without a handler then ends as a preempted one, never with a KeyboardInterrupt),
+    so when the launcher itself received another signal (a Ctrl-C: SIGINT), the cause is
+    said as the signal the launcher received, not the SIGTERM it sent."""
     for end in sorted(ends, key=lambda e: e.rank):
         error: ErrorRecord | None = end.error
         if error is not None and error.message.startswith("Preempted"):
-            return first_line(error.message, width=1000).removeprefix("Preempted: ")
+            said = first_line(error.message, width=1000).removeprefix("Preempted: ")
+            cause, sep, rest = said.partition(": ")
+            if received and received[0] != signal.SIGTERM and cause.startswith("SIGTERM "):
+                name = signal.Signals(received[0]).name
+                return f"{name} received by the launcher{sep}{rest}"
+            return said
     return None

@@ -202,13 +202,13 @@ def _attempts(
             )
             continue
         if outcome.status == "preempted" and signals.forced:
-            saved = outcome.progress.checkpoint
-            newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
+            newest = _newest(job.checkpoint)
             line = f"{s.name}: stopped at once by a second Ctrl-C, without saving ({newest})"
             _say(s, [line, *_ended(s, faults, restarts, "stopped")])
             return INTERRUPTED_EXIT
         if outcome.status == "preempted":
-            _say(s, [_preempted(s.name, outcome), *_ended(s, faults, restarts, "stopped")])
+            said = stopped_line(s.name, outcome, job.checkpoint)
+            _say(s, [said, *_ended(s, faults, restarts, "stopped")])
             return PREEMPTED_EXIT
         if outcome.status == "failed" and outcome.lost:
             _say(s, [f"{s.name}: {outcome.lost}"])
@@ -254,13 +254,19 @@ def _ended(s: Settings, faults: list[Fault], restarts: list[Restart], how: str) 
     return summary(s.name, faults, restarts, how) if restarts else []
 
 
-def _preempted(name: str, outcome: Outcome) -> str:
+def _newest(saved: int) -> str:
+    return f"the newest checkpoint is step {saved}" if saved >= 0 else "no checkpoint"
+
+
+def stopped_line(name: str, outcome: Outcome, saved: int) -> str:
+    """What the launcher says of a job stopped on request. ``saved``: the newest checkpoint of
+    the whole job (every attempt's, -1: none), not only this attempt's ranks' (which are -1
+    until they load it: ranks killed before that would otherwise name none, or an older one)."""
     head = f"{name}: stopped on request (exit {PREEMPTED_EXIT})"
     if outcome.preempted_message:
         return f"{head}: {outcome.preempted_message}"
     if any(end.stopped for end in outcome.ends):
-        saved = outcome.progress.checkpoint
-        newest = f"the newest checkpoint is step {saved}" if saved > 0 else "no checkpoint"
+        newest = _newest(saved)
         return (
             f"{head}; the ranks did not save and exit within the grace period, so they were "
             f"killed ({newest}): give them longer with GPUKIT_STOP_GRACE=SECONDS, within what "

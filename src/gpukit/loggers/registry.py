@@ -75,6 +75,20 @@ def check_loggers(value: Any, folder: str | os.PathLike[str] | None) -> None:
                 "log_metrics(metrics, step) and finalize(status), e.g. a subclass of "
                 "gk.loggers.BaseLogger"
             )
+    _check_once_each(value)
+
+
+def _check_once_each(value: Any) -> None:
+    """Refuse a logger named or given twice: both would write the same files (a name) or see
+    every metric twice (an object)."""
+    seen: list[Any] = []
+    for spec in specs(value):
+        if any(spec is s or (isinstance(spec, str) and spec == s) for s in seen):
+            raise ConfigError(
+                f"loggers={specs(value)!r}: {spec!r} is given twice, and both would write "
+                "the same metrics (a name: into the same files): give each logger once"
+            )
+        seen.append(spec)
 
 
 def make_loggers(value: Any, folder: str | os.PathLike[str] | None) -> list[Logger]:
@@ -93,6 +107,12 @@ def parse_names(text: str) -> list[str]:
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in NAMES]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"--logger {text!r}: {', '.join(twice)} given twice, and both would write the same "
+            "files: give each logger once"
+        )
     if unknown or not names:
         raise ConfigError(
             f"--logger {text!r}: unknown logger {', '.join(map(repr, unknown)) or '(none)'}: "

@@ -18,6 +18,7 @@ from gpukit.planning import registered
 from gpukit.planning.closed_form import MIXED
 from gpukit.planning.targets import Target, with_memory
 from gpukit.planning.targets import target as resolve_target
+from gpukit.runtime.step.precision import refuse_on_device
 from gpukit.workloads.base import Workload, load_workload
 
 CHECKPOINTING = ("off", "full", "selective")
@@ -93,6 +94,10 @@ def precision(precision: str, goal: Target) -> str:
     """The precision planned: "auto" is what gpukit picks on ``goal``."""
     choice("precision", precision, PRECISIONS)
     if precision != "auto":
+        # The run's own check, on the target: a plan must not recommend what a run refuses.
+        cuda = goal.kind == "cuda"
+        shown = goal.name if cuda else "cpu"
+        refuse_on_device(precision, shown, cuda=cuda, bf16="bf16" in goal.peak_flops)
         return precision
     # What gpukit's "auto" picks on that device: bf16 autocast on GPUs that compute bf16.
     if goal.kind != "cuda":

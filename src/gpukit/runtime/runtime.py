@@ -62,7 +62,7 @@ from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
 from gpukit.runtime.step.nonfinite import NonFinitePolicy
-from gpukit.runtime.step.optimizer_adoption import adopt, parameters
+from gpukit.runtime.step.optimizer_adoption import adopt, parameters, refuse_foreign
 from gpukit.runtime.step.snapshot import seed_everything
 from gpukit.runtime.strategy_at_setup import AutoChoice, stepper_for
 from gpukit.strategies import Strategy
@@ -244,6 +244,8 @@ class Runtime:
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         optimizers = owned.optimizers_in(objects)
+        models = [parameters(self.unwrap(m)) for m in self.state.modules] + [parameters(user)]
+        refuse_foreign(optimizers, models, self._stepper.stale)
         if module is None:
             taken = self._auto.decide(
                 self.strategy, self.precision.name, self._ready, user, objects

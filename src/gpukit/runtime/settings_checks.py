@@ -9,10 +9,13 @@ gpukit.errors.ConfigError: oom='sometimes': use 'raise' (explain and stop), 'rec
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
+
+from torch import nn
 
 from gpukit._util import placement
 from gpukit._util.text import described
@@ -211,6 +214,20 @@ def check_init(value: object) -> None:
             f"init={described(value)}: give a function taking a module (it initialises that "
             "module's own parameters and buffers), or None"
         )
+    if value is None:
+        return
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without one: its call will tell
+        return
+    try:
+        signature.bind(nn.Module())
+    except TypeError as err:
+        # Refused here, not at rt.setup halfway through initialising a meta model.
+        raise ConfigError(
+            f"init={described(value)}: it cannot be called as init(module) ({err}): give a "
+            "function of one argument, the module, e.g. def init(module): ..."
+        ) from None
 
 
 ExportPolicy = Literal["every", "never"]  # which fsdp checkpoints hold the full weights

@@ -172,6 +172,8 @@ class Strategy(abc.ABC):
         if is_meta(module):
             self.meta_init.check(user_model(module))
             self.meta_init.materialise(user_model(module), self.device.torch)
+        else:
+            self.meta_init.not_used(user_model(module))
         return place(module, self.device.torch)
 
     def setup_criterion(

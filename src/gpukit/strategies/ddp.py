@@ -129,7 +129,8 @@ class DDP(Strategy):
         if env.local_rank >= len(devices):
             raise ConfigError(
                 f"local rank {env.local_rank} has no device: {len(devices)} given "
-                f"({', '.join(map(str, devices))}); give one device per process on this node"
+                f"({', '.join(map(str, devices))}); give one device per process on this node: "
+                f"{_one_each(devices, env.local_world_size)}"
             )
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
 
@@ -376,3 +377,15 @@ class DDP(Strategy):
             if group is not None and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._guard = self._background = None
+
+
+def _one_each(devices: list[Device], processes: int) -> str:
+    """How to give each of a node's ``processes`` its device, in words that work today."""
+    if all(d.type == "cpu" for d in devices):
+        listed = ", ".join(["cpu"] * processes)
+        return (
+            f"devices='auto' (every process on the CPU), or devices='{listed}' (one 'cpu' "
+            "per process)"
+        )
+    listed = ", ".join(f"{devices[0].type}:{i}" for i in range(processes))
+    return f"devices='{listed}' (local rank i takes the i-th)"

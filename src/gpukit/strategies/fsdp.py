@@ -253,6 +253,7 @@ class FSDP(DDP):
         if meta:
             self.meta_init.check(_inside_wrappers(module))
         else:
+            self.meta_init.not_used(_inside_wrappers(module))
             module = place(module, self.device.torch)
         o = self.options
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen

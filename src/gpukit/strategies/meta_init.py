@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, warn_user
 
 InitFn = Callable[[nn.Module], Any]
 
@@ -83,6 +83,17 @@ class MetaInit:
                     "init_weights(), or the run an init= function (gk.Runtime(init=fn): "
                     "fn(module) initialises each module's own tensors)"
                 )
+
+    def not_used(self, model: nn.Module) -> None:
+        """``model`` is not on the meta device: its weights stay as built, and ``init`` (which
+        initialises meta models only) is not called on it; said when one was given."""
+        if self.init is not None:
+            warn_user(
+                f"init= is not used for this {type(model).__name__}: it is not on the meta "
+                "device, so its weights stay as built (init= initialises only models built "
+                "under torch.device('meta')). Build it there to have init= initialise it, or "
+                "drop init="
+            )
 
     def materialise(self, model: nn.Module, device: torch.device) -> None:
         """Give ``model`` (sharded or not) memory on ``device`` and initialise it."""

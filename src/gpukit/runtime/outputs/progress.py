@@ -172,13 +172,16 @@ class Shown(Generic[T]):
 
 
 def _check(total: object, every: object, epochs: object) -> None:
-    for name, value in (("total", total), ("epochs", epochs)):
+    # total=0 is an empty loader's length; epochs=0 would show "epoch 1/0" over a run that
+    # has an epoch, so epochs counts from 1.
+    for name, value, least in (("total", total, 0), ("epochs", epochs, 1)):
         if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
+            not isinstance(value, int) or isinstance(value, bool) or value < least
         ):
             raise ConfigError(
-                f"rt.progress({name}={described(value)}): give a whole number, 0 or more, or "
-                "None (total: len() of the iterable; epochs: not shown)"
+                f"rt.progress({name}={described(value)}): give a whole number, {least} or "
+                "more, or None (total: len() of the iterable; epochs: how many passes the "
+                "loop makes, None: not shown)"
             )
     number = isinstance(every, (int, float)) and not isinstance(every, bool)
     if not (number and every >= 0):  # type: ignore[operator]  # also refuses NaN

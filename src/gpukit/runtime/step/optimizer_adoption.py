@@ -18,7 +18,7 @@ so an optimizer that setup never saw is refused at its first step instead of doi
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +91,10 @@ class StaleOptimizers:
         for p in replaced:
             self._replaced[id(p)] = p
 
+    def replaced(self, param: torch.Tensor) -> bool:
+        """Whether setup replaced ``param`` (a model's parameter before fsdp sharded it)."""
+        return self._replaced.get(id(param)) is param
+
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         """Once per optimizer (its first step): refuse it if it holds replaced parameters."""
         if not self._replaced or optimizer in self._checked:
@@ -109,4 +113,39 @@ class StaleOptimizers:
                 "the model would not train. Pass the optimizer to rt.setup (model, optimizer "
                 "= rt.setup(model, optimizer)), or build it after rt.setup from "
                 "model.parameters()"
+            )
+
+
+def refuse_foreign(
+    optimizers: list[torch.optim.Optimizer],
+    models: Sequence[Mapping[str, torch.Tensor]],
+    stale: StaleOptimizers | None = None,
+) -> None:
+    """Refuse, before setup changes anything, an optimizer none of whose parameters is one of
+    ``models``' (those set up and the one being set up: ``rt.setup(model_a,
+    SGD(model_b.parameters()))``): stepping it would train nothing the Runtime runs. One
+    parameter of a model is enough: an optimizer may also hold parameters of its own (a
+    learnable loss weight), which are left as they are. A parameter ``stale`` saw replaced
+    (fsdp's) counts as its model's: that optimizer gets ``StaleOptimizers``' own message.
+
+    >>> model = torch.nn.Linear(1, 1)
+    >>> refuse_foreign([torch.optim.SGD(torch.nn.Linear(1, 1).parameters())], [parameters(model)])
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: the optimizer SGD holds 2 parameter(s), and none is a parameter ...
+    """
+    known = {id(p) for names in models for p in names.values()}
+
+    def belongs(p: torch.Tensor) -> bool:
+        return id(p) in known or (stale is not None and stale.replaced(p))
+
+    for optimizer in optimizers:
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if held and not any(belongs(p) for p in held):
+            raise ConfigError(
+                f"the optimizer {type(optimizer).__name__} holds {len(held)} parameter(s), and "
+                "none is a parameter of a model rt.setup saw: stepping it would train nothing "
+                "the Runtime runs (was it built from another model's parameters?). Build it "
+                "from the model you set up, e.g. rt.setup(model, SGD(model.parameters())), or "
+                "set up its model first: rt.setup(other_model, optimizer)"
             )

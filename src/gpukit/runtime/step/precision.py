@@ -162,17 +162,34 @@ def make_precision(name: str, device: torch.device) -> Precision:
             f"unknown precision {described(name)}{hint}: use one of {', '.join(NAMES)} "
             "(e.g. precision='bf16-mixed')"
         )
-    if name == "16-mixed" and device.type != "cuda":
+    cuda = device.type == "cuda"
+    # Asked only where it matters: the question initialises CUDA.
+    bf16 = name != "bf16-mixed" or not cuda or torch.cuda.is_bf16_supported()
+    shown = str(device) if bf16 else torch.cuda.get_device_name(device)
+    refuse_on_device(name, shown, cuda=cuda, bf16=bf16)
+    return _CLASSES[name](device)
+
+
+def refuse_on_device(name: str, device: str, *, cuda: bool, bf16: bool) -> None:
+    """Refuse precision ``name`` where ``device`` cannot run it (``cuda``: a CUDA GPU;
+    ``bf16``: it computes bfloat16): the one check of ``gk.Runtime``, ``gpukit train`` and
+    ``gpukit plan``, so that a plan never recommends what a run refuses.
+
+    >>> refuse_on_device("16-mixed", "cpu", cuda=False, bf16=True)
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: precision '16-mixed' needs a CUDA GPU, but the device is cpu: ...
+    """
+    if name == "16-mixed" and not cuda:
         raise ConfigError(
             f"precision '16-mixed' needs a CUDA GPU, but the device is {device}: float16 "
             "autocast is slow or missing there (use 'bf16-mixed' or '32' on the CPU)"
         )
-    if name == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if name == "bf16-mixed" and cuda and not bf16:
         raise ConfigError(
             f"precision 'bf16-mixed' needs a GPU with bfloat16 (compute capability 8.0+), but "
-            f"{torch.cuda.get_device_name(device)} has none: use '16-mixed' (or 'auto')"
+            f"{device} has none: use '16-mixed' (or 'auto')"
         )
-    return _CLASSES[name](device)
 
 
 def _not_an_optimizer(optimizer: object) -> ConfigError:
