@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from torch import nn
 
 import gpukit
+import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.launch import RUNNER, run_job
 from gpukit.launch.warm_restarts import SOCKET_NAME, UNHONOURED, unhonoured
@@ -230,3 +233,22 @@ def test_a_warm_restart_resumes_bit_for_bit_as_a_cold_restart(
     cold = _train(job / "cold", False, monkeypatch)
     assert warm.keys() == cold.keys()
     assert all(warm[name].equal(cold[name]) for name in warm)  # type: ignore[attr-defined]
+
+
+def _steps_then_fails(rt: gk.Runtime, folder: str) -> None:
+    """Run by reference (``rt.launch``'s spawn): notes its parent; rank 1 fails on attempt 0."""
+    attempt = os.environ["GPUKIT_ATTEMPT"]
+    Path(folder, f"{attempt}-{rt.rank}").write_text(str(os.getppid()))
+    net = nn.Linear(2, 1)
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(2):
+        rt.backward(model(torch.ones(2, 2)).sum())
+        rt.step(optimizer)
+    if rt.rank == 1 and attempt == "0":
+        raise ValueError("bad batch")
+
+
+def test_rt_launch_restarts_its_ranks_from_the_jobs_own_server_too(job: Path) -> None:
+    gk.Runtime(devices=2).launch(_steps_then_fails, str(job), max_restarts=1)
+    assert {(job / f"0-{r}").read_text() for r in (0, 1)} == {str(os.getpid())}
+    assert str(os.getpid()) not in {(job / f"1-{r}").read_text() for r in (0, 1)}
