@@ -103,10 +103,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run(folder: Path, restarts: int, env: dict[str, str] | None = None) -> tuple[int, str]:
+def _run(
+    folder: Path, restarts: int, env: dict[str, str] | None = None, hang_timeout: float = 300
+) -> tuple[int, str]:
     out = io.StringIO()
     code = run_job(
-        _command(folder), 2, max_restarts=restarts, env=env, out=out, job_dir=folder / "job"
+        _command(folder),
+        2,
+        max_restarts=restarts,
+        env=env,
+        out=out,
+        job_dir=folder / "job",
+        hang_timeout=hang_timeout,
     )
     return code, out.getvalue()
 
@@ -166,7 +174,7 @@ def test_a_server_that_died_makes_the_restart_cold_said_once(job: Path) -> None:
 LAUNCHER = """
 import sys
 from gpukit.launch import RUNNER, run_job
-run_job([sys.executable, str(RUNNER), "rank.py", "."], 2, max_restarts=1, job_dir="job")
+sys.exit(run_job([sys.executable, str(RUNNER), "rank.py", "."], 2, max_restarts=1, job_dir="job"))
 """
 
 
@@ -192,6 +200,29 @@ def test_a_sigkilled_launcher_takes_its_server_and_every_rank_with_it(job: Path)
     for pid in left:  # leave nothing behind, whatever the outcome
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+def test_a_warm_rank_that_hangs_is_caught_by_the_hang_watch(job: Path) -> None:
+    code, output = _run(job, 1, env={"HOLD": "1"}, hang_timeout=5)
+    assert code == 1, output
+    assert "rank 0 hung" in output or "rank 1 hung" in output, output
+    assert os.getpid() not in {n["ppid"] for n in _notes(job, 1)}  # the hung ranks were warm
+
+
+def test_sigterm_to_the_launcher_reaches_warm_ranks_and_exits_143(job: Path) -> None:
+    (job / "launcher.py").write_text(LAUNCHER)
+    env = {**os.environ, "HOLD": "1"}
+    launcher = subprocess.Popen([sys.executable, "launcher.py"], cwd=job, env=env)
+    deadline = time.monotonic() + 240
+    while not all((job / f"rank-{r}-1").exists() for r in (0, 1)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "no restart came"
+        time.sleep(0.05)
+    restarted = _notes(job, 1)
+    assert restarted[0]["ppid"] != launcher.pid  # forked by the job's server
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 143  # the ranks ended by SIGTERM: stopped on request
+    assert not any(_alive(int(str(n["pid"]))) for n in restarted)
+    assert not _alive(int(str(restarted[0]["ppid"])))
 
 
 # `gpukit train` through a script that notes each rank's parent first.
