@@ -5,6 +5,7 @@ bit as a cold one does. Real launchers, ranks and signals; the user's server is 
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -22,7 +23,7 @@ from torch import nn
 import gpukit
 import gpukit as gk
 from gpukit.errors import ConfigError
-from gpukit.launch import RUNNER, run_job
+from gpukit.launch import RUNNER, run_job, warm_client
 from gpukit.launch.warm_restarts import SOCKET_NAME, UNHONOURED, unhonoured
 
 pytestmark = [
@@ -168,6 +169,19 @@ def test_a_server_that_died_makes_the_restart_cold_said_once(job: Path) -> None:
     code, output = _run(job, 1, env={"KILL_SERVER": "1"})
     assert code == 0, output
     assert output.count("restarts start every rank as a fresh interpreter") == 1, output
+    assert [n["ppid"] for n in _notes(job, 1)] == [os.getpid()] * 2
+
+
+def test_a_server_that_cannot_be_spawned_leaves_the_job_cold_said_once(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))  # fork's answer at the limit
+
+    monkeypatch.setattr(warm_client, "spawn_server", no_process)
+    code, output = _run(job, 1)
+    assert code == 0, output
+    assert output.count("warm-start server did not start") == 1, output
     assert [n["ppid"] for n in _notes(job, 1)] == [os.getpid()] * 2
 
 

@@ -83,11 +83,13 @@ class WarmRestarts(RankStarter):
         if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
             self._short_dir = tempfile.mkdtemp(prefix="gpukit-warm-")
             self.path = Path(self._short_dir) / SOCKET_NAME
-        # Spawned from this thread, the job's: the server dies with it (PR_SET_PDEATHSIG).
-        self.server: subprocess.Popen[bytes] | None = warm_client.spawn_server(
-            self.path, env=server_env(env)
-        )
         self._ready = False
+        self.server: subprocess.Popen[bytes] | None = None
+        try:
+            # Spawned from this thread, the job's: it dies with it (PR_SET_PDEATHSIG).
+            self.server = warm_client.spawn_server(self.path, env=server_env(env))
+        except OSError as err:  # no process to spare: the job runs all the same, cold
+            self._give_up(f"the job's warm-start server did not start ({err})")
 
     @classmethod
     def for_job(
