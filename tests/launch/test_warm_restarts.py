@@ -24,6 +24,7 @@ import gpukit
 import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.launch import RUNNER, run_job, warm_client
+from gpukit.launch.ports import free_port
 from gpukit.launch.warm_restarts import SOCKET_NAME, UNHONOURED, unhonoured
 
 pytestmark = [
@@ -237,6 +238,30 @@ def test_sigterm_to_the_launcher_reaches_warm_ranks_and_exits_143(job: Path) -> 
     assert launcher.wait(timeout=120) == 143  # the ranks ended by SIGTERM: stopped on request
     assert not any(_alive(int(str(n["pid"]))) for n in restarted)
     assert not _alive(int(str(restarted[0]["ppid"])))
+
+
+def test_each_node_restarts_its_ranks_from_a_server_of_its_own(job: Path) -> None:
+    port = str(free_port())
+    launch = [sys.executable, "-m", "gpukit", "launch", "--nproc", "1", "--nnodes", "2"]
+    where = ["--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--node-rank", str(node), *where, "--max-restarts", "1", "rank.py", "."],
+            executable=sys.executable,  # cold: the launcher, not a fork of the tests' server
+            cwd=job,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    restarted = _notes(job, 1)  # global rank r runs on node r
+    assert restarted[0]["ppid"] != restarted[1]["ppid"]
+    for node, note in zip(nodes, restarted, strict=True):
+        assert "gpukit.launch.warm" in str(note["parent"])
+        assert f"gpukit-job-{node.pid}-" in str(note["parent"])  # that node's job folder
 
 
 # `gpukit train` through a script that notes each rank's parent first.
