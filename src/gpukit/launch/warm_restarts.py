@@ -6,9 +6,9 @@ user gave no server (``GPUKIT_WARM_START``), the launcher starts one (``gpukit.l
 as the job starts, in the background, and forks every restarted attempt's ranks from it.
 
 - Attempt 0 starts cold, at once, as before: the server is spawned beside it and imports torch
-  while the ranks do (a first attempt that waited for the server would wait as long as a cold
-  start takes, and then some: the server imports more than a rank does). By the first failure
-  it is ready, or the restart waits the rest of its start-up, which is less than a cold start.
+  while the ranks do, so a server that is slow or fails to start never holds the job back (on
+  a machine with fewer cores than ranks + 1 it takes CPU from them meanwhile). By the first
+  failure it is ready, or the restart waits the rest of its start-up, less than a cold start.
 - The server lives as long as the launcher: spawned from the job's thread it dies with it
   (``PR_SET_PDEATHSIG``, a SIGKILL of the launcher included), its forked ranks die with it,
   and the launcher kills it when the job ends. Its socket is in the job's folder (in a
