@@ -22,6 +22,9 @@ Other modules ask here, so the full list of variables lives in one file:
 - ``GPUKIT_WARM_START``: the socket of a warm-start server (``python -m gpukit.launch.warm
   SOCKET``): gpukit's launcher then forks each rank from that server, which has imported torch
   and gpukit already, instead of starting a fresh interpreter (see ``gpukit.launch.warm``).
+- ``GPUKIT_WARM_RESTART``: ``0`` keeps gpukit's launcher from starting a warm-start server of
+  its own for a job that may restart (``gpukit.launch.warm_restarts``): restarted attempts then
+  start cold, as the first one does.
 - ``GPUKIT_WARM_PARENT``: set in each rank the warm-start server forks: the process id of the
   launcher that asked for it, which a cold start would have made the rank's parent.
 - ``GPUKIT_RENDEZVOUS_TIMEOUT``: seconds a launched rank waits for every rank of its job to
@@ -148,6 +151,33 @@ def startup_timeout() -> float:
 def warm_start() -> str | None:
     """``GPUKIT_WARM_START``: the warm-start server's socket path, or None to start ranks cold."""
     return os.environ.get("GPUKIT_WARM_START", "").strip() or None
+
+
+def warm_restart() -> bool:
+    """``GPUKIT_WARM_RESTART``: whether a job that may restart keeps a warm-start server of its
+    own for its restarts (unset or ``1``: yes; ``0``: no).
+
+    >>> os.environ["GPUKIT_WARM_RESTART"] = "0"
+    >>> warm_restart()
+    False
+    >>> os.environ["GPUKIT_WARM_RESTART"] = "off"
+    >>> warm_restart()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpukit.errors.ConfigError: GPUKIT_WARM_RESTART='off': give 1 (restarts fork ...
+    >>> del os.environ["GPUKIT_WARM_RESTART"]
+    """
+    value = os.environ.get("GPUKIT_WARM_RESTART", "").strip()
+    if value in ("", "1"):
+        return True
+    if value == "0":
+        return False
+    from gpukit.errors import ConfigError
+
+    raise ConfigError(
+        f"GPUKIT_WARM_RESTART={value!r}: give 1 (restarts fork their ranks from a warm-start "
+        "server the launcher keeps) or 0 (every attempt starts its ranks cold), or unset it"
+    )
 
 
 def _seconds(name: str, default: float, meaning: str, zero: bool = False) -> float:

@@ -21,6 +21,12 @@ point; the launcher writes each attempt's times (``attempts.jsonl``). From them,
 - ``total``: cold, the processes started to the first step; restart, the failure to the first
   step of the next attempt. ``restart / cold`` is their ratio, the headline.
 
+The restart's ranks are forked from the launcher's own warm-start server
+(``gpukit.launch.warm_restarts``), the cold start's are fresh interpreters; with
+``GPUKIT_WARM_RESTART=0`` both are cold (the figures before the launcher kept a server), with
+``GPUKIT_WARM_START`` both are forked from the user's server. The result says which
+(``restarts_from``).
+
 Phases are per-rank differences of marks, the largest over the ranks, so they need not add up
 exactly. ``repeats`` jobs (3; 1 with ``--quick``) give medians; the load average before and
 after is kept (``os.getloadavg``): on a shared machine it moves every figure.
@@ -42,6 +48,7 @@ from typing import Any
 
 import torch
 
+from gpukit import _env
 from gpukit.bench import restart_rank
 from gpukit.bench.environment import environment_of
 from gpukit.bench.plotting import figure
@@ -127,6 +134,15 @@ def _phases(folder: Path, attempt: dict[str, Any], before: dict[str, Any] | None
     return found
 
 
+def _started_from() -> str:
+    """How the restarted attempt's ranks start (see ``gpukit.launch.warm_restarts``)."""
+    if _env.warm_start() is not None:
+        return "forked from the warm-start server GPUKIT_WARM_START names (both attempts)"
+    if not _env.warm_restart():
+        return "fresh interpreters, as the cold start's (GPUKIT_WARM_RESTART=0)"
+    return "forked from the launcher's own warm-start server"
+
+
 def _minus(later: float | None, earlier: float | None) -> float | None:
     return None if later is None or earlier is None else later - earlier
 
@@ -139,6 +155,7 @@ def run(quick: bool = False, soak: int | None = None, seed: int | None = None) -
 
         return soaked.run(quick, soak, seed)
     repeats = 1 if quick else 3
+    started_from = _started_from()
     load_before = os.getloadavg()
     jobs = []
     for _ in range(repeats):
@@ -166,12 +183,14 @@ def run(quick: bool = False, soak: int | None = None, seed: int | None = None) -
             "restart_over_cold": statistics.median(ratios),
             "load_before": round(load_before[0], 2),
             "load_after": round(load_after[0], 2),
+            "restarts_from": started_from,
         },
         notes=[
             f"{NPROC} ranks of `gpukit train --workload mlp --strategy ddp --max-steps {STEPS}`"
             f" under gpukit's launcher, GPUKIT_FAULT={FAULT}, --max-restarts 1; medians of "
             f"{repeats} job(s), each phase the slowest rank's",
             "restart_over_cold: the median of each job's restart total over its cold start",
+            f"the restart's ranks: {started_from}",
         ],
         parameters={
             "quick": quick,

@@ -40,6 +40,7 @@ from gpukit.launch.restarts import (
 from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter, RankStarter
 from gpukit.launch.supervisor import Attempt, Settings
+from gpukit.launch.warm_restarts import WarmRestarts
 from gpukit.launch.workers import kill_leftovers
 
 # Run a script (``RUNNER script.py args``) or a module (``RUNNER -m package args``) through it:
@@ -120,8 +121,16 @@ def run_job(
     variables = {**_env.environment(), **(env or {})}
     if nproc > 1:
         variables.setdefault("OMP_NUM_THREADS", "1")  # N ranks sharing the cores, as torchrun
+    cold_restarts: str | None = None
+    if type(command) is CommandStarter or isinstance(command, list):
+        # A job that may restart forks its restarts from a warm server it starts now (a fork
+        # of this process, ``rt.launch``'s other way, has what a warm server has already).
+        argv = command.command if isinstance(command, CommandStarter) else command
+        ranks, cold_restarts = WarmRestarts.for_job(argv, variables, folder, max_restarts)
+    else:
+        ranks = command
     settings = Settings(
-        ranks=command if isinstance(command, RankStarter) else CommandStarter(command),
+        ranks=ranks,
         nproc=nproc,
         env=variables,
         folder=folder,
@@ -134,14 +143,23 @@ def run_job(
         startup_timeout=startup or None,
         on_attempt=on_attempt,
     )
-    signals = Signals()
-    meeting = LocalMeeting(master_port) if nodes is None else StoreMeeting(nodes, nproc)
+    if cold_restarts is not None:
+        _say(settings, [f"{name}: {cold_restarts}"])
+    try:
+        signals = Signals()
+        meeting = LocalMeeting(master_port) if nodes is None else StoreMeeting(nodes, nproc)
+    except BaseException:
+        if isinstance(ranks, WarmRestarts):
+            ranks.close()
+        raise
     try:
         return _attempts(settings, signals, meeting, crash_loop)
     finally:
         signals.restore()
         meeting.close()
         kill_leftovers()
+        if isinstance(ranks, WarmRestarts):
+            ranks.close()
         # After a hang the stack dumps and the report stay (the report said where).
         if job_dir is None:
             release(folder)
@@ -170,6 +188,8 @@ def _attempts(
         if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
             attempt.waiting = meeting.waiting
         outcome = attempt.run()
+        if isinstance(s.ranks, WarmRestarts) and (note := s.ranks.told()):
+            _say(s, [f"{s.name}: {note}"])
         outcome = settle(
             outcome, place.peers, s.folder, bool(signals.received), s.stop_timeout, number
         )

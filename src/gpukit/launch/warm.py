@@ -41,6 +41,11 @@ a rank's collector leaves them alone and ``gc.get_objects()`` does not list them
 (nor torch's CPU thread pool, which a fork would leave without its threads). A rank's parent
 is the server, not the launcher; the rank's ``GPUKIT_WARM_PARENT`` names the launcher, which
 the folder lock counts as its parent.
+
+A job that may restart starts a server of its own for its restarts
+(``gpukit.launch.warm_restarts``), with the job's environment: what Python and torch read at
+start is then the rank's, and only the variables by which Python reports on its own start-up
+still differ (with one of them set, that job restarts cold).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The launcher's side of the warm start (``gpukit.launch.warm``): ranks forked by the server.
 
-``start_worker`` starts a rank here when ``GPUKIT_WARM_START`` names a server's socket and the
+``start_worker`` starts a rank here when ``GPUKIT_WARM_START`` names a server's socket (or the
+job keeps a server of its own for its restarts, ``gpukit.launch.warm_restarts``) and the
 command runs gpukit's runner with this interpreter (``python RUNNER ...``: every rank of
 ``gpukit launch``, ``gpukit train --devices N`` and ``rt.launch``); any other command starts
 cold, as the server runs only the runner. A server that does not answer is an error, never a
@@ -192,13 +193,17 @@ def start_server(
     return wait_for_server(spawn_server(path, preload), path, timeout)
 
 
-def spawn_server(path: str | Path, preload: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def spawn_server(
+    path: str | Path, preload: tuple[str, ...] = (), env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start a warm-start server at ``path`` without waiting for it: it imports torch, gpukit
     and ``preload`` (seconds) while the caller does something else, then
-    :func:`wait_for_server`."""
+    :func:`wait_for_server`. ``env``: its environment (default this process's), which is what
+    its ranks' Python and torch read at start."""
     return subprocess.Popen(
         [sys.executable, "-m", "gpukit.launch.warm", str(path), *preload],
         stdin=subprocess.DEVNULL,
+        env=None if env is None else dict(env),
     )
 
 

@@ -104,11 +104,14 @@ def start_worker(
     command: list[str],
     env: Mapping[str, str],
     events: queue.SimpleQueue[int],
+    warm: str | None = None,
 ) -> Worker:
     """Start ``command`` as rank ``rank`` with exactly ``env``; ``events`` receives ``rank`` the
-    moment it ends. Call from a thread that lives as long as the job (see the module doc)."""
+    moment it ends. Call from a thread that lives as long as the job (see the module doc).
+    ``warm``: the socket of the warm-start server to fork it from (default
+    ``GPUKIT_WARM_START``'s, if set)."""
     started = time.time()
-    server = _env.warm_start()
+    server = warm if warm is not None else _env.warm_start()
     args = warm_client.runner_args(command) if server is not None else None
     if server is not None and args is not None:
         # Forked by the warm-start server (``gpukit.launch.warm``), which has imported torch.
