@@ -159,3 +159,35 @@ def test_each_attempt_records_its_times_and_ends(tmp_path: Path) -> None:
         "1": [5, False],
     }
     assert record["started"] <= record["failed"] <= record["gone"]
+
+
+@pytest.mark.parametrize(
+    "said",
+    [None, "RuntimeError: checkpoint load interrupted"],
+    ids=["no-record", "not-a-lost-peer-message"],
+)
+def test_a_stop_signal_from_outside_during_start_up_is_a_stop_not_a_failure(
+    tmp_path: Path, said: str | None
+) -> None:
+    # Rank 0 took a scheduler's SIGTERM while it loaded (no handler yet: it died of it); rank
+    # 1, mid-load with it, failed in its own words. The job stops (143): no restart.
+    stopped, broken = FakeWorker(0, returncode=-15), FakeWorker(1, returncode=1)
+    beats(tmp_path, 0, "setup", "load")
+    beats(tmp_path, 1, "setup", "load")
+    watch = watch_of(tmp_path, [stopped, broken])
+    watch.attempt.signals.received = []  # the launcher itself was not signalled
+    if said is not None:
+        record = {"message": {"message": said, "extraInfo": {"time_ns": 1}}}
+        watch.attempt.error_file(1).write_text(json.dumps(record))
+    watch.check(100.0)
+    assert watch.outcome().status == "preempted"
+
+
+def test_a_failure_without_a_stop_from_outside_is_still_a_failure(tmp_path: Path) -> None:
+    killed, broken = FakeWorker(0, returncode=-9), FakeWorker(1, returncode=1)
+    beats(tmp_path, 0, "setup", "load")
+    beats(tmp_path, 1, "setup", "load")
+    watch = watch_of(tmp_path, [killed, broken])
+    watch.attempt.signals.received = []
+    watch.check(100.0)
+    assert watch.outcome().status == "failed"

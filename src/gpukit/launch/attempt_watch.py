@@ -35,6 +35,9 @@ from gpukit.launch.restarts import Progress
 from gpukit.launch.signals import Signals
 from gpukit.launch.workers import Worker
 
+# A rank killed by one of these had no handler yet: a stop asked from outside (a scheduler).
+_STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGINT)
+
 
 class WatchedSettings(Protocol):
     """What the watch reads of the job's settings (``supervisor.Settings`` has it)."""
@@ -270,8 +273,12 @@ class AttemptWatch:
             fault, seen = self.hang
             return Outcome("hung", ends, progress, fault, seen, stopped_at)
         failed = failures(ends)  # the first failure first (a rank that diverged, if one did)
-        # Asked to stop, ranks that only lost a peer on the way out did not fail the job.
-        stop_only = self.stopping and all(e.consequence for e in failed)
+        # Asked to stop, ranks that only lost a peer on the way out did not fail the job. A
+        # rank a stop signal from outside ended before it had a handler (start-up, loading)
+        # leaves its peers failing in whatever they were doing, not always in words that name
+        # a lost peer: a stop that came from outside is still a stop, never a crash to restart.
+        killed_by_stop = any(e.code in _STOP_SIGNALS and not e.asked_to_stop for e in ends)
+        stop_only = self.stopping and (killed_by_stop or all(e.consequence for e in failed))
         if failed and not self.attempt.signals.received and not stop_only:
             first = failed[0]
             fault = first.fault(number, ends)
