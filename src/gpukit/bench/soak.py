@@ -60,6 +60,9 @@ from gpukit.launch.restarts import ATTEMPTS_FILE, DEFAULT_CRASH_LOOP
 
 NPROC = 2
 STEPS = 40
+# The steps a fault may take: up to 3 into its attempt, then a new checkpoint before the next
+# one may hit again (a crash loop otherwise); the run is made that long for every fault to land.
+STEPS_PER_FAULT = 4
 SAVE_EVERY = 2
 MAX_RESTARTS = 60
 MOMENTS = ("import", "start", "setup", "load", "step", "save")
@@ -325,7 +328,7 @@ def run(quick: bool = False, count: int = 10, seed: int | None = None) -> BenchR
     """``count`` faults (see the module doc); ``seed`` None: a fresh one, printed."""
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     terms = count // 5
-    steps = STEPS
+    steps = max(STEPS, STEPS_PER_FAULT * count)
     with tempfile.TemporaryDirectory(prefix="gpukit-soak-") as folder:
         done = soak(count, seed, Path(folder), terms=terms, steps=steps)
     rows = [
@@ -342,6 +345,8 @@ def run(quick: bool = False, count: int = 10, seed: int | None = None) -> BenchR
         for i, h in enumerate(done.hits)
     ]
     lost = [h.lost_s for h in done.hits if h.lost_s is not None]
+    short = len(done.hits) < count
+    unsent = [f"only {len(done.hits)} of the {count} faults were sent before the run ended"]
     return BenchResult(
         experiment="restarts",
         title=TITLE,
@@ -366,6 +371,7 @@ def run(quick: bool = False, count: int = 10, seed: int | None = None) -> BenchR
             "time lost: from the fault to the first step done by a later attempt (the "
             "launcher's view, beats read every 0.15 s); bitwise_equal: the final weights "
             "against a run without faults",
+            *(unsent if short else []),
         ],
         parameters={"quick": quick, "count": count, "seed": seed, "terms": terms},
         environment=environment_of([torch.device("cpu")]),

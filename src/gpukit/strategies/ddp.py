@@ -351,8 +351,9 @@ class DDP(Strategy):
             )
             raise DistributedError(
                 f"{what} is collective: every rank must call it, and on rank {self.rank} {who} "
-                f"within {seconds:g} s. Call it on every rank, not under `if rank == 0:` "
-                "(gpukit writes files on rank 0 only); see README, 'Collective calls'"
+                f"within {seconds:g} s. A rank that failed or was stopped first never comes: "
+                "its own error is the cause. Otherwise call it on every rank, not under `if "
+                "rank == 0:` (gpukit writes files on rank 0 only); see README, 'Collective calls'"
             ) from None
 
     def hand_over(self, successor: DDP) -> None:
