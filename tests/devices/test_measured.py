@@ -3,7 +3,9 @@ that a missing, broken or foreign file reads as no figures instead of failing.""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from gpukit import _env
 from gpukit.devices import measured
+from gpukit.errors import OutputWriteError
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
@@ -114,6 +117,29 @@ def test_save_raises_oserror_where_the_folder_cannot_be_made(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GPUKIT_CACHE_DIR", str(blocker / "cache"))
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as caught:  # what the callers catch
         measured.save(H100, {"h2d_pinned_bps": 1e10})
+    assert isinstance(caught.value, OutputWriteError)
+    message = str(caught.value)
+    assert str(blocker / "cache") in message and "(ENOTDIR)" in message
     assert measured.load(H100) is None
+
+
+def test_a_save_the_disk_refuses_keeps_the_previous_store_whole(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measured.save(H100, {"h2d_pinned_bps": 1e10})
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "write", full)
+        with pytest.raises(OutputWriteError) as caught:
+            measured.save(H100, {"h2d_pinned_bps": 2e10})
+    message = str(caught.value)
+    assert "(ENOSPC)" in message and "the previous file is still there" in message
+    assert "GPUKIT_CACHE_DIR" in message  # the fix names how the folder is chosen
+    kept = measured.load(H100)
+    assert kept is not None and kept["figures"]["h2d_pinned_bps"] == 1e10
+    assert [p.name for p in cache.iterdir()] == [measured.FILE_NAME]  # no temporary left

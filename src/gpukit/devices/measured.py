@@ -24,11 +24,8 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from typing import Any
 import torch
 
 from gpukit import _env
+from gpukit._util.files import make_folder, write_atomic
 
 SCHEMA = 1
 FILE_NAME = "measured.json"
@@ -63,7 +61,8 @@ def save(device_name: str, figures: dict[str, float], *, quick: bool = False) ->
     version, replacing what was kept for it before; returns the file written.
 
     Written to a temporary file first and renamed over the old one, so a reader never sees
-    half a file. Raises OSError when the folder cannot be created or written: a caller that
+    half a file. Raises :class:`~gpukit.errors.OutputWriteError` (an ``OSError``) naming the
+    file, the errno and the fix when the folder cannot be created or written: a caller that
     measured something worth more than its record catches it.
     """
     store = _read(path())
@@ -74,17 +73,9 @@ def save(device_name: str, figures: dict[str, float], *, quick: bool = False) ->
         "figures": {k: float(v) for k, v in figures.items()},
     }
     target = path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=".measured-", suffix=".json", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({**store, "schema": SCHEMA}, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    make_folder(target.parent, option="GPUKIT_CACHE_DIR")
+    text = json.dumps({**store, "schema": SCHEMA}, indent=2, sort_keys=True) + "\n"
+    write_atomic(target, text, option="GPUKIT_CACHE_DIR")
     return target
 
 
