@@ -3,12 +3,14 @@ blame for a hang, and what a stack dump says."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sysconfig
 from pathlib import Path
 
 import pytest
 
+from gpukit.errors import OutputWriteError
 from gpukit.launch.failures import (
     ErrorRecord,
     Fault,
@@ -21,7 +23,7 @@ from gpukit.launch.failures import (
     read_error,
 )
 from gpukit.launch.hang_reports import Frame, Watch, blame, hang_report, main_stack, user_frame
-from gpukit.launch.heartbeat import Beat
+from gpukit.launch.heartbeat import Beat, Heartbeat
 from gpukit.launch.restarts import (
     Progress,
     Restart,
@@ -360,3 +362,23 @@ def test_no_divergence_is_claimed_without_proof() -> None:
     ]
     same = [RankEnd(r, -6, r, where_called=where[0], calls=5) for r in (0, 1)]
     assert all(diverged(e) is None for e in (raised, killed, aborted, same))
+
+
+def test_a_heartbeat_file_the_disk_refuses_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its blocks are taken when it is made: a full disk is refused there, not met later by a
+    # beat's write to the map (a SIGBUS that kills the rank without a word).
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(OutputWriteError) as caught:
+        Heartbeat(tmp_path, 0)
+    message = str(caught.value)
+    assert str(tmp_path / "beat-0") in message and "(ENOSPC)" in message
+    assert "TMPDIR" in message
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OutputWriteError, match=r"\(ENOTDIR\)"):
+        Heartbeat(blocker, 1)

@@ -35,6 +35,7 @@ from typing import Any
 
 from gpukit import _env
 from gpukit._util import placement
+from gpukit._util.files import write_error
 
 # The phases in the order a step goes through them: the rank furthest behind is the one the
 # others wait for. "loop" is the user's code between steps (the forward, data loading).
@@ -95,12 +96,20 @@ class Heartbeat:
 
     def __init__(self, folder: str | Path, rank: int, attempt: int = 0) -> None:
         path = Path(folder) / f"beat-{rank}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, _SIZE)
-            self._map = mmap.mmap(fd, _SIZE)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, _SIZE)
+                if hasattr(os, "posix_fallocate"):
+                    # The blocks taken now: a full disk is refused here, as one clear error,
+                    # not met by a later beat's write to the map as a SIGBUS that kills the rank.
+                    os.posix_fallocate(fd, 0, _SIZE)
+                self._map = mmap.mmap(fd, _SIZE)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            where = "TMPDIR, where the launcher makes its job folder"
+            raise write_error(path, err, option=where) from err
         self._seq = 0
         self._pid = os.getpid()
         self._attempt = attempt
