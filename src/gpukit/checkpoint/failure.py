@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpukit._util.files import reason as file_reason
 from gpukit._util.files import size_limit
 from gpukit._util.text import format_bytes
 from gpukit._util.tree import tensors
@@ -83,36 +84,12 @@ def is_write_failure(err: BaseException) -> bool:
 
 
 def reason(code: int | None) -> tuple[str, str]:
-    """(what happened, the fix) for a write failure with errno ``code``."""
+    """(what happened, the fix) for a write failure with errno ``code``: as any file's (see
+    ``gpukit._util.files``), and a full disk may also keep fewer checkpoints."""
+    what, fix = file_reason(code, "checkpoints=, --out")
     if code in _NO_ROOM:
-        return (
-            "the disk is full",
-            "free space there, or give a folder on a disk with room (checkpoints=, --out), or "
-            "keep fewer checkpoints (keep=, --keep)",
-        )
-    if code == errnos.EFBIG:
-        limit = size_limit()
-        which = f"this process may write files of {format_bytes(limit)} at most (ulimit -f)"
-        return (
-            "a file would pass the largest size allowed: "
-            + (which if limit is not None else "the file system's limit"),
-            "raise the limit (ulimit -f unlimited) or use a file system that allows larger files",
-        )
-    if code in (errnos.EACCES, errnos.EPERM):
-        return (
-            f"permission denied to this user (uid {os.getuid()})",
-            "give the user write permission on the folder (chmod, chown), or give another "
-            "folder (checkpoints=, --out)",
-        )
-    if code == errnos.EROFS:
-        return (
-            "the file system is read-only",
-            "give a folder on a writable disk (checkpoints=, --out), or remount it read-write",
-        )
-    return (
-        "the write failed",
-        "check the disk and the folder, or give another folder (checkpoints=, --out)",
-    )
+        fix += ", or keep fewer checkpoints (keep=, --keep)"
+    return what, fix
 
 
 def needed_bytes(models: list[Any], optimizers: Sequence[Any]) -> int:
