@@ -100,7 +100,11 @@ def test_each_launched_rank_adds_the_figures_and_the_launcher_report_is_unchange
         timeout=300,
     )
     assert done.returncode == 1, done.stderr
-    assert done.stderr.count(HEADING) == 2, done.stderr  # one per rank, each ran out
+    # One per rank, each ran out. Each rank works its figures out after its error, and the
+    # launcher gives the others 1.5 s after the first failure: on a loaded machine the second
+    # rank may still be at it when it is stopped, which the launcher then says.
+    said = done.stderr.count(HEADING)
+    assert said == 2 or (said == 1 and "stopped by the launcher" in done.stderr), done.stderr
     assert "  as run: ddp on 2, micro-batch 32: " in done.stderr
     assert "  fsdp on 2 (--strategy fsdp): " in done.stderr
     # The simulation's Runtime stayed out of the job: the launcher still sees where it failed.
