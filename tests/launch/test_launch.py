@@ -140,3 +140,27 @@ def test_a_rank_that_exits_without_an_error_is_not_called_out_of_memory() -> Non
     text = str(err.value)
     assert text.startswith("rank 1 exited with code 3 before finishing, without a Python error")
     assert "memory" not in text
+
+
+def test_the_launchers_lines_reach_the_stream_in_one_write() -> None:
+    """Ranks write to the same terminal or pipe as the launcher: a line the launcher writes in
+    two pieces (``print`` of text holding newlines writes the final newline apart) can have a
+    rank's output land inside it, a folder's name among them."""
+    from gpukit.launch.job import _say
+
+    class Writes:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Writes()
+    settings = types.SimpleNamespace(out=out)
+    lines = ["report\n  rank 0 waits", "  kept in /tmp/gpukit-job-1-ab"]
+    _say(settings, lines)  # type: ignore[arg-type]
+    assert out.writes == ["report\n  rank 0 waits\n  kept in /tmp/gpukit-job-1-ab\n"]

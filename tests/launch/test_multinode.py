@@ -265,8 +265,11 @@ def test_a_rank_hanging_on_node_1_is_named_on_every_node(tmp_path: Path) -> None
         reports.append(re.search(r"hang-report\.txt are kept in (\S+)", out))
     kept = [Path(found[1]) for found in reports if found is not None]
     assert len(kept) == 2, outputs
-    assert {p.name for p in kept[1].glob("stack-*")} == {"stack-2-0.txt", "stack-3-0.txt"}
+    for folder in kept:
+        assert folder.is_dir(), (folder, outputs)
+        assert (folder / "hang-report.txt").is_file(), (sorted(folder.iterdir()), outputs)
+    assert {p.name for p in kept[1].glob("stack-*")} == {"stack-2-0.txt", "stack-3-0.txt"}, outputs
     assert 'hang.py", line 9 in stall' in (kept[1] / "stack-3-0.txt").read_text()
-    assert {p.name for p in kept[0].glob("stack-*")} == {"stack-0-0.txt", "stack-1-0.txt"}
+    assert {p.name for p in kept[0].glob("stack-*")} == {"stack-0-0.txt", "stack-1-0.txt"}, outputs
     for folder in kept:
         assert "rank 3 (node 1) hung" in (folder / "hang-report.txt").read_text()

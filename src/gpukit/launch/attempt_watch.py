@@ -251,7 +251,9 @@ class AttemptWatch:
             write_atomic(s.folder / REPORT_FILE, f"attempt {number}\n{found.report}\n")
         except OutputWriteError as err:  # the report is said here in full all the same
             kept = f"  {err}"
-        print(f"{found.report}\n{kept}", file=s.out, flush=True)
+        # One write, its last newline included: a rank's output cannot land inside the path.
+        s.out.write(f"{found.report}\n{kept}\n")
+        s.out.flush()
         fault = Fault("hung", found.rank, found.where, found.step, found.text, number)
         self.hang = (fault, now)
         self.first_failure = now

@@ -301,8 +301,12 @@ def stopped_line(name: str, outcome: Outcome, saved: int) -> str:
 
 
 def _say(s: Settings, lines: list[str]) -> None:
-    for line in lines:
-        print(line, file=s.out, flush=True)
+    """The lines in one write, each with its newline: ``print`` of text holding newlines
+    writes its last line and the final newline apart, and a rank writing to the same
+    terminal or pipe in between would land inside that line."""
+    if lines:
+        s.out.write("".join(f"{line}\n" for line in lines))
+        s.out.flush()
 
 
 def _check_command(command: list[str]) -> None:
