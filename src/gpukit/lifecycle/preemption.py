@@ -240,9 +240,12 @@ class Preemption:
                 store.set(f"{self._prefix}pid/{self.rank}", f"{_MACHINE} {os.getpid()}")
             while not self._closing:
                 if not told and self._signalled_at is not None:
+                    # The job's first request stays the one named: a rank the launcher passed
+                    # the stop on to (a SIGTERM of its own) says what started it, not its relay.
+                    # Answered once the store holds it: then pass it on.
                     key = f"{self._prefix}request"
-                    store.set(key, str(self.requested))
-                    store.check([key])  # answered once the store holds it: then pass it on
+                    first = store.compare_set(key, "", str(self.requested)).decode()
+                    self.requested = first or self.requested
                     self._pass_on(store)
                     told = True
                 elif not told and store.check([f"{self._prefix}request"]):
