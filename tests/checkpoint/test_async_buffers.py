@@ -120,13 +120,14 @@ def test_one_thread_writes_save_after_save_and_a_given_up_write_gets_its_own(
     tmp_path: Path,
 ) -> None:
     background = Background()
-    threads: list[int] = []
-    go = threading.Event()
+    threads: dict[int, int] = {}  # step -> the thread that wrote it
+    go, held = threading.Event(), threading.Event()
 
-    def write(hold: bool) -> Any:
+    def write(step: int, hold: bool) -> Any:
         def run() -> None:
-            threads.append(threading.get_ident())
+            threads[step] = threading.get_ident()
             if hold:
+                held.set()
                 go.wait(30)
 
         return run
@@ -135,19 +136,20 @@ def test_one_thread_writes_save_after_save_and_a_given_up_write_gets_its_own(
         tmp = tmp_path / f".tmp-{step}"
         tmp.mkdir()
         background.start(
-            write(hold), step=step, directory=tmp_path, tmp=tmp, failures=Failures(), needed=0
+            write(step, hold), step=step, directory=tmp_path, tmp=tmp, failures=Failures(), needed=0
         )
 
     for step in (1, 2):
         start(step)
         assert background.settle(_Alone(), print, "the next save") is True
     start(3, hold=True)
+    assert held.wait(30)  # under way (not still queued) when it is given up
     assert background.settle(_Alone(), lambda _: None, "the stop", lambda: 0.0) is False
     start(4)  # beside the write still held
     background.wait()
     assert background.settle(_Alone(), print, "the end") is True
     go.set()
-    assert threads[0] == threads[1] == threads[2] != threads[3]
+    assert threads[1] == threads[2] == threads[3] != threads[4]
     background.free()
 
 
