@@ -7,7 +7,9 @@ from the CPU to meta, CPU work inside a meta model).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
+import os
 import threading
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gpukit.diagnostics.op_records import OpRecord, TensorSpec
 from gpukit.diagnostics.oplog import log_placement
-from gpukit.errors import ConfigError
+from gpukit.errors import ConfigError, OutputWriteError
 
 
 def mlp() -> nn.Sequential:
@@ -356,3 +358,18 @@ def test_ops_without_tensors_are_not_counted() -> None:
         torch.ones(2).sum()
     assert all(r.inputs or r.outputs for r in log.records)
     assert "-" not in log.summary().to_dict()["ops"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("ops", [1, 2000])  # a write at the end (close), one mid-log (full buffer)
+def test_a_log_file_on_a_full_disk_is_one_error_naming_it(ops: int) -> None:
+    before = hook_counts()
+    x = torch.ones(2)
+    with pytest.raises(OutputWriteError) as raised, log_placement("/dev/full", level="op"):
+        for _ in range(ops):
+            x = x + 1
+    said = str(raised.value)
+    assert said.startswith("could not write /dev/full: the disk is full (ENOSPC)"), said
+    assert "Fix: free space there" in said and "(log_placement(file=))" in said
+    assert raised.value.errno == errno.ENOSPC
+    assert hook_counts() == before  # the hooks were removed all the same

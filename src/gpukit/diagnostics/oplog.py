@@ -22,10 +22,12 @@ Backward ops run after every module's forward has returned, so they are attribut
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, Literal, TextIO
 
 import torch
@@ -36,6 +38,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpukit._util.files import write_error
 from gpukit._util.text import described
 from gpukit.diagnostics.op_records import (
     FactKey,
@@ -149,12 +152,32 @@ class PlacementLog:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
-        if self._out is not None:
-            if self._owns_out:
-                self._out.close()
-            else:
-                self._out.flush()
+        out, owned = self._out, self._owns_out
         self._out, self._owns_out = None, False
+        if out is not None:
+            with self._written():
+                if owned:
+                    out.close()
+                else:
+                    out.flush()
+
+    def _write(self, text: str) -> None:
+        assert self._out is not None
+        with self._written():
+            self._out.write(text)
+
+    @contextlib.contextmanager
+    def _written(self) -> Iterator[None]:
+        """A log file the disk refuses (full, too large) mid-run is one clear error naming
+        it; a stream the caller gave raises its own errors."""
+        if not isinstance(self._file, (str, os.PathLike)):
+            yield
+            return
+        try:
+            yield
+        except OSError as err:
+            kept = "the lines written before it stay"
+            raise write_error(self._file, err, kept=kept, option="log_placement(file=)") from err
 
     @property
     def model_device(self) -> str | None:
@@ -245,7 +268,7 @@ class PlacementLog:
                     if frame.name == frame.stats.type
                     else (f"{frame.name} ({frame.stats.type})")
                 )
-                self._out.write(
+                self._write(
                     f"{label}  {joined(frame.inputs)} -> {joined(outputs)}  "
                     f"ops: {device_counts(frame.ops) or '-'}\n"
                 )
@@ -275,7 +298,7 @@ class PlacementLog:
             record: OpRecord = _new(OpRecord, (op, inputs, outputs, module))
             self.records.append(record)
             if self._out is not None:
-                self._out.write(record.line() + "\n")
+                self._write(record.line() + "\n")
             return
         key, nbytes = fact(op, inputs, outputs, module)
         self._counts[key] += 1
