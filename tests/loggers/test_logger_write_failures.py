@@ -7,6 +7,9 @@ folder where its file goes (EISDIR)."""
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,54 @@ def test_csv_loggers_params_meeting_a_folder_leave_its_files_whole(tmp_path: Pat
     assert log.path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hyperparams.json", "metrics.csv"]
     rt.teardown()
+
+
+_FILLED = textwrap.dedent(
+    """
+    import resource, sys
+    import gpukit as gk
+    from gpukit.loggers import MLflowLogger, TensorBoardLogger
+    for logger in (TensorBoardLogger(sys.argv[1]), MLflowLogger(sys.argv[2])):
+        rt = gk.Runtime(devices="cpu", loggers=[logger])
+        rt.log_metrics(loss=1.0)  # the files exist, then each file may grow to 4 kB only
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            for step in range(1, 2000):
+                rt.log_metrics(loss=1.0 / step)
+            print("never refused")
+        except gk.LoggerWriteError as err:
+            print(err.errno, err.path)
+            print(err)
+        rt.teardown()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    """
+)
+
+
+@pytest.mark.processes
+def test_a_full_file_mid_run_stops_tensorboards_and_mlflows_writes_as_one_error(
+    tmp_path: Path,
+) -> None:
+    """TensorBoard writes in a thread of its own: its refusal comes back at the next record's
+    flush. MLflow's file store appends in the caller's thread. Both are one LoggerWriteError
+    with the errno (EFBIG, the size limit) and the file the library named."""
+    pytest.importorskip("mlflow")
+    tb, ml = tmp_path / "tb", tmp_path / "mlruns"
+    done = subprocess.run(
+        [sys.executable, "-c", _FILLED, str(tb), str(ml)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "never refused" not in lines, done.stdout
+    said = [(lines[i], lines[i + 1]) for i in range(0, len(lines), 2)]
+    assert len(said) == 2, done.stdout
+    for (head, text), name, folder in zip(said, ("tensorboard", "mlflow"), (tb, ml), strict=True):
+        code, path = head.split(" ", 1)
+        assert int(code) == errno.EFBIG, done.stdout
+        assert path.startswith(str(folder)), done.stdout
+        assert text.startswith(f"logger {name} failed in log_metrics at step "), text
+        assert "the largest size allowed: this process may write files of 4 KiB at most" in text
+        assert "Fix: raise the limit (ulimit -f unlimited)" in text

@@ -58,6 +58,7 @@ class Reporting:
     ) -> None:
         self.loggers = loggers
         self.settings, self.state, self.strategy = settings, state, strategy
+        self.broken: set[int] = set()  # id() of each logger that raised: said once already
         self.stage: Literal["idle", "started", "finished"] = "idle"
 
     def log_hyperparams(self, /, params: dict[str, Any] | None = None, **more: Any) -> None:
@@ -101,10 +102,15 @@ class Reporting:
         started, self.stage = self.stage == "started", "finished"
         if not started:
             return
-        if status == "success":
+        if status == "success" and not self.broken:
             self._each("finalize", status)
             return
+        # A logger that raised was said to fail then (the program may have caught it and
+        # gone on): its finalize, likely failing the same way, is not a second error.
         for logger in self.loggers:
+            if status == "success" and id(logger) not in self.broken:
+                self._each_one(logger, "finalize", status)
+                continue
             try:
                 logger.finalize(status)
             except Exception as err:
@@ -112,18 +118,38 @@ class Reporting:
 
     def _each(self, method: str, *args: Any) -> None:
         for logger in self.loggers:
-            try:
-                getattr(logger, method)(*args)
-            except OSError as err:  # the disk refused the logger (or the library it calls)
-                raise _write_failure(logger, method, err, self.state.global_step) from err
-            except Exception as err:
-                raise LoggerError(
-                    f"logger {logger_name(logger)} failed in {method} at step "
-                    f"{self.state.global_step}: {type(err).__name__}: {err}. The run stops "
-                    "rather than train on without the log it was asked for (rt.history holds "
-                    "every record so far): fix what the logger needs, or leave it out of "
-                    "gk.Runtime(loggers=...)"
-                ) from err
+            self._each_one(logger, method, *args)
+
+    def _each_one(self, logger: Logger, method: str, *args: Any) -> None:
+        try:
+            getattr(logger, method)(*args)
+        except OSError as err:  # the disk refused the logger (or the library it calls)
+            self.broken.add(id(logger))
+            raise _write_failure(logger, method, err, self.state.global_step) from err
+        except Exception as err:
+            self.broken.add(id(logger))
+            refused = _os_error_under(err)  # MLflow wraps the disk's refusal in its own error
+            if refused is not None:
+                raise _write_failure(logger, method, refused, self.state.global_step) from err
+            raise LoggerError(
+                f"logger {logger_name(logger)} failed in {method} at step "
+                f"{self.state.global_step}: {type(err).__name__}: {err}. The run stops "
+                "rather than train on without the log it was asked for (rt.history holds "
+                "every record so far): fix what the logger needs, or leave it out of "
+                "gk.Runtime(loggers=...)"
+            ) from err
+
+
+def _os_error_under(err: BaseException) -> OSError | None:
+    """The ``OSError`` a library's own exception was raised from or while handling, if any."""
+    seen: set[int] = set()
+    under = err.__cause__ or err.__context__
+    while under is not None and id(under) not in seen:
+        if isinstance(under, OSError):
+            return under
+        seen.add(id(under))
+        under = under.__cause__ or under.__context__
+    return None
 
 
 def _write_failure(logger: Logger, method: str, err: OSError, step: int) -> LoggerWriteError:
