@@ -220,10 +220,21 @@ def test_teardown_waits_for_the_write_in_flight(
     assert not list(tmp_path.glob(".tmp*"))
 
 
-def test_a_load_waits_for_the_write_in_flight(tmp_path: Path, held_writes: threading.Event) -> None:
+def test_a_load_waits_for_the_write_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    go, real = threading.Event(), writer.save_file
+
+    def held(tensors: Any, path: str, **kwargs: Any) -> None:
+        if ".tmp-step-00000003" in path:  # step 1's write lands: the one before it is whole
+            go.wait(30)
+        real(tensors, path, **kwargs)
+
+    monkeypatch.setattr(writer, "save_file", held)
     rt, _ = _run(tmp_path, async_save=True, steps=3, save_at=(1, 3))
-    timer = _after(0.2, held_writes.set)  # step 1's write holds until then, then step 3's
+    timer = _after(0.2, go.set)  # step 3's write holds until then
     assert rt.load()["step"] == 3  # the checkpoint being written, not the one before it
+    assert go.is_set()
     timer.join()
     rt.teardown()
 
