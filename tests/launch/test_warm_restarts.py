@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.launch import RUNNER, run_job, warm_client
 from gpukit.launch.ports import free_port
-from gpukit.launch.warm_restarts import SOCKET_NAME, UNHONOURED, unhonoured
+from gpukit.launch.starters import CommandStarter
+from gpukit.launch.warm_restarts import SOCKET_NAME, UNHONOURED, WarmRestarts, unhonoured
 
 pytestmark = [
     pytest.mark.processes,
@@ -140,10 +142,11 @@ def test_restarts_are_forked_from_the_jobs_own_server_and_attempt_0_starts_cold(
 def test_with_the_opt_out_every_attempt_starts_cold(
     job: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The job's starter is the cold one, with nothing to say (the user asked for it); a cold
+    restart's ranks are the launcher's children (the other cold tests run such a job)."""
     monkeypatch.setenv("GPUKIT_WARM_RESTART", "0")
-    code, output = _run(job, 1)
-    assert code == 0, output
-    assert [n["ppid"] for n in _notes(job, 1)] == [os.getpid()] * 2
+    ranks, note = WarmRestarts.for_job(_command(job), {}, job, max_restarts=3)
+    assert type(ranks) is CommandStarter and note is None
 
 
 def test_a_wrong_opt_out_value_is_refused_naming_what_is_allowed(
@@ -176,14 +179,27 @@ def test_a_server_that_died_makes_the_restart_cold_said_once(job: Path) -> None:
 def test_a_server_that_cannot_be_spawned_leaves_the_job_cold_said_once(
     job: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Fork refused (EAGAIN at the process limit): the job runs all the same, its restarts
+    cold, and the launcher is told why once. The ranks here are a one-line interpreter: what
+    is checked is who starts them."""
+
     def no_process(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))  # fork's answer at the limit
 
     monkeypatch.setattr(warm_client, "spawn_server", no_process)
-    code, output = _run(job, 1)
-    assert code == 0, output
-    assert output.count("warm-start server did not start") == 1, output
-    assert [n["ppid"] for n in _notes(job, 1)] == [os.getpid()] * 2
+    ranks, note = WarmRestarts.for_job(_command(job), {}, job, max_restarts=1)
+    assert isinstance(ranks, WarmRestarts) and note is None and ranks.server is None
+    told = ranks.told()
+    assert told is not None and told.startswith("the job's warm-start server did not start")
+    assert told.endswith("restarts start every rank as a fresh interpreter")
+    assert ranks.told() is None  # said once
+    note = "import os, sys; open(sys.argv[1], 'w').write(str(os.getppid()))"
+    ranks.cold = CommandStarter([sys.executable, "-c", note, str(job / "parent")])
+    events: queue.SimpleQueue[int] = queue.SimpleQueue()
+    worker = ranks.start(0, {**os.environ, "GPUKIT_ATTEMPT": "1"}, events)
+    assert worker.wait(timeout=60) and worker.returncode == 0
+    assert (job / "parent").read_text() == str(os.getpid())  # a restart, started cold
+    ranks.close()
 
 
 LAUNCHER = """
