@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     IterableDataset,
     SequentialSampler,
     TensorDataset,
@@ -53,6 +54,35 @@ def test_whole_batches_are_dealt_as_accelerates_batch_sampler_shard_deals_them()
                                 theirs = shard(batches, ranks, r, split, even)
                                 assert list(ours) == list(theirs)
                                 assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed"])
+def test_passes_and_random_draws_are_accelerates_prepared_loaders(sampler: str) -> None:
+    """Accelerate's own prepare_data_loader, told the rank and the rank count (no process
+    group: no generator sync, which equal seeds make a no-op), against gpukit's loader: the
+    same batches over 3 passes, and the global generator left in the same state."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    state = pytest.importorskip("accelerate.state")
+    data = TensorDataset(torch.arange(23))
+
+    def given() -> DataLoader[Any]:
+        if sampler == "shuffle":
+            return DataLoader(data, batch_size=3, shuffle=True)
+        inner = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+        return DataLoader(data, batch_size=3, sampler=inner)
+
+    try:
+        for rank in range(2):
+            torch.manual_seed(0)
+            theirs = accelerate.prepare_data_loader(given(), num_processes=2, process_index=rank)
+            expected = [_indices(theirs) for _ in range(3)]
+            expected_rng = torch.get_rng_state()
+            torch.manual_seed(0)
+            ours = DeviceLoader(given(), CPU, 2, rank, order=ACCELERATE)
+            assert [_indices(ours) for _ in range(3)] == expected
+            assert torch.equal(torch.get_rng_state(), expected_rng)
+    finally:
+        state.PartialState._reset_state()
 
 
 def test_dealt_batches_pad_the_last_round_from_the_start_of_the_pass() -> None:
@@ -110,6 +140,16 @@ def test_a_resumed_pass_continues_with_the_next_batch_on_every_rank() -> None:
         torch.manual_seed(123)  # the global state a checkpoint restores: not the pass's
         resumed.resume(epoch, position, rng)
         assert _indices(resumed) == second[2:] and first != second
+
+
+def test_a_distributed_sampler_inside_is_dealt_and_told_each_epoch_as_under_accelerate() -> None:
+    data = TensorDataset(torch.arange(12))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = DeviceLoader(
+        DataLoader(data, batch_size=2, sampler=sampler), CPU, 2, 0, order=ACCELERATE
+    )
+    passes = [_indices(loader) for _ in range(2)]
+    assert sampler.epoch == 1 and passes[0] != passes[1] and len(passes[0]) == 3
 
 
 def test_padding_of_dealt_batches_is_counted_once() -> None:

@@ -141,6 +141,17 @@ class Dealt:
         if self.generator is not None and self._share is not None:
             self.generator.set_state(self._share(self.generator.get_state()))
 
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the sampler inside, where it has one (a ``DistributedSampler``)."""
+        return getattr(getattr(self.inner, "sampler", None), "epoch", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the sampler inside, as Accelerate's loader does at every pass."""
+        sampler: Any = getattr(self.inner, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
     def __len__(self) -> int:
         total, n = len(self.inner), self.num_ranks
         if self.split_batches or total % n == 0:
