@@ -26,7 +26,7 @@ from gpukit.cli._settings import add_setting_flags, values
 from gpukit.errors import ConfigError
 from gpukit.runtime.data.dealing import DataOrder, Dealt
 from gpukit.runtime.data.loader import DeviceLoader
-from gpukit.runtime.data.padding import trailing_padding
+from gpukit.runtime.data.padding import describe, trailing_padding
 
 CPU = torch.device("cpu")
 ACCELERATE = DataOrder("accelerate")
@@ -160,6 +160,21 @@ def test_padding_of_dealt_batches_is_counted_once() -> None:
     assert pads == [0, 3]  # 12 batches of 45 samples dealt to 2 ranks: the last 3 repeat
     uneven = DataOrder("accelerate", even_batches=False)
     assert trailing_padding(DeviceLoader(_loader(45, 4), CPU, 2, 1, order=uneven).sampler) == 0
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("batch", [2, 4, 8])
+def test_the_samples_left_after_padding_are_each_sample_once(split: bool, batch: int) -> None:
+    """What ``rt.gather_for_metrics`` keeps of every rank's batches (``padding.describe``)."""
+    order = DataOrder("accelerate", split_batches=split)
+    kept: list[int] = []
+    for rank in range(2):
+        torch.manual_seed(0)
+        loader = DeviceLoader(_loader(45, batch, shuffle=True), CPU, 2, rank, order=order)
+        for position, (batch_rows,) in enumerate(loader, start=1):
+            rows = describe(loader, position, (batch_rows,), None)
+            kept += batch_rows[: len(batch_rows) - rows.padding].tolist()
+    assert sorted(kept) == list(range(45))
 
 
 @pytest.mark.parametrize(
