@@ -85,6 +85,42 @@ def test_passes_and_random_draws_are_accelerates_prepared_loaders(sampler: str) 
         state.PartialState._reset_state()
 
 
+class _Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample read draws from the global generator, as a random augmentation does."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return index + torch.rand(())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_batches_are_read_one_ahead_as_accelerates_loader_reads_them(ranks: int) -> None:
+    """Between two batches the step draws (dropout): the draws of the samples read come
+    before or after it as under Accelerate, so both give the same numbers."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    state = pytest.importorskip("accelerate.state")
+
+    def run(loader: Any) -> list[torch.Tensor]:
+        seen = []
+        for batch in loader:
+            seen += [batch, torch.rand(2)]  # the step's own draw
+        return seen
+
+    try:
+        for rank in range(ranks):
+            torch.manual_seed(0)
+            given = DataLoader(_Augmented(), batch_size=3, shuffle=True)
+            theirs = run(accelerate.prepare_data_loader(given, None, ranks, rank))
+            torch.manual_seed(0)
+            given = DataLoader(_Augmented(), batch_size=3, shuffle=True)
+            ours = run(DeviceLoader(given, CPU, ranks, rank, order=ACCELERATE))
+            assert len(ours) == len(theirs) and all(map(torch.equal, ours, theirs))
+    finally:
+        state.PartialState._reset_state()
+
+
 def test_dealt_batches_pad_the_last_round_from_the_start_of_the_pass() -> None:
     ranks = [_indices(DeviceLoader(_loader(10, 3), CPU, 2, r, order=ACCELERATE)) for r in range(2)]
     assert ranks == [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]
