@@ -29,6 +29,10 @@ a ``DistributedSampler(num_replicas=1, seed=PL_GLOBAL_SEED)``, whose order is no
 (``sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=SEED)``; gpukit keeps it and
 calls its ``set_epoch`` every pass, as Fabric does). On 2 ranks no edit is needed.
 
+A third pair seeds each rank apart before setting the loader up (each rank then draws another
+sampler seed): Accelerate's per-pass sync of rank 0's generator, which gpukit makes too, gives
+every rank rank 0's order, so these match as well.
+
 Each rank count runs once, in one set of processes (``tests.fakes.spawn_plain_program``), every
 program back to back: the process group the first one makes serves the others.
 """
@@ -73,7 +77,14 @@ def _copy(module: nn.Module) -> Weights:
 
 
 # -- Accelerate, and its port -------------------------------------------------------------------
-def accelerate_program() -> Weights:
+def _reseed_by_rank(rank: int | None) -> None:
+    # A program that seeds each rank its own way before setting its loader up: each rank
+    # draws another sampler seed, and only the per-pass sync makes the ranks agree.
+    if rank is not None:
+        torch.manual_seed(SEED + 1 + rank)
+
+
+def accelerate_program(rank: int | None = None) -> Weights:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -82,6 +93,7 @@ def accelerate_program() -> Weights:
     model = _net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+    _reseed_by_rank(rank)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for _ in range(EPOCHS):
         model.train()
@@ -93,11 +105,12 @@ def accelerate_program() -> Weights:
     return _copy(accelerator.unwrap_model(model))
 
 
-def gpukit_port(data_order: Any) -> Weights:
+def gpukit_port(data_order: Any, rank: int | None = None) -> Weights:
     rt = gk.Runtime(seed=SEED, data_order=data_order)
     model = _net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+    _reseed_by_rank(rank)
     model, optimizer, loader = rt.setup(model, optimizer, loader)
     for _ in range(EPOCHS):
         model.train()
@@ -187,6 +200,8 @@ def _worker(rank: int, port: int, folder: str, world: int) -> None:
         "accelerate": accelerate_program(),
         "gpukit-accelerate": gpukit_port("accelerate"),
         "gpukit-torch": gpukit_port("torch"),
+        "accelerate-reseeded": accelerate_program(rank),
+        "gpukit-reseeded": gpukit_port("accelerate", rank),
         # Stopped in the second epoch, then resumed (epoch 1 starts at step 12 on 1 rank, 6 on 2).
         "gpukit-resumed": gpukit_port_resumed(Path(folder, "ckpt"), 12 // world + 2)
         or gpukit_port_resumed(Path(folder, "ckpt"), 0),
@@ -225,6 +240,12 @@ def test_accelerate_program_ported_with_its_order_trains_the_same_weights(runs: 
     _, ranks = runs
     for results in ranks:
         assert _equal(results["accelerate"], results["gpukit-accelerate"])
+
+
+def test_ranks_seeded_apart_get_rank_0s_data_order_as_under_accelerate(runs: Any) -> None:
+    _, ranks = runs
+    for results in ranks:
+        assert _equal(results["accelerate-reseeded"], results["gpukit-reseeded"])
 
 
 def test_a_run_resumed_mid_epoch_in_accelerates_order_trains_the_same_weights(runs: Any) -> None:
