@@ -13,7 +13,11 @@ and ``set_seed(SEED)`` become ``gk.Runtime(seed=SEED, data_order="accelerate")``
 ``rt.step(optimizer)``; ``accelerator.unwrap_model`` becomes ``rt.unwrap``. The same port with
 the default ``data_order="torch"`` trains other weights on 2 ranks (a ``DistributedSampler``
 seeded with the run's seed, not a generator drawn from the global one, and shares of samples,
-not whole batches): the reason the option exists.
+not whole batches): the reason the option exists. The port also resumes: stopped and saved
+mid-way through the second epoch, then started again from that checkpoint, it ends with the
+same weights. And a variant of both seeds each rank apart before setting the loader up (each
+rank then draws another sampler seed): Accelerate's per-pass sync of rank 0's generator, which
+gpukit makes too, gives every rank rank 0's order, so these match as well.
 
 The Fabric anchor (``Fabric(accelerator="cpu", devices=N, strategy="ddp")``,
 ``seed_everything``, ``fabric.setup``, ``fabric.setup_dataloaders``, ``fabric.backward``) and its
@@ -28,10 +32,6 @@ a ``DistributedSampler(num_replicas=1, seed=PL_GLOBAL_SEED)``, whose order is no
 ``RandomSampler``'s that gpukit keeps in one process: there the port names that sampler itself
 (``sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=SEED)``; gpukit keeps it and
 calls its ``set_epoch`` every pass, as Fabric does). On 2 ranks no edit is needed.
-
-A third pair seeds each rank apart before setting the loader up (each rank then draws another
-sampler seed): Accelerate's per-pass sync of rank 0's generator, which gpukit makes too, gives
-every rank rank 0's order, so these match as well.
 
 Each rank count runs once, in one set of processes (``tests.fakes.spawn_plain_program``), every
 program back to back: the process group the first one makes serves the others.
