@@ -43,6 +43,7 @@ from gpukit.runtime import owned
 from gpukit.runtime.assembly import make_lifecycle, make_reporting, strategy_and_precision
 from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.compiling import Compiler
+from gpukit.runtime.data.dealing import data_order
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.data.wait import DataWait
 from gpukit.runtime.logging_calls import Logging
@@ -57,7 +58,7 @@ from gpukit.runtime.owned import Registry
 from gpukit.runtime.processes import Processes
 from gpukit.runtime.properties import Counter, Delegate, View
 from gpukit.runtime.schedulers import SchedulerSteps
-from gpukit.runtime.settings import ExportPolicy, Settings, arguments_doc
+from gpukit.runtime.settings import DataOrderName, ExportPolicy, Settings, arguments_doc
 from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
@@ -97,6 +98,9 @@ class Runtime:
         init: Callable[[Any], Any] | None = None,
         async_save: bool = False,
         data_wait: bool = False,
+        data_order: DataOrderName = "torch",
+        even_batches: bool | None = None,
+        split_batches: bool | None = None,
     ) -> None:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -282,7 +286,7 @@ class Runtime:
             self.device,
             shards,
             shard,
-            self.config.seed or 0,
+            order=data_order(self.config, self._processes.broadcast),
             steps=lambda: self.state.micro_step,
             on_pass_end=self._end_of_pass,
             on_pass_start=self.lifecycle.before_first_pass,

@@ -36,15 +36,19 @@ from gpukit.lifecycle.checks import (
 )
 from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.compiling import GRAPH_MODES, check_compile, check_graph_mode
+from gpukit.runtime.data.dealing import DataOrderName
 from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
 from gpukit.runtime.settings_checks import (
     DevicesSpec,
     ExportPolicy,
     OomPolicy,
     check_async_save,
+    check_batch_dealing,
     check_clip,
     check_count,
+    check_data_order,
     check_data_wait,
+    check_dealing_options,
     check_export,
     check_init,
     check_nonfinite,
@@ -327,6 +331,29 @@ class Settings:
         "what it logs",
     )
 
+    data_order: DataOrderName = setting(
+        "torch",
+        help="batches per rank: torch (a DistributedSampler seeded by seed) or accelerate's",
+        allowed="torch, accelerate",
+        check=check_data_order,
+    )
+    even_batches: bool | None = setting(
+        None,
+        help="data_order=accelerate: pad the last round from the pass's start (None: on)",
+        allowed="True, False, None (True)",
+        check=check_batch_dealing("even_batches"),
+        parse=parse_on_off,
+        metavar="on|off",
+    )
+    split_batches: bool | None = setting(
+        None,
+        help="data_order=accelerate: cut each batch into one piece per rank (None: off)",
+        allowed="True, False, None (False)",
+        check=check_batch_dealing("split_batches"),
+        parse=parse_on_off,
+        metavar="on|off",
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check = option(f).check
@@ -335,6 +362,7 @@ class Settings:
         check_needs_folder(self)
         check_loggers(self.loggers, run_folder(self.checkpoints))
         check_graph_mode(self.compile, self.accumulate, self.oom)
+        check_dealing_options(self.data_order, self.even_batches, self.split_batches)
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 from torch import nn
@@ -264,6 +264,49 @@ def check_data_wait(value: object) -> None:
         raise ConfigError(
             f"data_wait={value!r}: use True (rt.history records how long each window's steps "
             "waited for their batches) or False"
+        )
+
+
+DATA_ORDERS = ("torch", "accelerate")
+
+
+def check_data_order(value: object) -> None:
+    if value not in DATA_ORDERS:
+        raise ConfigError(
+            f"data_order={value!r}: use 'torch' (a shuffled loader gets a DistributedSampler "
+            "seeded with the run's seed: PyTorch's DDP recipe, Lightning's order) or "
+            "'accelerate' (whole batches dealt to the ranks in turn, the sampler seeded from "
+            "the global generator: Accelerate's order)"
+        )
+
+
+def check_batch_dealing(name: str) -> Callable[[object], None]:
+    """The check of ``even_batches`` or ``split_batches``: True, False, or None (Accelerate's
+    default)."""
+
+    def check(value: object) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(
+                f"{name}={value!r}: use True or False (or None: Accelerate's default), "
+                "with data_order='accelerate'"
+            )
+
+    return check
+
+
+def check_dealing_options(order: object, even_batches: object, split_batches: object) -> None:
+    """Refuse Accelerate's batch options without its data order: they would change nothing."""
+    given = [
+        f"{name}={value!r}"
+        for name, value in (("even_batches", even_batches), ("split_batches", split_batches))
+        if value is not None
+    ]
+    if order != "accelerate" and given:
+        raise ConfigError(
+            f"{' and '.join(given)} with data_order={order!r}: these are options of "
+            "Accelerate's data order, which deals whole batches to the ranks; use "
+            "data_order='accelerate' with them, or leave them out (the 'torch' order pads "
+            "every rank's share as a DistributedSampler does)"
         )
 
 

@@ -6,7 +6,8 @@ global random generator when it starts as a ``DataLoader`` does (the workers' ba
 (``next(iter(loader))``) or a ``break`` never changes what the next ``for`` loop sees;
 ``len``, ``dataset``, ``batch_size``, ``sampler`` and the loader's other attributes are there.
 
-What it adds: it shards the data across ranks (see ``gpukit.runtime.data.sampling``), calls the
+What it adds: it shards the data across ranks (see ``gpukit.runtime.data.sampling``; or in
+Accelerate's order, ``gpukit.runtime.data.dealing``), calls the
 sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
 SIGINT to the main process in its workers (``workers.MainStops``: a preemption then saves),
 hands out batches already on the device (``prefetch``: on CUDA from pinned memory, the next
@@ -35,8 +36,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from gpukit.errors import ConfigError
 from gpukit.runtime.data import sampling
 from gpukit.runtime.data.checks import check_has_batches
+from gpukit.runtime.data.dealing import DataOrder, Dealt, dealt
 from gpukit.runtime.data.prefetch import on_device
 from gpukit.runtime.data.sampling import PassSampler
 from gpukit.runtime.data.wait import DataWait
@@ -89,7 +92,8 @@ class DeviceLoader:
     gathering reads: which loader, which batch of its pass). ``on_pass_end`` is told whether
     the pass trained (a backward pass ran during it) or evaluated. ``wait`` (the Runtime's
     meter, :class:`~gpukit.runtime.data.wait.DataWait`) is told how long each batch was
-    waited for.
+    waited for. ``order`` says how the ranks share the batches (its seed replaces ``seed``):
+    gpukit's default, or Accelerate's (:mod:`gpukit.runtime.data.dealing`).
     """
 
     def __init__(
@@ -98,15 +102,17 @@ class DeviceLoader:
         device: torch.device,
         num_shards: int,
         shard: int,
-        seed: int,
+        seed: int = 0,
         steps: Callable[[], int] | None = None,
         on_pass_end: Callable[[bool], None] | None = None,
         on_pass_start: Callable[[], None] | None = None,
         on_batch: Callable[[], None] | None = None,
         on_handed: Callable[[DeviceLoader, int, Any], None] | None = None,
         wait: DataWait | None = None,
+        order: DataOrder | None = None,
     ) -> None:
         self.device = device
+        self._order = order if order is not None else DataOrder(seed=seed)
         self._wait = wait
         self._on_batch = on_batch
         self._on_handed = on_handed
@@ -121,7 +127,7 @@ class DeviceLoader:
         self._sampler: PassSampler | None = None
         self._unit = 1  # sampler items per batch: batch_size for an index sampler
         self._epoch_owned = True  # False once the program calls set_epoch itself
-        self.loader = self._rebuilt(loader, num_shards, shard, seed)
+        self.loader = self._rebuilt(loader, num_shards, shard, self._order.seed)
         check_has_batches(loader, self.loader, num_shards)
         self._epoch_set = getattr(self.sampler, "epoch", None)
 
@@ -129,11 +135,22 @@ class DeviceLoader:
     def _rebuilt(
         self, loader: DataLoader[Any], num_shards: int, shard: int, seed: int
     ) -> DataLoader[Any]:
+        accelerate = self._order.name == "accelerate" and num_shards > 1
         if isinstance(loader.dataset, IterableDataset):
+            if accelerate:
+                raise ConfigError(
+                    "data_order='accelerate' deals a loader's batches to the ranks, but this "
+                    "loader reads an IterableDataset, which has no batches to deal before it is "
+                    "read: shard it in the dataset (torch.utils.data.get_worker_info, rt.rank) "
+                    "and use data_order='torch'"
+                )
             return loader  # an iterable dataset shards itself, if at all
         by_batch = loader.batch_sampler is not None and loader.batch_size is None
         chosen = loader.batch_sampler if by_batch else loader.sampler
-        if num_shards > 1:
+        if accelerate:  # whole batches dealt, as Accelerate's prepare does
+            chosen = dealt(loader, num_shards, shard, self._order)
+            by_batch = loader.batch_sampler is not None
+        elif num_shards > 1:
             if sampling.shards_by_rank(chosen):
                 sampling.check_rank_sampler(chosen, num_shards, shard)
             elif not by_batch and sampling.is_plain_shuffle(chosen):
@@ -234,6 +251,8 @@ class DeviceLoader:
         if self._left is not None:  # a new pass: the one left early is over
             self._left, self.epoch = None, self.epoch + 1
         self._set_epoch()
+        if isinstance(self.sampler, Dealt):  # rank 0's sampler generator, as Accelerate's pass
+            self.sampler.synchronize()
         generators = sampling.generators(self.loader)
         started = _Pass(self._steps(), _capture(generators))
         if resume is not None and resume.rng is not None:
@@ -255,10 +274,11 @@ class DeviceLoader:
         """The pass's batches on the device, each wait for one measured when a meter is
         given (``gpukit.runtime.data.wait``: the host's clock around ``next()``, and on CUDA
         events the device records on its own stream: nothing read back here)."""
+        ahead = self._order.reads_ahead
         if self._wait is None:
-            return on_device(batches, self.device)
+            return on_device(batches, self.device, read_ahead=ahead)
         marks = functools.partial(self._wait.device_marks, self.device)
-        return on_device(self._wait.timed(batches, self), self.device, marks)
+        return on_device(self._wait.timed(batches, self), self.device, marks, read_ahead=ahead)
 
     def _start(self, skip: int) -> Iterator[Any]:
         if self._sampler is None:  # an iterable dataset: skip a resumed pass's batches by reading

@@ -8,6 +8,10 @@ sit at positions n, n+1, ... of the padded list: the last item of every rank r w
 divide n, whether the list was shuffled or not (shuffling happens before padding). With
 ``drop_last=True`` the sampler cuts instead of padding: nothing is repeated.
 
+Accelerate's order (``gpukit.runtime.data.dealing.Dealt``) deals whole batches instead, and
+fills the last round up from the start of the pass: there the padding is the end of each
+rank's last batch.
+
 :func:`describe` tells, for the batch a loader just handed out, how many samples it holds,
 how many the pass has handed out so far, and how many at its end are padding (only ever in a
 pass's last batch), so that ``rt.gather_for_metrics`` counts every sample exactly once.
@@ -25,6 +29,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from gpukit._util.tree import tensors
+from gpukit.runtime.data.dealing import Dealt
 from gpukit.runtime.data.sampling import Strided, shards_by_rank
 
 
@@ -60,6 +65,8 @@ def trailing_padding(sampler: Any) -> int | None:
             sampler.rank,
             len(sampler),
         )
+    elif isinstance(sampler, Dealt):
+        return sampler.trailing_padding()
     elif shards_by_rank(sampler):
         return None
     else:
@@ -89,6 +96,9 @@ def describe(loader: Any, position: int, batch: Any, pass_rows: int | None) -> B
     if by_batch:
         rows = _leading_rows(batch)
         padding = rows if pad and rows is not None else 0
+        if isinstance(sampler, Dealt):  # a last batch filled up in part, when that is known
+            padding = min(pad or 0, rows or 0)
+            known = sampler.trailing_padding() is not None
         return BatchRows(rows, _add(pass_rows, rows), padding, False, known)
     size = int(rebuilt.batch_size)
     rows = max(0, min(size, mine - (position - 1) * size))

@@ -28,13 +28,28 @@ Marks = Callable[[torch.cuda.Event, torch.cuda.Event], None]
 
 
 def on_device(
-    batches: Iterator[Any], device: torch.device, marks: Marks | None = None
+    batches: Iterator[Any],
+    device: torch.device,
+    marks: Marks | None = None,
+    read_ahead: bool = False,
 ) -> Iterator[Any]:
     """``batches`` moved to ``device``: on CUDA each copied on a side stream while the one
-    before it is used (see :func:`_prefetched`), elsewhere moved as it is asked for."""
+    before it is used (see :func:`_prefetched`), elsewhere moved as it is asked for, or, with
+    ``read_ahead``, read one ahead of the one handed out as on CUDA (Accelerate's loader reads
+    so: a dataset that draws random numbers as it reads draws them at the same moments)."""
     if device.type == "cuda":
         return _prefetched(batches, device, marks)
-    return (move_to(b, device) for b in batches)
+    moved = (move_to(b, device) for b in batches)
+    return _one_ahead(moved) if read_ahead else moved
+
+
+def _one_ahead(batches: Iterator[Any]) -> Iterator[Any]:
+    held: list[Any] = []
+    for batch in batches:
+        if held:
+            yield held.pop()
+        held.append(batch)
+    yield from held
 
 
 def _prefetched(batches: Iterator[Any], device: torch.device, marks: Marks | None) -> Iterator[Any]:

@@ -172,6 +172,8 @@ def generators(loader: DataLoader[Any]) -> list[torch.Generator]:
         getattr(loader.sampler, "generator", None),
         getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None),
         getattr(loader.batch_sampler, "generator", None),
+        # The generator of a sampler gpukit wraps (Accelerate's order keeps its sampler's).
+        getattr(getattr(loader.batch_sampler, "inner", None), "generator", None),
     ]
     for g in candidates:
         if isinstance(g, torch.Generator) and not any(g is f for f in found):
