@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
 from rich.markup import escape
@@ -57,14 +58,19 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     table = Table(title=f"gpukit check {escape(args.script)}", title_justify="left")
-    for column in ("line", "call", "gpukit", "differs"):
-        table.add_column(column, overflow="fold", justify="right" if column == "line" else "left")
+    table.add_column("line", justify="right")
+    for column, width in (("call", 36), ("gpukit", 32), ("differs", 40)):
+        table.add_column(column, overflow="fold", max_width=width)
     for f in scan.findings:
         written = f.written if len(f.written) <= 60 else f.written[:57] + "..."
         table.add_row(str(f.line), escape(written), escape(plain(f.gpukit)), escape(plain(f.note)))
     out.print(table)
     if scan.behaviours:
         out.print("What will behave differently:")
+        width = min(out.width, 100)
         for behaviour in scan.behaviours:
-            out.print(f"- {escape(plain(behaviour))}")
+            text = textwrap.fill(
+                plain(behaviour), width, initial_indent="- ", subsequent_indent="  "
+            )
+            out.print(escape(text), soft_wrap=True)
     return 0

@@ -75,7 +75,7 @@ def scan_file(path: str | Path) -> Scan:
     if not path.is_file():
         what = "a folder" if path.is_dir() else "no such file"
         raise ConfigError(
-            f"gpukit check reads a Python script: {str(path)!r} is {what} "
+            f"{str(path)!r} is {what}: gpukit check reads a Python script "
             "(give the path of a .py file, e.g. gpukit check train.py)"
         )
     try:
