@@ -102,6 +102,20 @@ def evaluate(acc: accelerate.Accelerator, x):
     ]
 
 
+def test_a_parameter_named_as_the_library_names_its_object() -> None:
+    source = """\
+import accelerate
+
+def train(accelerator, model):
+    accelerator.backward(model.loss)
+
+def unrelated(fabric):
+    fabric.backward(1)
+"""
+    assert calls(source) == [(4, "accelerator.backward(loss)")]
+    assert calls(source.replace("import accelerate", "import os")) == []
+
+
 def test_an_unknown_method_is_listed_with_where_to_look() -> None:
     found = scan_source("from accelerate import Accelerator\na = Accelerator()\na.odd(1)\n")
     assert found.findings[-1].written == "a.odd(1)"

@@ -163,10 +163,23 @@ class _Scanner:
                         self.schedulers.add(target)
                     elif target and made.startswith("torch.optim."):
                         self.optimizers.add(target)
-            elif isinstance(node, ast.arg) and node.annotation is not None:
-                made = self.full_name(node.annotation) or ""
-                if made in CONSTRUCTORS:
-                    self.objects[node.arg] = CONSTRUCTORS[made]
+            elif isinstance(node, ast.arg):
+                typed = self.full_name(node.annotation) if node.annotation else None
+                if typed in CONSTRUCTORS:
+                    self.objects[node.arg] = CONSTRUCTORS[typed]
+                elif node.annotation is None and node.arg in self._customary_names():
+                    self.objects[node.arg] = self._customary_names()[node.arg]
+
+    def _customary_names(self) -> dict[str, Library]:
+        """``accelerator`` and ``fabric`` as the parameters of a script that imports the
+        library: a function handed the object (``def train(accelerator, model)``) calls it."""
+        imported = {full.split(".")[0] for full in self.names.values()}
+        names: dict[str, Library] = {}
+        if "accelerate" in imported:
+            names["accelerator"] = "accelerate"
+        if imported & {"lightning", "lightning_fabric"}:
+            names["fabric"] = "fabric"
+        return names
 
     # -- the walk ---------------------------------------------------------------------------
     def _visit(
