@@ -117,9 +117,12 @@ def unrelated(fabric):
 
 
 def test_an_unknown_method_is_listed_with_where_to_look() -> None:
-    found = scan_source("from accelerate import Accelerator\na = Accelerator()\na.odd(1)\n")
-    assert found.findings[-1].written == "a.odd(1)"
-    assert found.findings[-1].gpukit == "not in gpukit's table"
+    source = "from accelerate import Accelerator\na = Accelerator(odd_option=1)\na.odd(1)\n"
+    found = scan_source(source).findings
+    assert [(f.written, f.call, f.gpukit) for f in found[1:]] == [
+        ("odd_option=1", "Accelerator(odd_option=...)", "not in gpukit's table"),
+        ("a.odd(1)", "accelerator.odd(...)", "not in gpukit's table"),
+    ]
 
 
 FABRIC = """\

@@ -26,6 +26,7 @@ from gpukit.migration.table import (
     CONSTRUCTORS,
     SAME_FUNCTION,
     TABLE,
+    Kind,
     Library,
     Translation,
 )
@@ -214,7 +215,8 @@ class _Scanner:
             self._add(node, _row(library, "function", full))
             for keyword in node.keywords:
                 if keyword.arg:
-                    self._add(keyword, _row(library, "keyword", keyword.arg), written=keyword)
+                    row = _row(library, "keyword", keyword.arg)
+                    self._add(keyword, row or _unknown(library, "keyword", keyword.arg), keyword)
             return
         if full in ENV_READERS and node.args:
             self._environment_read(node, node.args[0])
@@ -230,7 +232,7 @@ class _Scanner:
         receiver, method = _dotted(node.func.value), node.func.attr
         if receiver in self.objects:
             library = self.objects[receiver]
-            row = _row(library, "method", method) or _unknown(library, receiver, method)
+            row = _row(library, "method", method) or _unknown(library, "method", method)
             self._add(node, row)
             self._method_behaviours(library, method, node)
         elif receiver in self.optimizers:
@@ -317,15 +319,12 @@ def _row_by_name(kind: str, name: str) -> Translation | None:
     return next((r for r in TABLE if r.kind == kind and r.name == name), None)
 
 
-def _unknown(library: Library, receiver: str, method: str) -> Translation:
-    return Translation(
-        library,
-        "method",
-        method,
-        f"{receiver}.{method}(...)",
-        "not in gpukit's table",
-        "see docs/migrating.md, or `help(gk.Runtime)`",
-    )
+def _unknown(library: Library, kind: Kind, name: str) -> Translation:
+    """The row of a method or a constructor's keyword that the table does not hold."""
+    made = "Accelerator" if library == "accelerate" else "Fabric"
+    call = f"{made}({name}=...)" if kind == "keyword" else f"{made.lower()}.{name}(...)"
+    where = "docs/migrating.md, or `help(gk.Runtime)`"
+    return Translation(library, kind, name, call, "not in gpukit's table", f"see {where}")
 
 
 def _dotted(node: ast.expr) -> str | None:

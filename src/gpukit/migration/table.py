@@ -225,6 +225,8 @@ any-method backward | loss.backward() | `rt.backward(loss)` | in the run's preci
 optimizer step | optimizer.step() | `rt.step(optimizer)` | steps, then zeroes the gradients,
     every `accumulate` calls
 optimizer zero_grad | optimizer.zero_grad() | nothing to write | `rt.step` zeroes them
+any-method cuda | model.cuda() | nothing to write | `rt.setup` places the model, and a set-up
+    loader's batches arrive on `rt.device`
 function torch.manual_seed | torch.manual_seed(seed) | `gk.Runtime(seed=seed)`
 function torch.nn.utils.clip_grad_norm_ | torch.nn.utils.clip_grad_norm_(params, m) |
     `gk.Runtime(clip=m)` | `rt.step` clips before each optimizer step
