@@ -76,3 +76,18 @@ def test_a_broken_script_exits_2_naming_its_line(
 def test_a_missing_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", str(tmp_path / "nope.py")]) == 2
     assert "nope.py' is no such file: gpukit check reads a Python script" in capsys.readouterr().err
+
+
+def test_the_command_line_page_shows_what_it_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    section = page[page.index("## `gpukit check`") :]
+    script = section[section.index("```python\n") + 10 : section.index("```\n", 20)]
+    shown = section[section.index("$ gpukit check train.py\n") + 24 :]
+    shown = shown[: shown.index("```")]
+    (tmp_path / "train.py").write_text(script)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "train.py"]) == 0
+    printed = "\n".join(line.rstrip() for line in capsys.readouterr().out.splitlines())
+    assert printed + "\n" == shown

@@ -50,14 +50,15 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
         "gather",
         "accelerate",
         "`accelerator.gather(x)` concatenates the ranks' tensors on the first dimension; "
-        "`rt.all_gather(x)` stacks them on a new one (`.flatten(0, 1)` joins them).",
+        "`rt.all_gather(x)` stacks them on a new one (`.flatten(0, 1)` joins them; a 0-d "
+        "tensor gives one value per rank either way).",
     ),
     Behaviour(
         "checkpoint",
         "accelerate",
         "`rt.save(folder)` writes gpukit's checkpoint (model, optimizers, schedulers, the "
         "loaders' positions, random states), not Accelerate's files: a folder `save_state` "
-        "wrote gives its weights to `rt.load_weights(folder)`.",
+        'wrote gives its weights to `rt.load_weights("folder/model.safetensors")`.',
     ),
     Behaviour(
         "shuffle",

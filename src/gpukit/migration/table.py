@@ -85,7 +85,7 @@ method clip_grad_norm_ | accelerator.clip_grad_norm_(params, max_norm) |
 method autocast | with accelerator.autocast(): | `gk.Runtime(precision="bf16-mixed")` | the
     forward of the set-up model runs in autocast: no block
 method gather | accelerator.gather(x) | `rt.all_gather(x).flatten(0, 1)` | `rt.all_gather`
-    stacks on a new first dimension; Accelerate concatenates
+    stacks on a new first dimension; Accelerate concatenates (a 0-d `x`: `rt.all_gather(x)`)
 method gather_for_metrics | accelerator.gather_for_metrics(x) | `rt.gather_for_metrics(x)` | the
     last batch's repeated samples dropped, as Accelerate does
 method reduce | accelerator.reduce(x, "sum") | `rt.all_reduce(x, op="sum")`
