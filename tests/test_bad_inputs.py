@@ -1213,6 +1213,13 @@ CLI_CASES = [
         ["GPUKIT_FAULT_OOM_ABOVE='٣٠'", "U+0663", "ASCII digits"],
         id="env-fault-oom-arabic-digits",
     ),
+    pytest.param(["check", "missing.py"], {}, ["'missing.py' is no such file"], id="check-missing"),
+    pytest.param(["check", "sub"], {}, ["'sub' is a folder"], id="check-folder"),
+    pytest.param(["check", "weights.bin"], {}, ["not Python source"], id="check-binary"),
+    pytest.param(["check", "data.txt"], {}, ["data.txt:1: not valid Python"], id="check-text"),
+    pytest.param(
+        ["check", f"{SYNTAX}.py"], {}, [f"{SYNTAX}.py:1: not valid Python"], id="check-syntax"
+    ),
     pytest.param(["devices", "tpu:9"], {}, ["TPU"], id="devices-cmd-tpu"),
     pytest.param(["devices", "٢"], {}, ["not a device spelling"], id="devices-cmd-arabic"),
     pytest.param(["devices", ""], {}, ["empty"], id="devices-cmd-empty"),

@@ -46,11 +46,14 @@ NEEDS = {
     "a Kubernetes cluster": "needs a Kubernetes cluster",
     "long run": "a long run (minutes): `make demo`, `make test`, a full benchmark",
     "script": "runs a script of the reader's that the page does not show",
+    "launcher": "a script for a launcher alone (torchrun): the console block after it runs it",
 }
 LANGUAGES = {"python", "console", "sh", "json", "yaml", "text"}
 # Generated pages that a link may name before the generator has written them.
 GENERATED = {ROOT / "docs" / "settings.md"}
-STARTS_PROCESSES = re.compile(r"rt\.launch\(|run_job\(|Runtime\(.*devices=2|gpukit launch")
+STARTS_PROCESSES = re.compile(
+    r"rt\.launch\(|run_job\(|Runtime\(.*devices=2|gpukit launch|mp\.spawn\("
+)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ ROOMS = {
     "launch",
     "lifecycle",
     "loggers",
+    "migration",
     "planning",
     "runtime",
     "strategies",
@@ -251,7 +252,7 @@ LAYERS = [
     {"planning"},
     {"train"},
     {"(root)"},  # gpukit/__init__.py: the public API
-    {"bench", "doctor"},
+    {"bench", "doctor", "migration"},
     {"cli", "__main__"},
 ]
 
