@@ -202,3 +202,21 @@ def test_a_write_the_disk_refuses_is_one_output_write_error(tmp_path: Path) -> N
     rt.save(path, {"epoch": 1})
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing left over
     assert rt.load(path) == {"epoch": 1}
+
+
+def _sgd_before_a_step(rt: gk.Runtime, path: str) -> float:
+    """An optimizer that keeps nothing per parameter yet (SGD, no momentum): its settings alone
+    come back."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    model, optimizer = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    rt.save(path, {"model": model, "optimizer": optimizer})
+    optimizer.param_groups[0]["lr"] = 0.5
+    rt.load(path, {"model": model, "optimizer": optimizer})
+    return float(optimizer.param_groups[0]["lr"])
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_under_fsdp_an_optimizer_without_state_loads_its_settings(tmp_path: Path) -> None:
+    rt = gk.Runtime(devices=["cpu", "cpu"], strategy="fsdp")
+    assert rt.launch(_sgd_before_a_step, str(tmp_path / "run.pt")) == 0.1

@@ -202,6 +202,18 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, value: Any, run: Run) -> N
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not value.get("state"):
+        # Nothing kept per parameter (SGD without momentum, before a step): torch's loader
+        # finds no tensor to place and fails; the groups' settings are all there is to load.
+        groups = value.get("param_groups", [])
+        if len(groups) != len(optimizer.param_groups):
+            raise ConfigError(
+                f"rt.load: the file's optimizer has {len(groups)} parameter group(s), the "
+                f"optimizer given {len(optimizer.param_groups)}; nothing was changed"
+            )
+        for live, kept in zip(optimizer.param_groups, groups, strict=True):
+            live.update({k: v for k, v in kept.items() if k != "params"})
+        return
     options = StateDictOptions(full_state_dict=True)
     set_optimizer_state_dict(owner, optimizer, value, options=options)
 
