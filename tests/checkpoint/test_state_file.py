@@ -160,7 +160,7 @@ def test_what_a_file_cannot_hold_is_refused_before_anything_is_written(tmp_path:
 
 
 def test_a_file_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
-    rt, model, _ = _runtime_and_model()
+    rt, model, optimizer = _runtime_and_model()
     path = tmp_path / "run.pt"
     rt.save(path, {"model": model, "epoch": 1})
     before = model.weight.detach().clone()
@@ -173,6 +173,8 @@ def test_a_file_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
         rt.load(path, {"model": other, "epoch": 0})
     with pytest.raises(ConfigError, match="give a dict of what to fill"):
         rt.load(path, ["model"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'epoch' is a int in the file, not the state of the"):
+        rt.load(path, {"model": model, "epoch": optimizer})
     assert torch.equal(model.weight, before)
 
 
