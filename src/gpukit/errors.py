@@ -45,11 +45,14 @@ def warn_user(message: str) -> None:
     rank, and N copies of one line bury it."""
     if not _rank_zero():
         return
+    import torch
+
+    # torch's frames too: a hook gpukit put on the user's model is called from torch's
+    # Module.__call__ (and compiled code's), which is no line of the user's.
+    inside = (_PACKAGE_DIR, str(Path(torch.__file__).resolve().parent))
     level = 2  # 1 is this function's own warnings.warn line, 2 its caller
     frame = sys._getframe(1)
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
-        _PACKAGE_DIR
-    ):
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(inside):
         frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
         level += 1
     warnings.warn(message, UserWarning, stacklevel=level)

@@ -193,3 +193,26 @@ def test_every_file_of_a_checkpoint_gets_the_mode_the_umask_gives(
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in Path(saved).rglob("*") if p.is_file()}
     assert "model.safetensors" in modes and "state.pt" in modes
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_the_epoch_a_load_returns_is_the_passes_run_to_their_end(tmp_path: Path) -> None:
+    """Also the 0-based pass a resumed loop is in: the one a save was made in, or the next
+    after a save at a pass's end."""
+    rt = gk.Runtime(devices="cpu")
+    net = nn.Linear(2, 1)
+    data = DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)), batch_size=2)
+    model, optimizer, loader = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1), data)
+    for x, y in loader:  # pass 0, run to its end
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(optimizer)
+    after_pass = rt.save(tmp_path / "a")
+    for x, y in loader:  # pass 1: saved in the middle
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(optimizer)
+        middle = rt.save(tmp_path / "b")
+        break
+    assert rt.load(after_pass) == {"epoch": 1, "step": 2}
+    assert rt.load(middle) == {"epoch": 1, "step": 3}
+    alone = gk.Runtime(devices="cpu")
+    alone.setup(nn.Linear(2, 1))
+    assert alone.load(alone.save(tmp_path / "c")) == {"epoch": 0, "step": 0}  # no loader

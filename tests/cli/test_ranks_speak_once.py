@@ -28,6 +28,22 @@ for _ in range(2):
 rt.save()
 """
 
+# Everything gpukit says in a run: rt.print, a resume, a warning, the file form's save and load.
+SAYS_EACH_ONCE = """
+import collections, sys, torch, gpukit as gk
+rt = gk.Runtime(seed=0, checkpoints="ckpt", resume="auto", accumulate=2)
+rt.print("said by rt.print", rt.world_size)
+model = torch.nn.Linear(2, 2)
+model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(4):
+    rt.backward(model(torch.ones(1, 2)).sum())
+    rt.step(optimizer)
+rt.backward(model(torch.ones(1, 2)).sum())
+rt.save()  # inside an accumulation window: a warning
+rt.save("run.pt", {"model": model, "optimizer": optimizer})
+rt.print("the file holds", sorted(rt.load("run.pt", {"model": model})))
+"""
+
 LOGS_A_STRING = """
 import torch, gpukit as gk
 rt = gk.Runtime()
@@ -70,6 +86,25 @@ def test_a_warning_of_a_launched_script_is_printed_once(tmp_path: Path) -> None:
     again = _gpukit("launch", "--nproc", "2", "train.py", "ckpt", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert again.stderr.count("no 'latest' file in ckpt: resuming from step-00000002") == 1
+
+
+@pytest.mark.processes
+def test_every_line_of_a_two_rank_run_is_said_once(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SAYS_EACH_ONCE)
+    first = _gpukit("launch", "--nproc", "2", "train.py", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = _gpukit("launch", "--nproc", "2", "train.py", cwd=tmp_path)  # resumes
+    assert again.returncode == 0, again.stderr
+    for done in (first, again):
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        assert len(lines) == len(set(lines)), lines  # no line twice
+        assert done.stdout.count("said by rt.print 2") == 1
+        assert done.stdout.count("the file holds ['optimizer']") == 1
+    assert first.stderr.count("saving in the middle of an accumulation window") == 1
+    assert again.stdout.count("gpukit: resumed from ckpt at step 2") == 1
+    # Resumed at the first forward: said once, naming the program's line, not torch's.
+    assert again.stderr.count("UserWarning: resumed at step 2 at the first forward") == 1
+    assert "train.py:8: UserWarning: resumed at step 2" in again.stderr
 
 
 @pytest.mark.processes

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpukit._util import placement
 from gpukit.checkpoint import files
 from gpukit.checkpoint.failure import Failures, clean_up, raise_agreed
 from gpukit.checkpoint.snapshot import HostBuffers
@@ -188,9 +189,12 @@ class Background:
             return
         self.wait()
         if self._failures.error is not None:
+            # Under fsdp every rank writes its own shards: each says its own failure, by rank.
+            job = placement.launched()
+            who = f"rank {job.rank}: " if job is not None and job.world_size > 1 else ""
             print(
-                f"gpukit: the checkpoint of step {self.step} in {self._directory} could not be "
-                f"written: {self._failures.error}",
+                f"gpukit: {who}the checkpoint of step {self.step} in {self._directory} could "
+                f"not be written: {self._failures.error}",
                 file=sys.stderr,
                 flush=True,
             )

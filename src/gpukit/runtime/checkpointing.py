@@ -12,12 +12,15 @@ window closed before a save, what a load tells the lifecycle and the step, and, 
 >>> folder = tempfile.mkdtemp()
 >>> rt.save(folder).name, rt.load(folder)
 ('step-00000000', {'epoch': 0, 'step': 0})
+
+Beside the folder, the file form of a Fabric program: ``rt.save("run.pt", state)`` and
+``rt.load("run.pt", state)`` (see :mod:`gpukit.checkpoint.state_file`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from gpukit import _env, checkpoint
-from gpukit.checkpoint import pretrained
+from gpukit.checkpoint import pretrained, state_file
 from gpukit.checkpoint.background import Background
 from gpukit.checkpoint.live import user_model
 from gpukit.errors import ConfigError
@@ -78,14 +81,22 @@ class Checkpointing:
 
     def save(
         self,
-        directory: str | Path | None = None,
+        path: str | Path | None = None,
+        state: Mapping[str, Any] | None = None,
         keep: int | None = None,
         *,
         export: bool | None = None,
     ) -> Path:
         """Write a checkpoint of everything ``setup`` saw (see ``gpukit.checkpoint``)
-        into ``directory`` (default: the Runtime's ``checkpoints``), keeping the newest ``keep``
-        (default: the Runtime's ``keep``).
+        into the folder ``path`` (default: the Runtime's ``checkpoints``), keeping the newest
+        ``keep`` (default: the Runtime's ``keep``); returns the checkpoint's folder.
+
+        Given a ``state`` dict, writes that alone to the file ``path`` instead, as Fabric's
+        ``fabric.save(path, state)`` does (see ``gpukit.checkpoint.state_file``): models,
+        optimizers and schedulers as their full state dicts, tensors and plain values as they
+        are; returns ``path``. A path named as a file (``.pt``, ``.pth``, ``.ckpt``, ``.bin``,
+        ``.tar``) without a state, or a ``state`` with ``keep``/``export`` or for an existing
+        folder, is refused: which one was meant cannot be told.
 
         Collective: every rank calls it (rank 0 writes the files, every rank gives its random
         state and, under fsdp, writes its shards). Called on some ranks only, it fails within
@@ -95,7 +106,9 @@ class Checkpointing:
         With ``async_save`` it returns once the files' contents are copied to host memory, and
         a thread writes them (under fsdp a thread on every rank writes its shards; see
         ``gpukit.checkpoint.background``)."""
-        return self.save_now(directory, keep, export=export, background=self.settings.async_save)
+        if state is not None or (path is not None and _file_named(path)):
+            return self._save_file(path, state, keep, export)
+        return self.save_now(path, keep, export=export, background=self.settings.async_save)
 
     def save_now(
         self,
@@ -110,7 +123,10 @@ class Checkpointing:
         self.runtime.ready()
         folder = checkpoint.folder("rt.save", directory, self.lifecycle.folder)
         if folder.is_file():
-            raise ConfigError(f"rt.save({str(folder)!r}): that is a file; give a folder")
+            raise ConfigError(
+                f"rt.save({str(folder)!r}): that is a file; give a folder, or "
+                f"rt.save({str(folder)!r}, state) to write a dict of your own to the file"
+            )
         self.lifecycle.beat("save", self.state.global_step)
         self.strategy.check_every_rank_calls("rt.save")
         self.runtime.close_window()
@@ -135,11 +151,29 @@ class Checkpointing:
         )
         return path
 
-    def load(self, directory: str | Path | None = None) -> dict[str, int]:
-        """Restore the newest checkpoint under ``directory`` (default: ``checkpoints``);
-        returns its epoch and step. Nothing changes unless everything in it matches."""
+    def load(
+        self, path: str | Path | None = None, state: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Restore the newest checkpoint under the folder ``path`` (default:
+        ``checkpoints``); returns ``{"epoch", "step"}``: the step, and the passes the first
+        loader ``setup`` saw had run to their end (0 without one), which is also the 0-based
+        index of the pass a resumed loop is in (the pass a save was made in, continued from its
+        position; the next one after a save at a pass's end): ``for epoch in
+        range(progress["epoch"], epochs)``. Nothing changes unless everything in it matches.
+
+        Given a file (what ``rt.save(path, state)`` wrote), reads it on every rank as Fabric's
+        ``fabric.load`` does: without ``state``, returns its dict; with a ``state`` dict, loads
+        its models, optimizers and schedulers in place, replaces its other values with the
+        file's, and returns the file's items that ``state`` does not name."""
+        if state is not None or (path is not None and Path(path).is_file()):
+            return self._load_file(path, state)
+        if path is not None and _file_named(path) and not Path(path).is_dir():
+            raise ConfigError(
+                f"rt.load({str(path)!r}): no such file (a checkpoint folder is named without a "
+                "suffix): give the file rt.save(path, state) wrote"
+            )
         self.runtime.ready()
-        folder = checkpoint.folder("rt.load", directory, self.lifecycle.folder)
+        folder = checkpoint.folder("rt.load", path, self.lifecycle.folder)
         self.lifecycle.beat("load", self.state.global_step)
         self.settle("this load")  # the checkpoint being written may be the one to load
         self.lifecycle.resumed = True  # an explicit load is the resume
@@ -150,6 +184,68 @@ class Checkpointing:
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.save_made(self.state.global_step, in_place=True)
         return progress
+
+    def _save_file(
+        self,
+        path: str | Path | None,
+        state: Mapping[str, Any] | None,
+        keep: int | None,
+        export: bool | None,
+    ) -> Path:
+        """``rt.save(path, state)``: the file form, its ambiguous calls refused first."""
+        shown = f"{str(path)!r}" if path is not None else "None"
+        if state is None:
+            raise ConfigError(
+                f"rt.save({shown}) without a state: a name with a file suffix is the file "
+                f"form, which writes what it is given: rt.save({shown}, {{'model': model, "
+                "'optimizer': optimizer}); for a checkpoint folder, name it without a suffix"
+            )
+        if path is None or not str(path).strip():
+            raise ConfigError(
+                "rt.save(state=...) needs the file to write: rt.save('run.pt', state)"
+            )
+        if keep is not None or export is not None:
+            raise ConfigError(
+                f"rt.save({shown}, state, keep=..., export=...): keep and export are for a "
+                "checkpoint folder (rt.save(folder)); the file form writes one file: leave "
+                "them out"
+            )
+        target = Path(path)
+        if target.is_dir():
+            raise ConfigError(
+                f"rt.save({shown}, state): that is a folder; the file form writes one file: "
+                f"give a file name (e.g. {str(target / 'run.pt')!r}), or rt.save({shown}) "
+                "without a state for a checkpoint folder"
+            )
+        self.runtime.ready()
+        self.lifecycle.beat("save", self.state.global_step)
+        self.strategy.check_every_rank_calls("rt.save")
+        self.runtime.close_window()
+        self.settle("this save")
+        state_file.save(target, state, self._run())
+        return target
+
+    def _load_file(
+        self, path: str | Path | None, state: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """``rt.load(path, state)``: the file form, its ambiguous calls refused first."""
+        if path is None or not str(path).strip():
+            raise ConfigError("rt.load(state=...) needs the file to read: rt.load('run.pt', state)")
+        target = Path(path)
+        if target.is_dir():
+            raise ConfigError(
+                f"rt.load({str(path)!r}, state): that is a checkpoint folder, which restores "
+                f"everything rt.setup saw by itself: rt.load({str(path)!r}); a state is for "
+                "the file rt.save(path, state) wrote"
+            )
+        self.runtime.ready()
+        self.lifecycle.beat("load", self.state.global_step)
+        self.settle("this load")  # a file may be read while a folder is written: one at a time
+        self.strategy.check_every_rank_calls("rt.load")
+        return state_file.load(target, state, self._run())
+
+    def _run(self) -> state_file.Run:
+        return state_file.Run(self.state, self.strategy, self.precision)
 
     def load_weights(
         self, path: str | Path, model: nn.Module | None = None, *, strict: bool = True
@@ -260,6 +356,13 @@ class Checkpointing:
         progress = self.load(found)  # the one found: looking again would warn again
         self.runtime.say(f"gpukit: resumed from {folder} at step {progress['step']}")
         return progress
+
+
+def _file_named(path: str | Path) -> bool:
+    """Whether ``path`` names a file of the file form rather than a checkpoint folder: it
+    ends in a file's suffix and no folder stands there (an existing folder so named stays a
+    folder)."""
+    return state_file.named_as_file(path) and not Path(path).is_dir()
 
 
 class _Alone:

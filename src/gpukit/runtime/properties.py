@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from gpukit.runtime.settings import Settings
 from gpukit.runtime.state import TrainState
@@ -117,3 +117,13 @@ class Delegate(Generic[C, P, R]):
             return self.method
         bound: Callable[P, R] = types.MethodType(self.method, getattr(rt, self.part))
         return bound
+
+
+def described(rt: Any) -> str:
+    """What ``print(rt)`` shows: ``Runtime(strategy=ddp, devices=2, precision=bf16-mixed,
+    rank=0/2)``; the strategy's and the precision's own reprs say more."""
+    devices = len(rt.strategy.devices)
+    return (
+        f"Runtime(strategy={rt.strategy.name}, devices={devices}, "
+        f"precision={rt.precision.name}, rank={rt.rank}/{rt.world_size})"
+    )

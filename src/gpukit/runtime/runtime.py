@@ -56,7 +56,7 @@ from gpukit.runtime.outputs.progress import Progress
 from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.owned import Registry
 from gpukit.runtime.processes import Processes
-from gpukit.runtime.properties import Counter, Delegate, View
+from gpukit.runtime.properties import Counter, Delegate, View, described
 from gpukit.runtime.schedulers import SchedulerSteps
 from gpukit.runtime.settings import DataOrderName, ExportPolicy, Settings, arguments_doc
 from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
@@ -171,6 +171,7 @@ class Runtime:
     local_rank = View(lambda rt: rt.strategy.local_rank)
     world_size = View(lambda rt: rt.strategy.world_size)
     is_global_zero = View(lambda rt: rt.strategy.rank == 0)
+    __repr__ = described
 
     # -- what the Runtime's parts do: each method is the part's own (signature, docstring) ---
     track = Delegate("_registry", Registry.track)

@@ -112,6 +112,26 @@ class Strategy(abc.ABC):
         """The device this process computes on."""
         return self.devices[self.local_rank]
 
+    def __repr__(self) -> str:
+        """What ``print(rt.strategy)`` shows: the class, its processes, and this process's
+        device (``device=none`` before the devices are given)."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.described().items())
+        return f"{type(self).__name__}({shown})"
+
+    def described(self) -> dict[str, object]:
+        """The fields of ``repr``: ``world_size``, ``rank`` where there are several, and the
+        device (``devices`` for a strategy that drives several from one process)."""
+        fields: dict[str, object] = {"world_size": self.world_size}
+        if self.world_size > 1:
+            fields["rank"] = self.rank
+        if not self.devices:
+            fields["device"] = "none"
+        elif len(self.driven_devices) > 1:
+            fields["devices"] = "[" + ", ".join(str(d.torch) for d in self.driven_devices) + "]"
+        else:
+            fields["device"] = str(self.device.torch)
+        return fields
+
     @abc.abstractmethod
     def configure(self, devices: list[Device]) -> None:
         """Take the devices asked for; raise ConfigError if this strategy cannot use them.

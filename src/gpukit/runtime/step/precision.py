@@ -42,6 +42,10 @@ class Precision:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def __repr__(self) -> str:
+        """``Precision(32, device=cpu)``, ``BF16Mixed(bf16-mixed, device=cuda:0)``."""
+        return f"{type(self).__name__}({self.name}, device={self.device})"
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """What runs ``module``'s forward in this precision; float32: the module itself."""
         return require_module(module, "rt.setup", meta=True)
