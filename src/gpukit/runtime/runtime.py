@@ -46,6 +46,7 @@ from gpukit.runtime.compiling import Compiler
 from gpukit.runtime.data.dealing import data_order
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.data.wait import DataWait
+from gpukit.runtime.launched_function import then_close_window
 from gpukit.runtime.logging_calls import Logging
 from gpukit.runtime.open_runtimes import OPEN
 from gpukit.runtime.open_runtimes import teardown_open_runtimes as teardown_open_runtimes
@@ -227,7 +228,7 @@ class Runtime:
         here. When ``fn`` returns, the last logging window is read back (every rank is there).
         """
         check_options(max_restarts, hang_timeout)
-        run = functools.partial(_then_close_window, fn)
+        run = functools.partial(then_close_window, fn)
         if not self.strategy.needs_launch:
             return run(self, *args)
         # Each process builds its own Runtime from the same settings (its rank: from its env).
@@ -434,18 +435,3 @@ class Runtime:
 
 # help(gk.Runtime) shows each setting's text.
 Runtime.__doc__ = f"{Runtime.__doc__}\n{arguments_doc(indent=4)}"
-
-
-def _then_close_window(fn: Callable[..., Any], rt: Runtime, *args: Any) -> Any:
-    """``fn(rt, *args)``, then the last logging window read back: every rank that returns
-    normally reaches this point (module level, so a new interpreter can import it). The loggers are
-    finalized here, as failed when ``fn`` raised."""
-    try:
-        result = fn(rt, *args)
-        rt._logging.close_window()
-    except BaseException:
-        rt._reporting.finish("failed")
-        raise
-    rt.lifecycle.finished(rt.global_step)
-    rt._reporting.finish("success")
-    return result
