@@ -302,11 +302,41 @@ def test_history_steps_are_integers_and_log_metrics_records_values_as_given():
     assert rt.log_metrics(third=1 / 3)["third"] == 1 / 3  # a Python float is kept, not rounded
 
 
+def test_log_metrics_at_a_step_of_its_own_as_accelerate_and_fabric_log() -> None:
+    """``accelerator.log({"val_loss": v}, step=epoch)`` and ``fabric.log_dict(m, step=n)``,
+    ported line for line: the record carries the given step; the run's step is untouched."""
+    rt = gk.Runtime(devices="cpu", log_every=1)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in range(2):
+        for _ in range(3):
+            loss = model(torch.ones(4, 2)).pow(2).mean()
+            rt.backward(loss)
+            rt.step(optimizer)
+        rt.log_metrics(val_loss=loss, step=epoch)  # accelerator.log(..., step=epoch)
+    rt.log_metrics(acc=0.5, step=np.int64(100))  # a NumPy integer, as from a counter array
+    assert rt.global_step == 6
+    assert [r["step"] for r in rt.history] == [0, 1, 100]
+    assert all(type(r["step"]) is int for r in rt.history)
+    assert rt.log_metrics(acc=0.25, step=0)["step"] == 0  # backwards: recorded as given
+    assert rt.log_metrics(acc=0.75)["step"] == 6  # without step=: the run's own
+
+
+def test_rt_log_with_a_step_points_to_log_metrics() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=1)
+    with pytest.raises(gk.ConfigError, match=r"use rt\.log_metrics\(step=n, \*\*values\)"):
+        rt.log(loss=1.0, step=3)
+    assert rt.history == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
         ({}, "got no metrics"),
-        ({"step": 3}, "the step is the run's own"),
+        ({"step": -1, "acc": 1}, "step=...) got -1, below 0: give the step"),
+        ({"step": 2.0, "acc": 1}, "got 2.0, a float"),
+        ({"step": True, "acc": 1}, "got True, a bool"),
+        ({"step": torch.tensor(2), "acc": 1}, "step=int(t) for a tensor"),
         ({"acc": torch.ones(2)}, "shape (2,)"),
         ({"name": "x"}, "log numbers"),
     ],
