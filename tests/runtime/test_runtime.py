@@ -79,6 +79,27 @@ def test_auto_picks_ddp_under_a_launcher(monkeypatch) -> None:
     assert not rt.strategy.needs_launch and joined == [1]
 
 
+def test_devices_cpu_under_a_launcher_puts_every_local_rank_on_the_cpu(
+    monkeypatch, fake_gpus
+) -> None:
+    """Accelerate's ``cpu=True`` and Fabric's ``accelerator="cpu"``: rank 1 of 2 trains on
+    the CPU over gloo, on a machine with GPUs too."""
+    fake_gpus(2)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [str(d) for d in resolve_devices("cpu", launched=True)] == ["cpu", "cpu"]
+    assert [str(d) for d in resolve_devices("cuda:1", launched=True)] == ["cuda:1"]
+    monkeypatch.setattr(DDP, "setup_environment", lambda self: None)
+    rt = gk.Runtime(devices="cpu")
+    assert rt.strategy.name == "ddp" and rt.rank == 1 and rt.world_size == 2
+    assert rt.device == torch.device("cpu") and rt.strategy.backend == "gloo"
+    monkeypatch.setenv("WORLD_SIZE", "100000")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
+    with pytest.raises(gk.ConfigError, match="devices='cpu' with LOCAL_WORLD_SIZE=100000 asks"):
+        resolve_devices("cpu", launched=True)
+
+
 def test_log_reads_back_only_every_n_calls() -> None:
     rt = gk.Runtime(devices="cpu", log_every=3)
     for value in (1.0, 2.0, torch.tensor(6.0)):
