@@ -7,7 +7,8 @@ Every loader is treated alike whichever call sets it up: sharded for this rank, 
 moved to the device, registered for checkpoints in the order the program set it up. A loader
 set up before the model keeps its sharding when ``strategy="auto"`` takes fsdp in place of ddp
 at the model's setup: both shard the data by rank (the ranks and their process group are the
-same), and the model's setup still reads the first loader's batch size for that choice.
+same). That choice reads the batch size of a loader given with the model, else of the first
+one set up before it.
 
 >>> import torch
 >>> from torch.utils.data import DataLoader

@@ -2,7 +2,9 @@
 
 NCCL only moves tensors that live on this rank's GPU, so a tensor on another device goes
 there for the collective and its result comes back to where the tensor was; a Python number
-goes in as a float64 (or int64) tensor and comes back as a number.
+goes in as a float64 (or int64) tensor and comes back as a number, except from
+:func:`all_gather`, which stacks every rank's value in a tensor whatever it was given (so that
+``all_gather(n).sum()`` works as with Accelerate's ``gather`` and Fabric's ``all_gather``).
 
 >>> import torch, gpukit as gk
 >>> single = gk.Runtime(devices="cpu").strategy

@@ -149,10 +149,10 @@ class Metrics:
 
     def record(self, step: int, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
         """Append ``values`` (computed by the program itself: a validation loss, an accuracy)
-        to ``history`` as they are, stamped with ``step`` (the run's, or the one the program gave:
-        :func:`checked_step`): no averaging over the ranks and no
-        collective. A tensor is read back here (once per call: this is for values computed
-        once in a while, not every step)."""
+        to ``history`` as they are, stamped with ``step`` (the run's, or one the program gave,
+        see :func:`checked_step`): no averaging over the ranks and no collective. A tensor is
+        read back here (once per call: this is for values computed once in a while, not every
+        step)."""
         if not values:
             raise ConfigError(
                 "rt.log_metrics() got no metrics: pass them by name, e.g. "
