@@ -999,7 +999,7 @@ def test_garbage_launcher_variables_name_the_variable(
 @pytest.mark.parametrize(
     ("devices", "works"),
     [
-        pytest.param("cpu", "devices='cpu, cpu, cpu'", id="cpu"),
+        pytest.param(["cpu", "cpu"], "devices='cpu, cpu, cpu'", id="cpu-pair"),
         pytest.param(["cpu"], "devices='cpu, cpu, cpu'", id="cpu-list"),
     ],
 )
@@ -1007,13 +1007,13 @@ def test_too_few_devices_under_a_launcher_names_what_to_pass(
     folder: Path, monkeypatch: pytest.MonkeyPatch, devices: Any, works: str
 ) -> None:
     """Local rank 2 of 3 with one device: the message names the spellings that run under
-    gpukit launch on a CPU (devices='auto', or one 'cpu' per process)."""
+    gpukit launch on a CPU (devices='cpu', or one 'cpu' per process)."""
     env = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match="local rank 2 has no device") as caught:
         gk.Runtime(devices=devices)
-    assert f"devices='auto' (every process on the CPU), or {works}" in str(caught.value)
+    assert f"devices='cpu' (every process on the CPU), or {works}" in str(caught.value)
 
 
 @pytest.mark.parametrize(

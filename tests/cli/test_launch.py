@@ -60,6 +60,51 @@ def test_plain_torchrun_script_runs_on_two_processes(script: Path, tmp_path: Pat
     assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2 0 1.0", "2 1 1.0"]
 
 
+# Accelerate's `Accelerator(cpu=True)` and Fabric's `Fabric(accelerator="cpu")`, ported.
+CPU_SCRIPT = """
+import sys, torch, torch.distributed as dist, gpukit as gk
+from torch.utils.data import DataLoader, TensorDataset
+rt = gk.Runtime(devices="cpu", seed=0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+model, optimizer, loader = rt.setup(model, optimizer, data)
+for x, y in loader:
+    rt.backward(torch.nn.functional.mse_loss(model(x), y))
+    rt.step(optimizer)
+batches = int(rt.all_gather(len(loader)).sum())
+weights = rt.all_gather(rt.unwrap(model).weight.detach())
+same = bool((weights[0] == weights[1]).all())
+with open(sys.argv[1] + "/rank" + str(rt.rank), "w") as f:
+    f.write(f"{rt.world_size} {rt.device} {dist.get_backend()} {batches} {rt.global_step} {same}")
+rt.teardown()
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("launcher", ["gpukit", "torchrun"])
+def test_devices_cpu_puts_every_launched_rank_on_the_cpu(tmp_path: Path, launcher: str) -> None:
+    """``devices="cpu"`` under a launcher of 2 processes: 2 gloo ranks on the CPU, each with
+    half the batches, the same weights after the steps (on a machine with GPUs too)."""
+    script = tmp_path / "train.py"
+    script.write_text(CPU_SCRIPT)
+    if launcher == "gpukit":
+        done = gpukit("--nproc", "2", str(script), str(tmp_path))
+    else:  # a port of its own: torchrun's default (29500) is shared by every test run here
+        port = ["--master-port", str(free_port())]
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", "2", *port, str(script)]
+        done = subprocess.Popen(
+            [sys.executable, *args, str(tmp_path)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    output, _ = done.communicate(timeout=180)
+    assert done.returncode == 0, output
+    results = [p.read_text() for p in sorted(tmp_path.glob("rank*"))]
+    assert results == ["2 cpu gloo 4 2 True"] * 2, output
+
+
 @pytest.mark.processes
 def test_two_nodes_on_one_machine_form_one_four_process_job(script: Path, tmp_path: Path) -> None:
     port = str(free_port())

@@ -135,13 +135,13 @@ def test_bad_input_in_a_launched_script_is_one_line_and_exit_2(tmp_path: Path) -
 @pytest.mark.processes
 def test_bad_input_on_one_rank_only_is_its_line(tmp_path: Path) -> None:
     """Only rank 1 is refused (no device for it): its message, once; rank 0 was stopped."""
-    (tmp_path / "train.py").write_text("import gpukit as gk\nrt = gk.Runtime(devices='cpu')\n")
+    (tmp_path / "train.py").write_text("import gpukit as gk\nrt = gk.Runtime(devices=['cpu'])\n")
     done = _gpukit("launch", "--nproc", "2", "train.py", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("gpukit launch: error: local rank 1 has no device")
     # It names what works: the same script runs with either spelling.
-    assert "devices='auto' (every process on the CPU), or devices='cpu, cpu'" in line
+    assert "devices='cpu' (every process on the CPU), or devices='cpu, cpu'" in line
 
 
 FULL_DISK = """

@@ -140,3 +140,22 @@ def test_wandb_offline_without_an_api_key_and_as_asked_otherwise(
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert gk.loggers.WandbLogger().mode is None  # with a key: wandb's own choice
+
+
+def _rank_zero_logs_at_its_epochs(rt: gk.Runtime) -> list[dict[str, float]]:
+    for epoch in range(2):
+        rt.barrier()  # an epoch's work
+        if rt.is_global_zero:  # `if fabric.is_global_zero: fabric.log_dict(m, step=epoch)`
+            rt.log_metrics(val_acc=0.5 + epoch / 4, step=epoch)
+    return rt.strategy.all_gather_object(rt.history)  # type: ignore[no-any-return]
+
+
+@pytest.mark.processes
+def test_rank_zero_alone_logs_at_a_step_of_its_own_under_two_ranks(tmp_path: Path) -> None:
+    rt = gk.Runtime(
+        strategy="ddp", devices=["cpu", "cpu"], loggers="csv", checkpoints=tmp_path / "ckpt"
+    )
+    histories = rt.launch(_rank_zero_logs_at_its_epochs)
+    want = [{"step": 0, "val_acc": 0.5}, {"step": 1, "val_acc": 0.75}]
+    assert histories == [want, []]  # no collective: rank 1 neither waits nor records
+    assert read_history(tmp_path / "metrics.csv") == want

@@ -182,3 +182,27 @@ def test_tensorboard_hyperparameters_given_late_go_to_the_text_tab(tmp_path: Pat
     (text,) = events.Tensors("hyperparams/text_summary")
     table = text.tensor_proto.string_val[0].decode()
     assert "| lr | 0.1 |" in table and "| epochs_done | 1 |" in table
+
+
+def test_a_step_of_its_own_reaches_tensorboard_and_one_that_goes_back_is_written(
+    tmp_path: Path,
+) -> None:
+    """``fabric.log_dict({"val_loss": v}, step=epoch)`` ported as ``rt.log_metrics``: the
+    event carries the given step; a step lower than the last is written too, and TensorBoard's
+    reader keeps it (docs/loggers.md says what each tracker does)."""
+    pytest.importorskip("tensorboard", reason="TensorBoardLogger needs gpukit[tensorboard]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rt = gk.Runtime(devices="cpu", loggers=[TensorBoardLogger(tmp_path)])
+    for epoch in range(3):
+        rt.log_metrics(val_loss=1.0 / (epoch + 1), step=epoch * 10)
+    rt.log_metrics(val_loss=4.0, step=15)  # back below 20
+    rt.teardown()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("val_loss")] == [
+        (0, 1.0),
+        (10, 0.5),
+        (20, pytest.approx(1 / 3)),
+        (15, 4.0),
+    ]

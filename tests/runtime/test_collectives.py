@@ -21,11 +21,32 @@ def test_one_process_collectives_give_back_what_they_got() -> None:
     rt = gk.Runtime(devices="cpu")
     assert rt.all_reduce(3) == 3 and rt.all_reduce(2.5, "max") == 2.5
     assert torch.equal(rt.all_reduce(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0]))
-    assert rt.all_gather(7) == [7]
+    assert torch.equal(rt.all_gather(7), torch.tensor([7]))
     assert rt.all_gather(torch.ones(2)).shape == (1, 2)
     assert rt.broadcast({"vocab": 5}) == {"vocab": 5}
     with rt.main_process_first():
         pass
+
+
+def test_an_accelerate_evaluation_loop_sums_what_all_gather_returns() -> None:
+    """``accelerator.gather(correct).sum()`` and ``fabric.all_gather(n).sum()``, line for
+    line: a number or a tensor comes back as a tensor with one row per rank, in a dict too."""
+    rt = gk.Runtime(devices="cpu")
+    outputs, labels = torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1])
+    correct = (outputs.argmax(1) == labels).sum()
+    assert rt.all_gather(correct).sum().item() == 1  # a 0-d tensor: shape [1]
+    assert rt.all_gather(len(labels)).sum().item() == 2  # a number: a 1-d tensor
+    assert rt.all_gather(0.5).dtype == torch.float64  # exact, as the number was
+    totals = rt.all_gather({"correct": correct, "seen": (len(labels),)})
+    assert totals["correct"].shape == (1,) and torch.equal(totals["seen"][0], torch.tensor([2]))
+
+
+def test_a_value_that_is_no_tensor_or_number_is_refused_where_it_is() -> None:
+    rt = gk.Runtime(devices="cpu")
+    with pytest.raises(gk.ConfigError, match=r"got None at data\.names\[1\]: it gathers"):
+        rt.all_gather({"names": [1, None]})
+    with pytest.raises(gk.ConfigError, match="or a dict, list or tuple of them"):
+        rt.all_gather(object())
 
 
 def test_anything_else_is_a_clear_error() -> None:
@@ -47,6 +68,9 @@ def _collectives(rt: gk.Runtime, folder: str) -> dict[str, Any]:
         "max_tensor": rt.all_reduce(cpu, "max"),
         "gather_numbers": rt.all_gather(rt.rank * 10),
         "gather_tensor": rt.all_gather(torch.full((2,), float(rt.rank))),
+        # Accelerate's and Fabric's idiom: the gathered count summed over the ranks
+        "gather_sum": rt.all_gather(rt.rank + 1).sum().item(),
+        "gather_nested": rt.all_gather({"n": rt.rank, "x": [torch.tensor([rt.rank, 1.0])]}),
         "broadcast_object": rt.broadcast({"from": rt.rank}, src=1),
         "broadcast_tensor": rt.broadcast(torch.tensor([rt.rank + 5]), src=0),
     }
@@ -55,7 +79,7 @@ def _collectives(rt: gk.Runtime, folder: str) -> dict[str, Any]:
         if rt.rank == 0:
             marker.write_text("data")  # the "download"
         out["saw_download"] = marker.read_text() == "data"
-    out["saw_on_every_rank"] = rt.all_gather(int(out["saw_download"]))
+    out["saw_on_every_rank"] = rt.all_gather(int(out["saw_download"])).tolist()
     out["input_left_alone"] = torch.equal(cpu, torch.tensor([float(rt.rank + 1)]))
     return out
 
@@ -67,7 +91,10 @@ def test_two_processes_combine_tensors_on_any_device_and_numbers(tmp_path: Path)
     assert out["mean_float"] == 0.5
     assert torch.equal(out["max_tensor"], torch.tensor([2.0]))
     assert out["max_tensor"].device.type == "cpu"
-    assert out["gather_numbers"] == [0, 10]
+    assert torch.equal(out["gather_numbers"], torch.tensor([0, 10]))
+    assert out["gather_sum"] == 3
+    assert torch.equal(out["gather_nested"]["n"], torch.tensor([0, 1]))
+    assert torch.equal(out["gather_nested"]["x"][0], torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
     assert torch.equal(out["gather_tensor"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
     assert out["broadcast_object"] == {"from": 1}
     assert torch.equal(out["broadcast_tensor"], torch.tensor([5]))

@@ -310,6 +310,8 @@ def _uneven(rt: gk.Runtime) -> dict[str, Any]:
             torch.zeros(2, dtype=[torch.int64, torch.float32][rt.rank])
         ),
         "numbers_kind": lambda: rt.all_gather(1 if rt.rank == 0 else 1.0),
+        "all_gather_structure": lambda: rt.all_gather({"a" if rt.rank else "b": 1}),
+        "all_gather_leaf": lambda: rt.all_gather({"y": [torch.zeros(1 + rt.rank)]}),
         "gather_dims": lambda: rt.gather_for_metrics(torch.zeros(2, 2 + rt.rank)),
         "gather_structure": lambda: rt.gather_for_metrics({"a" if rt.rank else "b": x}),
     }.items():
@@ -337,6 +339,9 @@ def test_tensors_that_differ_between_ranks() -> None:
         assert "same dtype and shape" in out["all_gather_dims"]
         assert "int64" in out["all_gather_dtype"] and "float32" in out["all_gather_dtype"]
         assert "numbers of different kinds" in out["numbers_kind"]
+        assert "different structure on each rank" in out["all_gather_structure"]
+        assert "rank 0: data.b; rank 1: data.a" in out["all_gather_structure"]
+        assert "they differ at data.y[0]" in out["all_gather_leaf"]
         assert "beyond the first dimension" in out["gather_dims"]
         assert "different structures" in out["gather_structure"]
         gathered = out["gathered"]

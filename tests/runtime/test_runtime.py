@@ -79,6 +79,27 @@ def test_auto_picks_ddp_under_a_launcher(monkeypatch) -> None:
     assert not rt.strategy.needs_launch and joined == [1]
 
 
+def test_devices_cpu_under_a_launcher_puts_every_local_rank_on_the_cpu(
+    monkeypatch, fake_gpus
+) -> None:
+    """Accelerate's ``cpu=True`` and Fabric's ``accelerator="cpu"``: rank 1 of 2 trains on
+    the CPU over gloo, on a machine with GPUs too."""
+    fake_gpus(2)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [str(d) for d in resolve_devices("cpu", launched=True)] == ["cpu", "cpu"]
+    assert [str(d) for d in resolve_devices("cuda:1", launched=True)] == ["cuda:1"]
+    monkeypatch.setattr(DDP, "setup_environment", lambda self: None)
+    rt = gk.Runtime(devices="cpu")
+    assert rt.strategy.name == "ddp" and rt.rank == 1 and rt.world_size == 2
+    assert rt.device == torch.device("cpu") and rt.strategy.backend == "gloo"
+    monkeypatch.setenv("WORLD_SIZE", "100000")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
+    with pytest.raises(gk.ConfigError, match="devices='cpu' with LOCAL_WORLD_SIZE=100000 asks"):
+        resolve_devices("cpu", launched=True)
+
+
 def test_log_reads_back_only_every_n_calls() -> None:
     rt = gk.Runtime(devices="cpu", log_every=3)
     for value in (1.0, 2.0, torch.tensor(6.0)):
@@ -302,11 +323,41 @@ def test_history_steps_are_integers_and_log_metrics_records_values_as_given():
     assert rt.log_metrics(third=1 / 3)["third"] == 1 / 3  # a Python float is kept, not rounded
 
 
+def test_log_metrics_at_a_step_of_its_own_as_accelerate_and_fabric_log() -> None:
+    """``accelerator.log({"val_loss": v}, step=epoch)`` and ``fabric.log_dict(m, step=n)``,
+    ported line for line: the record carries the given step; the run's step is untouched."""
+    rt = gk.Runtime(devices="cpu", log_every=1)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = rt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for epoch in range(2):
+        for _ in range(3):
+            loss = model(torch.ones(4, 2)).pow(2).mean()
+            rt.backward(loss)
+            rt.step(optimizer)
+        rt.log_metrics(val_loss=loss, step=epoch)  # accelerator.log(..., step=epoch)
+    rt.log_metrics(acc=0.5, step=np.int64(100))  # a NumPy integer, as from a counter array
+    assert rt.global_step == 6
+    assert [r["step"] for r in rt.history] == [0, 1, 100]
+    assert all(type(r["step"]) is int for r in rt.history)
+    assert rt.log_metrics(acc=0.25, step=0)["step"] == 0  # backwards: recorded as given
+    assert rt.log_metrics(acc=0.75)["step"] == 6  # without step=: the run's own
+
+
+def test_rt_log_with_a_step_points_to_log_metrics() -> None:
+    rt = gk.Runtime(devices="cpu", log_every=1)
+    with pytest.raises(gk.ConfigError, match=r"use rt\.log_metrics\(step=n, \*\*values\)"):
+        rt.log(loss=1.0, step=3)
+    assert rt.history == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
         ({}, "got no metrics"),
-        ({"step": 3}, "the step is the run's own"),
+        ({"step": -1, "acc": 1}, "step=...) got -1, below 0: give the step"),
+        ({"step": 2.0, "acc": 1}, "got 2.0, a float"),
+        ({"step": True, "acc": 1}, "got True, a bool"),
+        ({"step": torch.tensor(2), "acc": 1}, "step=int(t) for a tensor"),
         ({"acc": torch.ones(2)}, "shape (2,)"),
         ({"name": "x"}, "log numbers"),
     ],

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpukit.runtime.outputs.metrics import Metrics
+from gpukit.runtime.outputs.metrics import Metrics, checked_step
 from gpukit.runtime.state import TrainState
 
 
@@ -24,12 +24,28 @@ class Logging:
         calls and the ranks, read them back once, and append them to ``rt.history``."""
         self.metrics.log(self.state.global_step, metrics)
 
-    def log_metrics(self, /, **metrics: torch.Tensor | float) -> dict[str, float]:
-        """Record values the program computed itself (a validation loss, an accuracy) at the
-        current step, as they are: appended to ``rt.history`` on this rank, no averaging over
-        ranks (combine them first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``).
-        A tensor is read back once here. Returns the record."""
-        return self.metrics.record(self.state.global_step, metrics)
+    def log_metrics(
+        self, /, step: int | None = None, **metrics: torch.Tensor | float
+    ) -> dict[str, float]:
+        """Record values the program computed itself (a validation loss, an accuracy) as they
+        are: appended to ``rt.history`` on this rank, no averaging over ranks (combine them
+        first, e.g. with ``rt.gather_for_metrics`` or ``rt.all_reduce``), and written by the
+        loggers on rank 0. A tensor is read back once here. Returns the record.
+
+        ``step``: the step to record them at, a whole number 0 or more, as Accelerate's
+        ``accelerator.log(values, step=n)`` and Fabric's ``fabric.log_dict(values, step=n)``
+        take it; the record's ``"step"`` is that number (in ``rt.history`` and every logger),
+        and ``rt.global_step`` is left as it is. Without it, the values are recorded at
+        ``rt.global_step``. A step lower than an earlier record's is recorded as given (see
+        ``docs/loggers.md`` for what each tracker does with it).
+
+        >>> import gpukit as gk
+        >>> rt = gk.Runtime(devices="cpu")
+        >>> rt.log_metrics(val_loss=0.25, step=3)
+        {'step': 3, 'val_loss': 0.25}
+        """
+        at = self.state.global_step if step is None else checked_step(step)
+        return self.metrics.record(at, metrics)
 
     def flush_logs(self) -> dict[str, float]:
         """Read back what ``log`` accumulated now (every rank must call it together)."""

@@ -83,10 +83,12 @@ def take_all(
     state: TrainState,
     setup_loader: Callable[[DataLoader[Any]], DeviceLoader],
     make_scheduler: Callable[[Any], Scheduler],
+    first: int = 2,
 ) -> list[Any]:
-    """``rt.setup``'s arguments after the model, as it returns them (see :func:`take`)."""
+    """``rt.setup``'s arguments after the model (the first of them its argument ``first``),
+    as it returns them (see :func:`take`)."""
     args = (state, setup_loader, make_scheduler)
-    return [take(o, f"argument {i + 2}", *args) for i, o in enumerate(objects)]
+    return [take(o, f"argument {i + first}", *args) for i, o in enumerate(objects)]
 
 
 def take(

@@ -46,12 +46,21 @@ class Processes:
         self.before_collective()
         return collectives.all_reduce(self.strategy, value, op)
 
-    def all_gather(self, value: torch.Tensor | float) -> Any:
-        """Every rank's ``value`` in rank order: tensors (the same shape and dtype on every
-        rank) stacked on a new first dimension, on the tensor's device; numbers as a list.
-        Under several processes the ranks first exchange the shapes (one small object
-        exchange): tensors that differ are a ConfigError on every rank (for rows that differ,
-        as in a last evaluation batch, use ``rt.gather_for_metrics``)."""
+    def all_gather(self, value: Any) -> Any:
+        """Every rank's ``value`` in rank order, stacked on a new first dimension, on every
+        rank and in one process too: a tensor (the same shape and dtype on every rank) as
+        ``[world_size, *value.shape]`` on its device; a Python number as a 1-D tensor of
+        ``world_size`` numbers on ``rt.device`` (int64, or float64 for a float), so that
+        ``rt.all_gather(n).sum()`` works; dicts, lists, tuples, namedtuples and dataclasses of
+        them in the same structure, each leaf gathered so. Under several processes the ranks
+        first exchange the shapes (one small object exchange): tensors that differ are a
+        ConfigError on every rank (for rows that differ, as in a last evaluation batch, use
+        ``rt.gather_for_metrics``).
+
+        >>> import gpukit as gk
+        >>> gk.Runtime(devices="cpu").all_gather({"correct": 3})
+        {'correct': tensor([3])}
+        """
         self.before_collective()
         return collectives.all_gather(self.strategy, value)
 

@@ -61,6 +61,7 @@ from gpukit.runtime.properties import Counter, Delegate, View, described
 from gpukit.runtime.schedulers import SchedulerSteps
 from gpukit.runtime.settings import DataOrderName, ExportPolicy, Settings, arguments_doc
 from gpukit.runtime.settings_checks import DevicesSpec, OomPolicy
+from gpukit.runtime.setup_calls import returned, split_setup
 from gpukit.runtime.state import TrainState
 from gpukit.runtime.step.loss_targets import with_target_check
 from gpukit.runtime.step.nonfinite import NonFinitePolicy
@@ -238,24 +239,31 @@ class Runtime:
             make, self.world_size, run, args, max_restarts=max_restarts, hang_timeout=hang_timeout
         )
 
-    def setup(self, model: nn.Module, *objects: Any) -> Any:
-        """Place the model for the strategy and precision; register optimizers, schedulers,
+    def setup(self, *objects: Any) -> Any:
+        """Place the model for the strategy and precision and register optimizers, schedulers,
         DataLoaders and objects with a ``state_dict`` (alone or in lists, tuples, dicts) for
-        checkpoints, or refuse them (see ``gpukit.runtime.owned``). Returns the model alone, or
-        the model and the rest in the same order and shape (DataLoaders and schedulers wrapped).
-        The user's module is never changed beyond being moved. Setting up the same model again
-        returns what the first call returned."""
+        checkpoints, or refuse them (``gpukit.runtime.owned``); or set up DataLoaders alone,
+        before or after the model (``gpukit.runtime.setup_calls``). Returns what it was given in
+        the same order and shape (the model, DataLoaders and schedulers wrapped; one object
+        alone, not in a tuple). The user's module is never changed beyond being moved. Setting
+        up the same model again returns what the first call returned."""
+        model, objects, first = split_setup(objects)
         self._ensure_ready()
         self.lifecycle.beat("setup", self.state.global_step)
+        module = None if model is None else self._setup_model(model, objects)
+        shards = self.strategy.sampler_placement()[0]
+        wrap = functools.partial(self._registry.scheduler, shards=shards)
+        return returned(module, owned.take_all(objects, self.state, self.setup_loader, wrap, first))
+
+    def _setup_model(self, model: nn.Module, objects: tuple[Any, ...]) -> nn.Module:
         user = self.unwrap(model)
         module = next((m for m in self.state.modules if self.unwrap(m) is user), None)
         optimizers = owned.optimizers_in(objects)
         models = [parameters(self.unwrap(m)) for m in self.state.modules] + [parameters(user)]
         refuse_foreign(optimizers, models, self._stepper.stale)
         if module is None:
-            taken = self._auto.decide(
-                self.strategy, self.precision.name, self._ready, user, objects
-            )
+            data = (*objects, *(lo.original for lo in self.state.loaders))  # earlier loaders too
+            taken = self._auto.decide(self.strategy, self.precision.name, self._ready, user, data)
             if taken is not None:
                 self._use_strategy(taken)
             before = parameters(user)
@@ -268,14 +276,10 @@ class Runtime:
             self.lifecycle.resume_before_forward(module)
             # fsdp replaces the parameters: optimizers built before now must follow them.
             self._stepper.stale.note(adopt(before, parameters(self.unwrap(module)), optimizers))
-        self.state.optimizers += [
-            o for o in optimizers if not any(o is k for k in self.state.optimizers)
-        ]
+        known = self.state.optimizers
+        known += [o for o in optimizers if not any(o is k for k in known)]
         self._stepper.sync_next_backward()
-        shards, _ = self.strategy.sampler_placement()
-        wrap = functools.partial(self._registry.scheduler, shards=shards)
-        out = owned.take_all(objects, self.state, self.setup_loader, wrap)
-        return (module, *out) if out else module
+        return module
 
     def setup_loader(self, loader: DataLoader[Any]) -> DeviceLoader:
         """Shard, re-seed every epoch, and move batches to the device (see

@@ -117,7 +117,8 @@ class Settings:
         help="the devices to train on: auto, all, N, or a list like 0,1",
         allowed="auto, all, N, a spec (cuda:1), a list (0,1)",
         doc='"auto" (the best device), "all" (every GPU), N (N GPUs, or N CPU processes on a '
-        'machine without GPUs), a spec such as "cuda:1", or a list of specs.',
+        'machine without GPUs), a spec such as "cuda:1", or a list of specs; under a launcher, '
+        '"cpu" puts every rank it started on the CPU.',
         parse=parse_count_or_text,
     )
     accumulate: int = setting(

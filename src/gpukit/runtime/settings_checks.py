@@ -47,7 +47,9 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
     """The devices a ``devices=`` argument asks for (duplicates allowed: CPU processes).
 
     Under a launcher "auto" means one device per local process: the GPU of the local rank
-    when there are enough GPUs, else the CPU.
+    when there are enough GPUs, else the CPU; and "cpu" means the CPU for every local process
+    (Accelerate's ``cpu=True``, Fabric's ``accelerator="cpu"``: as many gloo ranks as the
+    launcher started, GPUs or not).
     """
     gpus = [d for d in list_devices() if d.type == "cuda"]
     if isinstance(spec, (bool, bytes, bytearray)):
@@ -68,8 +70,7 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
         return gpus[:spec]
     if isinstance(spec, str) and spec == "auto":
         if launched:
-            env = placement.launched()
-            local = env.local_world_size if env else 1
+            local = _local_processes()
             if len(gpus) >= local:
                 return gpus[:local]
             _check_cpu_processes(local, f"LOCAL_WORLD_SIZE={local}")
@@ -80,7 +81,12 @@ def resolve_devices(spec: DevicesSpec, launched: bool = False) -> list[Device]:
     if isinstance(spec, str) and "," in spec:
         spec = [s.strip() for s in spec.split(",")]
     if isinstance(spec, str) or not isinstance(spec, Sequence):
-        return [resolve_device(spec)]
+        one = resolve_device(spec)
+        if launched and one.type == "cpu":
+            local = _local_processes()
+            _check_cpu_processes(local, f"devices={described(spec)} with LOCAL_WORLD_SIZE={local}")
+            return [one] * local
+        return [one]
     try:
         items = list(spec)
     except Exception as err:  # a sequence whose own methods fail
@@ -137,6 +143,12 @@ def cpu_process_limit() -> int:
     True
     """
     return max(MIN_CPU_PROCESS_LIMIT, CPU_PROCESSES_PER_CORE * _hw.cpu_cores()[0])
+
+
+def _local_processes() -> int:
+    """How many processes the launcher started on this machine (1 when none did)."""
+    env = placement.launched()
+    return env.local_world_size if env else 1
 
 
 def _check_cpu_processes(count: int, given: str) -> None:

@@ -2,12 +2,14 @@
 
 NCCL only moves tensors that live on this rank's GPU, so a tensor on another device goes
 there for the collective and its result comes back to where the tensor was; a Python number
-goes in as a float64 (or int64) tensor and comes back as a number.
+goes in as a float64 (or int64) tensor and comes back as a number, except from
+:func:`all_gather`, which stacks every rank's value in a tensor whatever it was given (so that
+``all_gather(n).sum()`` works as with Accelerate's ``gather`` and Fabric's ``all_gather``).
 
 >>> import torch, gpukit as gk
 >>> single = gk.Runtime(devices="cpu").strategy
 >>> all_reduce(single, 3, "sum"), all_gather(single, 2.5), broadcast(single, torch.ones(2), 0)
-(3, [2.5], tensor([1., 1.]))
+(3, tensor([2.5000], dtype=torch.float64), tensor([1., 1.]))
 
 Tensors whose first dimension differs between ranks (a last evaluation batch) are gathered by
 :func:`gather_rows` (padded to the longest for the collective, then cut back), which
@@ -17,12 +19,13 @@ Tensors whose first dimension differs between ranks (a last evaluation batch) ar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, get_args
 
 import torch
 
 from gpukit._util.text import described
+from gpukit._util.tree import children, is_dataclass_instance, leaves, map_tensors
 from gpukit.errors import ConfigError
 from gpukit.strategies.base import ReduceOp, Strategy
 
@@ -41,20 +44,94 @@ def all_reduce(strategy: Strategy, value: torch.Tensor | Number, op: ReduceOp) -
     return back(strategy.all_reduce(tensor, op))
 
 
-def all_gather(strategy: Strategy, value: torch.Tensor | Number) -> Any:
-    """Every rank's ``value`` in rank order: tensors stacked on a new first dimension (the
-    same shape and dtype on every rank), numbers as a list.
+def all_gather(strategy: Strategy, value: Any) -> Any:
+    """Every rank's ``value`` in rank order, stacked on a new first dimension: a tensor's as a
+    tensor of shape ``[world_size, *value.shape]`` on its device, a Python number's as a 1-D
+    tensor of ``world_size`` numbers (int64 for an int or a bool, float64 for a float: exact)
+    on the strategy's device, so ``all_gather(n).sum()`` works as it does on the tensors.
+    Dicts, lists, tuples, namedtuples and dataclasses of them come back in the same structure,
+    each tensor or number gathered so.
 
-    Under several processes the ranks first exchange their values' shapes and dtypes (one
-    small object exchange): a difference is a ConfigError on every rank, where gathering
+    Under several processes the ranks first exchange every leaf's path, kind, dtype and shape
+    (one small object exchange): a difference is a ConfigError on every rank, where gathering
     tensors of different sizes would crash one rank and hand another a wrong result."""
-    tensor, back = _on_device(strategy, value, "all_gather", False)
+    found = _gatherable(value)
+    moved = [_on_device(strategy, leaf, "all_gather", False) for _, leaf in found]
     if strategy.distributed:
-        shapes = exchange_shapes(strategy, tensor)
-        if any(s != shapes[0] for s in shapes):
-            raise ConfigError(_uneven(shapes, isinstance(value, torch.Tensor)))
-    gathered = strategy.all_gather(tensor)
-    return back(gathered) if isinstance(value, torch.Tensor) else gathered.tolist()
+        mine = [
+            (path, _kind(leaf), *_described_shape(t))
+            for (path, leaf), (t, _) in zip(found, moved, strict=True)
+        ]
+        _check_alike(strategy.all_gather_object(mine))
+    gathered = iter(
+        back(strategy.all_gather(t)) if isinstance(leaf, torch.Tensor) else strategy.all_gather(t)
+        for (_, leaf), (t, back) in zip(found, moved, strict=True)
+    )
+    return map_tensors(value, lambda _: next(gathered), leaf=_LEAVES, alias=False)
+
+
+# What rt.all_gather gathers: tensors and Python numbers (bool is an int).
+_LEAVES = (torch.Tensor, int, float)
+
+
+def _gatherable(value: Any) -> list[tuple[str, Any]]:
+    """The tensors and numbers inside ``value`` with their paths, in the order
+    :func:`map_tensors` puts them back; anything else where a leaf goes is refused here, on
+    the rank that holds it, before any exchange."""
+    found = leaves(value, _LEAVES)  # first: a structure that holds itself is refused here
+    if not isinstance(value, _LEAVES) and not _is_container(value):
+        raise ConfigError(
+            f"rt.all_gather got {described(value)}: give a tensor (on any device) or a Python "
+            "number, or a dict, list or tuple of them"
+        )
+    for path, other in _others(value, "data"):
+        raise ConfigError(
+            f"rt.all_gather got {described(other)} at {path}: it gathers tensors and Python "
+            "numbers (in dicts, lists, tuples, namedtuples and dataclasses); leave other "
+            "values out of what you gather"
+        )
+    return found
+
+
+def _others(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """What ``value`` holds that is neither a container nor a tensor or number."""
+    if isinstance(value, _LEAVES):
+        return
+    if not _is_container(value):
+        yield path, value
+        return
+    for name, child in children(value):
+        yield from _others(child, path + name)
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (list, tuple, Mapping)) or is_dataclass_instance(value)
+
+
+def _kind(leaf: Any) -> str:
+    return "tensor" if isinstance(leaf, torch.Tensor) else "number"
+
+
+def _described_shape(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+
+def _check_alike(everyone: list[list[tuple[str, str, str, tuple[int, ...]]]]) -> None:
+    """ConfigError, on every rank alike, unless every rank gave the same structure with
+    leaves of the same kind, dtype and shape."""
+    paths = [[entry[0] for entry in rank] for rank in everyone]
+    if any(p != paths[0] for p in paths):
+        shown = "; ".join(f"rank {r}: {', '.join(p) or 'nothing'}" for r, p in enumerate(paths))
+        raise ConfigError(
+            f"rt.all_gather got a different structure on each rank ({shown}): give every rank "
+            "the same dict, list or tuple, with the same keys and lengths"
+        )
+    for i, path in enumerate(paths[0]):
+        entries = [rank[i] for rank in everyone]
+        shapes: list[Shape] = [(str(d), tuple(int(n) for n in s)) for _, _, d, s in entries]
+        if any(s != shapes[0] for s in shapes) or any(e[1] != entries[0][1] for e in entries):
+            where = "" if path == "data" else f" at {path}"
+            raise ConfigError(_uneven(shapes, entries[0][1] == "tensor", where))
 
 
 Shape = tuple[str, tuple[int, ...]]
@@ -126,11 +203,11 @@ def pad_across(
     return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
 
 
-def _uneven(shapes: list[Shape], is_tensor: bool) -> str:
+def _uneven(shapes: list[Shape], is_tensor: bool, where: str = "") -> str:
     shown = ", ".join(f"rank {r}: {d} {s}" for r, (d, s) in enumerate(shapes))
     if not is_tensor:
         return (
-            f"rt.all_gather got numbers of different kinds on different ranks ({shown}): "
+            f"rt.all_gather got numbers of different kinds on different ranks{where} ({shown}): "
             "give every rank an int, or every rank a float"
         )
     first_only = all(
@@ -148,7 +225,7 @@ def _uneven(shapes: list[Shape], is_tensor: bool) -> str:
             "give every rank a tensor of the same dtype and shape (rt.pad_across_processes "
             "evens out one dimension)"
         )
-    return f"rt.all_gather stacks one tensor per rank; they differ ({shown}): {fix}"
+    return f"rt.all_gather stacks one tensor per rank; they differ{where} ({shown}): {fix}"
 
 
 def broadcast(strategy: Strategy, value: Any, src: int) -> Any:

@@ -385,7 +385,7 @@ def _one_each(devices: list[Device], processes: int) -> str:
     if all(d.type == "cpu" for d in devices):
         listed = ", ".join(["cpu"] * processes)
         return (
-            f"devices='auto' (every process on the CPU), or devices='{listed}' (one 'cpu' "
+            f"devices='cpu' (every process on the CPU), or devices='{listed}' (one 'cpu' "
             "per process)"
         )
     listed = ", ".join(f"{devices[0].type}:{i}" for i in range(processes))

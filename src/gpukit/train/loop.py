@@ -169,9 +169,8 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
                 # Before the checkpoint: a run resumed from it keeps this record.
                 checking = time.perf_counter()
                 accuracy = workload.accuracy
-                rt.log_metrics(
-                    **evaluate(rt, model, criterion, validation, per_rank, accuracy=accuracy)
-                )
+                values = evaluate(rt, model, criterion, validation, per_rank, accuracy=accuracy)
+                rt.log_metrics(step=None, **values)  # at the run's step
                 checked_at = rt.global_step
                 validation_seconds += time.perf_counter() - checking
                 if csv_log is not None:

@@ -82,6 +82,13 @@ class Metrics:
         optimizer step the flushed record is stamped with)."""
         if not metrics:
             raise ConfigError("rt.log() got no metrics: pass them by name, e.g. rt.log(loss=loss)")
+        if "step" in metrics:
+            raise ConfigError(
+                "rt.log(step=...): rt.log averages its values over a window of calls and over "
+                "the ranks, and stamps the record with rt.global_step; to record values at a "
+                "step of your own (Accelerate's accelerator.log(values, step=n), Fabric's "
+                "fabric.log_dict(values, step=n)), use rt.log_metrics(step=n, **values)"
+            )
         sums, counts = self._sums, self._counts
         for name, value in metrics.items():
             # Added now, not kept: a tensor changed in place later (a counter, a parameter)
@@ -142,18 +149,14 @@ class Metrics:
 
     def record(self, step: int, values: dict[str, torch.Tensor | float]) -> dict[str, float]:
         """Append ``values`` (computed by the program itself: a validation loss, an accuracy)
-        to ``history`` as they are, stamped with ``step``: no averaging over the ranks and no
-        collective. A tensor is read back here (once per call: this is for values computed
-        once in a while, not every step)."""
+        to ``history`` as they are, stamped with ``step`` (the run's, or one the program gave,
+        see :func:`checked_step`): no averaging over the ranks and no collective. A tensor is
+        read back here (once per call: this is for values computed once in a while, not every
+        step)."""
         if not values:
             raise ConfigError(
                 "rt.log_metrics() got no metrics: pass them by name, e.g. "
                 "rt.log_metrics(val_loss=val_loss)"
-            )
-        if "step" in values:
-            raise ConfigError(
-                "rt.log_metrics(step=...): the step is the run's own (rt.global_step), "
-                "stamped on every record; log your value under another name"
             )
         # A Python number is kept as it is (a float64); only a tensor is read back.
         kept = {
@@ -197,6 +200,28 @@ class Metrics:
             values = [float(i) for i in ints] + [float(i * i) for i in ints]
             self._checks[names] = torch.tensor(values, dtype=torch.float64).to(self.device)
         return self._checks[names]
+
+
+def checked_step(step: object) -> int:
+    """``step`` as ``rt.log_metrics(step=...)`` records it: a whole number, 0 or more (a NumPy
+    integer too); anything else is refused here, at the call that gave it.
+
+    >>> checked_step(3), checked_step(np.int64(4))
+    (3, 4)
+    """
+    if isinstance(step, numbers.Integral) and not isinstance(step, (bool, np.bool_)):
+        if int(step) >= 0:
+            return int(step)
+        shown = f"{step}, below 0"
+    elif isinstance(step, torch.Tensor):
+        shown = f"a tensor of shape {tuple(step.shape)}"
+    else:
+        shown = f"{safe_repr(step, 80)}, a {type_name(step)}"
+    raise ConfigError(
+        f"rt.log_metrics(step=...) got {shown}: give the step to record the values at, a whole "
+        "number 0 or more (e.g. step=epoch, or step=int(t) for a tensor), or leave it out to "
+        "record them at rt.global_step"
+    )
 
 
 def _as_tensor(name: str, value: object) -> torch.Tensor:
