@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.compiling import GRAPH_MODES, check_compile, check_graph_mode
 from gpukit.runtime.data.dealing import DataOrderName
 from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
+from gpukit.runtime.setting_fields import SAME, Option, setting
 from gpukit.runtime.settings_checks import (
     DevicesSpec,
     ExportPolicy,
@@ -60,30 +61,6 @@ from gpukit.runtime.settings_checks import (
 )
 from gpukit.runtime.step.nonfinite import NonFinitePolicy
 from gpukit.strategies import Strategy
-
-SAME: Any = object()  # gpukit train's default is the API's
-
-
-@dataclass(frozen=True)
-class Option:
-    """What a :class:`Settings` field says about itself (see the module docstring)."""
-
-    help: str  # one line: --help and the table
-    allowed: str  # the values it takes, in words
-    doc: str = ""  # the longer text of gk.Runtime's docstring (default: help)
-    check: Callable[[Any], None] | None = None  # raises ConfigError for a bad value
-    flag: bool = True  # gpukit train has --name-with-dashes for it
-    no_flag: str = ""  # without a flag: what gpukit train does instead
-    parse: Callable[[str], Any] = str  # the flag's text to the value
-    choices: tuple[str, ...] | None = None  # the flag's closed set of values
-    metavar: str | None = None
-    train_default: Any = SAME
-    why: str = ""  # why gpukit train's default differs from the API's
-
-
-def setting(default: Any, **option: Any) -> Any:
-    """A :class:`Settings` field: its default and its :class:`Option`."""
-    return field(default=default, metadata={"option": Option(**option)})
 
 
 def _count(name: str, meaning: str) -> Callable[[Any], None]:
