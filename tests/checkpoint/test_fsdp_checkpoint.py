@@ -73,7 +73,7 @@ def _train(
         if rt.global_step == save_at:
             out["saved"] = str(rt.save(folder))
             out["full"] = rt.full_state_dict()
-            out["full_sizes"] = rt.all_gather(len(out["full"]))
+            out["full_sizes"] = rt.all_gather(len(out["full"])).tolist()
             out["at_save"] = _full(model)
     out["weights"] = _full(model)
     return out
