@@ -35,6 +35,30 @@ def test_ranks_see_disjoint_shards_that_cover_the_data_and_reshuffle_each_epoch(
     assert all(s.epoch == 3 and s.position == 0 for s in shards)
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_shuffle_split_over_ranks_gives_the_ddp_recipes_and_lightnings_batches(
+    drop_last: bool,
+) -> None:
+    """11 samples in twos over 2 ranks: the sampler pads the list to 12 and the loader's own
+    drop_last drops a short last batch, as a DistributedSampler a program builds itself (its
+    drop_last left False, PyTorch's DDP recipe) and Lightning Fabric's give: 3 batches a rank
+    with drop_last, not 2."""
+    from torch.utils.data import DistributedSampler
+
+    data = TensorDataset(torch.arange(11))
+    for rank in range(2):
+        ours = DeviceLoader(
+            DataLoader(data, batch_size=2, shuffle=True, drop_last=drop_last), CPU, 2, rank, seed=3
+        )
+        recipe = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        theirs = DataLoader(data, batch_size=2, sampler=recipe, drop_last=drop_last)
+        for epoch in range(2):
+            recipe.set_epoch(epoch)
+            expected = [batch.tolist() for (batch,) in theirs]
+            assert [batch.tolist() for (batch,) in ours] == expected
+            assert len(expected) == 3
+
+
 def test_no_shuffle_keeps_order_and_drop_last_is_kept() -> None:
     data = TensorDataset(torch.arange(10))
     loader = DeviceLoader(DataLoader(data, batch_size=4, drop_last=True), CPU, 1, 0, seed=0)
@@ -126,18 +150,18 @@ def test_a_stream_without_a_length_is_not_checked() -> None:
     assert [b.shape for b in loader] == [torch.Size([1, 2])]
 
 
-def _five_samples_in_threes(rt: gk.Runtime) -> int:
-    data = DataLoader(TensorDataset(torch.zeros(5, 2)), batch_size=3, drop_last=True)
+def _four_samples_in_threes(rt: gk.Runtime) -> int:
+    data = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=3, drop_last=True)
     _, loader = rt.setup(torch.nn.Linear(2, 1), data)
     return len(loader)
 
 
 @pytest.mark.processes
 def test_a_rank_left_without_batches_is_refused_under_several_processes() -> None:
-    """One batch of 3 in one process; 2 or 3 samples a rank under 2 ranks: no batch left."""
-    assert gk.Runtime(devices="cpu").launch(_five_samples_in_threes) == 1
-    with pytest.raises(gk.ConfigError, match=r"split over 2 ranks, 5 samples \(1 batch in one"):
-        gk.Runtime(devices=2).launch(_five_samples_in_threes)
+    """One batch of 3 in one process; 2 samples a rank under 2 ranks: no batch left."""
+    assert gk.Runtime(devices="cpu").launch(_four_samples_in_threes) == 1
+    with pytest.raises(gk.ConfigError, match=r"split over 2 ranks, 4 samples \(1 batch in one"):
+        gk.Runtime(devices=2).launch(_four_samples_in_threes)
 
 
 @pytest.mark.gpu

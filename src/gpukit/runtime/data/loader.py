@@ -156,7 +156,7 @@ class DeviceLoader:
             elif not by_batch and sampling.is_plain_shuffle(chosen):
                 chosen = sampling.distributed(loader, num_shards, shard, seed)
             else:
-                chosen = sampling.Strided(chosen, num_shards, shard, loader.drop_last)
+                chosen = sampling.Strided(chosen, num_shards, shard, drop_last=False)
         self._sampler = PassSampler(chosen)
         self._unit = 1 if by_batch else int(loader.batch_size or 1)
         options = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}

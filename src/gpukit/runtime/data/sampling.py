@@ -7,7 +7,8 @@ plain PyTorch), and under several processes when it already shards by rank (a
 several processes:
 
 - a plain shuffle (``shuffle=True``/``False``) becomes a ``DistributedSampler`` with the run's
-  seed, keeping shuffle and ``drop_last``;
+  seed, keeping shuffle; it pads the list to a multiple of N as Lightning's does, and the
+  loader's ``drop_last`` then drops a short last batch of each rank;
 - any other sampler or ``batch_sampler`` with a length is sharded as Lightning does with custom
   samplers: each pass lists its items and rank r takes items r, r+N, r+2N... (padded like a
   ``DistributedSampler``, so every rank runs as many batches). Every rank must then draw the
@@ -88,7 +89,9 @@ def distributed(loader: DataLoader[Any], num_shards: int, shard: int, seed: int)
         rank=shard,
         shuffle=isinstance(loader.sampler, RandomSampler),
         seed=seed,
-        drop_last=loader.drop_last,
+        # Padded, never cut: the loader's own drop_last drops a short last batch afterwards,
+        # as under PyTorch's DDP recipe and Lightning, whose ranks then see these batches.
+        drop_last=False,
     )
 
 
