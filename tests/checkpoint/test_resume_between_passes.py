@@ -1,8 +1,9 @@
 """A checkpoint saved between passes (``rt.save`` after an epoch) resumes the loaders' own
-generators: a ``DataLoader(generator=...)``'s, and the one Accelerate's order gives a shuffled
-loader at set-up. The resumed run takes the next epochs in the order the uninterrupted run took
-them, and ends with the same weights, bit for bit. A checkpoint written before these states
-were saved still loads; a damaged entry is refused."""
+generators: a ``DataLoader(generator=...)``'s, a sampler's or a batch sampler's sampler's, and
+the one Accelerate's order gives a shuffled loader at set-up. The resumed run takes the next
+epochs in the order the uninterrupted run took them, and ends with the same weights, bit for
+bit. A checkpoint written before these states were saved still loads; a damaged entry is
+refused."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _same_from_epoch_one(folder: Path, ranks: int) -> None:
             assert torch.equal(tensor, resumed["weights"][name]), name
 
 
-@pytest.mark.parametrize("generator", ["loader"])
+@pytest.mark.parametrize("generator", ["loader", "sampler", "batch_sampler"])
 @pytest.mark.parametrize("order", ["torch", "accelerate"])
 def test_one_process_with_its_own_generator_resumes_the_next_epochs_order(
     tmp_path: Path, order: str, generator: str
