@@ -62,8 +62,19 @@ class Loader(Protocol):
         """The random state the current pass started from; None between passes."""
         ...
 
-    def resume(self, epoch: int, position: int, rng: dict[str, Any] | None) -> None:
-        """Go on from ``position`` batches into ``epoch``, the pass started from ``rng``."""
+    def generator_states(self) -> list[torch.Tensor]:
+        """The state now of each private generator its passes draw from."""
+        ...
+
+    def resume(
+        self,
+        epoch: int,
+        position: int,
+        rng: dict[str, Any] | None,
+        generators: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Go on from ``position`` batches into ``epoch``, the pass started from ``rng``, the
+        private generators in the states ``generators``."""
         ...
 
 

@@ -154,21 +154,29 @@ def _refuse(path: Path, mismatches: list[str]) -> None:
         )
 
 
+# A loader's resume: the loader, its epoch, position, the random state its pass started from,
+# and its private generators' states.
+_Resume = tuple[Loader, int, int, dict[str, Any] | None, list[torch.Tensor] | None]
+
+
 def _resumes(
     path: Path,
     saved: dict[str, Any],
     loaders: Sequence[Loader],
     rng: dict[str, Any],
     same_ranks: bool,
-) -> list[tuple[Loader, int, int, dict[str, Any] | None]]:
-    """Each loader with the epoch, position and starting random state it resumes from."""
+) -> list[_Resume]:
+    """Each loader with the epoch, position, starting random state and generator states it
+    resumes from (a checkpoint written before generator states were saved has none)."""
     starts = rng.get("loaders", [])
-    resumes = []
+    generators = rng.get("loader_generators", [])
+    resumes: list[_Resume] = []
     for i, (loader, kept) in enumerate(zip(loaders, saved["loaders"], strict=False)):
         position = _position(loader, kept, path)
         # The pass's starting random state redoes its draws only for the same batches.
         same = same_ranks and position == int(kept["position"]) and i < len(starts)
-        resumes.append((loader, int(kept["epoch"]), position, starts[i] if same else None))
+        states = generators[i] if i < len(generators) else None
+        resumes.append((loader, int(kept["epoch"]), position, starts[i] if same else None, states))
     return resumes
 
 
@@ -178,7 +186,7 @@ def _commit(
     precision: Precision,
     strategy: Strategy,
     rng: dict[str, Any],
-    resumes: list[tuple[Loader, int, int, dict[str, Any] | None]],
+    resumes: list[_Resume],
     accumulate: int,
 ) -> None:
     """Change the live progress (after the models and optimizers), in the order least likely
@@ -192,8 +200,8 @@ def _commit(
         state.micro_step = state.global_step * accumulate
     state.stepped_at = state.micro_step
     state.oom_split = int(saved.get("oom_split", 1))
-    for loader, epoch, position, start in resumes:
-        loader.resume(epoch, position, start)
+    for loader, epoch, position, start, generators in resumes:
+        loader.resume(epoch, position, start, generators)
     _set_rng_state(rng, strategy.device.torch)
 
 
@@ -287,11 +295,22 @@ def _progress_mismatches(saved: dict[str, Any]) -> list[str]:
             isinstance(r, dict)
             and {"python", "numpy", "torch"} <= r.keys()
             and isinstance(r["torch"], torch.Tensor)
+            and _generator_states(r.get("loader_generators", []))
             for r in ranks
         )
     ):
         found.append("its random states are not what gpukit writes")
     return found
+
+
+def _generator_states(saved: Any) -> bool:
+    """Whether ``saved`` is what a save writes of the loaders' generators: per loader, a list
+    of generator states (byte tensors)."""
+    return isinstance(saved, list) and all(
+        isinstance(states, list)
+        and all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in states)
+        for states in saved
+    )
 
 
 def _position(loader: Loader, saved: dict[str, Any], path: Path) -> int:

@@ -332,4 +332,7 @@ def _rng_state(device: torch.device, loaders: Sequence[Loader]) -> dict[str, Any
     if device.type == "cuda":  # this rank's own GPU only: touching others would make contexts
         state["cuda"] = torch.cuda.get_rng_state(device)
     state["loaders"] = [lo.pass_rng() for lo in loaders]
+    # Saved at every save, between passes too: where the pass's start is not saved, nothing
+    # else says which order the next pass of a loader with a generator of its own takes.
+    state["loader_generators"] = [lo.generator_states() for lo in loaders]
     return state

@@ -237,11 +237,30 @@ class DeviceLoader:
             return self._left.rng
         return self._resume.rng if self._resume is not None else None
 
-    def resume(self, epoch: int, position: int, rng: dict[str, Any] | None) -> None:
+    def generator_states(self) -> list[torch.Tensor]:
+        """The state now of each private generator the loader's passes draw from (a
+        ``DataLoader(generator=...)``'s, a sampler's own): between passes it is all that says
+        which order the next pass takes, as the global generator's state does for the rest."""
+        return [g.get_state() for g in sampling.generators(self.loader)]
+
+    def resume(
+        self,
+        epoch: int,
+        position: int,
+        rng: dict[str, Any] | None,
+        generators: list[torch.Tensor] | None = None,
+    ) -> None:
         """Continue from a checkpoint: the next pass skips ``position`` batches and starts
-        from the random state ``rng`` (what :meth:`pass_rng` returned when it was saved)."""
+        from the random state ``rng`` (what :meth:`pass_rng` returned when it was saved);
+        the private generators take the states ``generators`` (what
+        :meth:`generator_states` returned then; None, or another count of them, leaves them
+        as they are: a checkpoint written before they were saved)."""
         self.epoch, self._left = epoch, None
         self._resume = _Resume(position, rng) if position else None
+        own = sampling.generators(self.loader)
+        if generators is not None and len(generators) == len(own):
+            for g, state in zip(own, generators, strict=True):
+                g.set_state(state)
 
     # -- passes --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

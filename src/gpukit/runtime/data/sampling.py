@@ -178,7 +178,25 @@ def generators(loader: DataLoader[Any]) -> list[torch.Generator]:
         # The generator of a sampler gpukit wraps (Accelerate's order keeps its sampler's).
         getattr(getattr(loader.batch_sampler, "inner", None), "generator", None),
     ]
+    # Then any sampler's own generator further inside (a sampler=RandomSampler(generator=g),
+    # a batch sampler around one), after those, so the states saved before keep their places.
+    candidates += _inner_generators([loader.sampler, loader.batch_sampler])
     for g in candidates:
         if isinstance(g, torch.Generator) and not any(g is f for f in found):
             found.append(g)
+    return found
+
+
+def _inner_generators(samplers: list[Any]) -> list[Any]:
+    """The ``generator`` of each sampler in the chains from ``samplers`` inwards, following
+    what gpukit's wrappers (``inner``) and a batch sampler (``sampler``) hold."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    while samplers:
+        sampler = samplers.pop(0)
+        if sampler is None or id(sampler) in seen:
+            continue
+        seen.add(id(sampler))
+        found.append(getattr(sampler, "generator", None))
+        samplers += [getattr(sampler, "inner", None), getattr(sampler, "sampler", None)]
     return found
