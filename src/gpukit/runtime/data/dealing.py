@@ -65,6 +65,17 @@ class DataOrder:
         """Each batch is read one ahead of the one handed out, as Accelerate's loader does."""
         return self.name == "accelerate"
 
+    def batches_per_step(self, num_ranks: int) -> int:
+        """How many of a loader's own batches ``num_ranks`` ranks take together per step: one
+        each, or one in all where ``split_batches`` cuts every batch into a piece per rank (the
+        global batch is then the loader's own, and Accelerate's scheduler steps once a call).
+
+        >>> split = DataOrder("accelerate", split_batches=True)
+        >>> DataOrder().batches_per_step(4), split.batches_per_step(4)
+        (4, 1)
+        """
+        return 1 if self.name == "accelerate" and self.split_batches else num_ranks
+
 
 def data_order(settings: Any, share: Share | None) -> DataOrder:
     """The :class:`DataOrder` of a Runtime's settings (``data_order``, ``seed``: None is 0,
