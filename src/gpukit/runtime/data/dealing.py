@@ -19,9 +19,11 @@ not give a shuffled loader a ``DistributedSampler`` (gpukit's default order, ``"
   r-th (a short last batch is filled up from the start of the pass first, under
   ``even_batches``); the batch size must then divide by N;
 - each batch is read one ahead of the one handed out (Accelerate's loader looks ahead to know
-  the last), which matters where reading a sample draws random numbers.
+  the last), which matters where reading a sample draws random numbers;
+- a dataset with ``set_epoch`` is told each pass's epoch as the pass starts, unless the
+  sampler is told instead (:func:`dataset_told_epoch`), in one process too.
 
-In one process Accelerate changes nothing (no draw, no dealing): neither does gpukit.
+In one process Accelerate changes nothing else (no draw, no dealing): neither does gpukit.
 
 >>> from torch.utils.data import BatchSampler, SequentialSampler
 >>> batches = BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False)
@@ -111,6 +113,24 @@ def dealt(loader: DataLoader[Any], num_ranks: int, rank: int, order: DataOrder) 
         generator=generator if isinstance(generator, torch.Generator) else None,
         share=order.share,
     )
+
+
+def dataset_told_epoch(loader: DataLoader[Any], num_ranks: int) -> Any:
+    """``loader``'s dataset where Accelerate's prepared loader calls its ``set_epoch(epoch)``
+    as each pass starts, else None. It tells the dataset unless it tells a sampler with a
+    ``set_epoch`` instead: on several ranks, the sampler inside the batch sampler it deals
+    from; in one process, none (the dataset is told beside the sampler). A ``BatchSampler``
+    given as the loader's sampler leaves it nothing to tell but the dataset."""
+    if not callable(getattr(loader.dataset, "set_epoch", None)):
+        return None
+    if not isinstance(loader.sampler, BatchSampler):
+        # Accelerate looks for the sampler one level inside the batch sampler it iterates:
+        # on several ranks that is its shard around the loader's batch sampler.
+        inside = loader.batch_sampler
+        dealt_from = inside if num_ranks > 1 else getattr(inside, "batch_sampler", None)
+        if hasattr(getattr(dealt_from, "sampler", None), "set_epoch"):
+            return None
+    return loader.dataset
 
 
 class Dealt:
