@@ -321,3 +321,27 @@ def test_one_process_in_accelerates_order_tells_the_dataset_each_epoch() -> None
     ]
     plain = gk.Runtime(devices="cpu").setup(DataLoader(_Epochs(), batch_size=4))
     assert {row[1] for _ in range(2) for b in plain for row in b.tolist()} == {0}
+
+
+class _TensorBatches:
+    """A batch sampler that yields tensors of indices, not lists."""
+
+    batch_size, drop_last = 4, False
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Any:
+        for batch in BatchSampler(SequentialSampler(range(10)), 4, drop_last=False):
+            yield torch.tensor(batch)
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_batch_sampler_yielding_tensors_is_refused_on_every_rank(split: bool, even: bool) -> None:
+    for rank in range(2):
+        order = DataOrder("accelerate", even_batches=even, split_batches=split)
+        loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=_TensorBatches())
+        dealt = DeviceLoader(loader, CPU, 2, rank, order=order)
+        with pytest.raises(ConfigError, match=r"yielded tensor\(shape=\(4,\).* as batch 0 .*lists"):
+            next(iter(dealt))

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
+from gpukit._util.text import described, type_name
 from gpukit.errors import ConfigError
 
 DataOrderName = Literal["torch", "accelerate"]
@@ -200,12 +201,24 @@ class Dealt:
         # Without a batch size (a batch sampler of varying sizes) every batch counts as full.
         return self.batch_size is None or len(batch) == self.batch_size
 
+    def _check_listed(self, batch: Any, index: int) -> None:
+        # Every rank runs the whole batch sampler, so every rank stops at the same batch: none
+        # goes on alone to wait for the others in its next collective.
+        if not isinstance(batch, list):
+            raise ConfigError(
+                f"data_order='accelerate': the loader's {type_name(self.inner)} yielded "
+                f"{described(batch)} as batch {index} of the pass, not a list of indices. "
+                "Accelerate's order deals, pads and cuts batches as lists: make it yield "
+                "lists (a tensor's .tolist()), or use data_order='torch'"
+            )
+
     def _whole(self) -> Iterator[Any]:
         n, me = self.num_ranks, self.index
         head: list[Any] = []  # the pass's first n batches: what a last round is padded from
         mine: Any = None  # this rank's batch in the round under way
         index, last = -1, None
         for index, batch in enumerate(self.inner):
+            self._check_listed(batch, index)
             if index < n and not self.drop_last:
                 head.append(batch)
             if index % n == me:
@@ -219,10 +232,10 @@ class Dealt:
         if self.drop_last or not head:
             return
         if not self.even_batches:
-            if mine:
+            if mine is not None and len(mine) > 0:
                 yield mine
             return
-        if mine and self._full(mine):
+        if mine is not None and len(mine) > 0 and self._full(mine):
             yield mine
         yield from self._padding(head, index, last)
 
@@ -253,12 +266,13 @@ class Dealt:
         mine = slice(piece * self.index, piece * (self.index + 1))
         first: Any = None
         last: Any = None
-        for batch in self.inner:
+        for index, batch in enumerate(self.inner):
+            self._check_listed(batch, index)
             first = batch if first is None else first
             if len(batch) == size:
                 yield batch[mine]
             last = batch
-        if self.drop_last or not first or len(last) >= size:
+        if self.drop_last or first is None or len(first) == 0 or len(last) >= size:
             return
         if not self.even_batches:
             if len(last) > mine.start:
