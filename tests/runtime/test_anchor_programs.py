@@ -17,7 +17,11 @@ not whole batches): the reason the option exists. The port also resumes: stopped
 mid-way through the second epoch, then started again from that checkpoint, it ends with the
 same weights. And a variant of both seeds each rank apart before setting the loader up (each
 rank then draws another sampler seed): Accelerate's per-pass sync of rank 0's generator, which
-gpukit makes too, gives every rank rank 0's order, so these match as well.
+gpukit makes too, gives every rank rank 0's order, so these match as well. Another cuts every
+batch into a piece per rank (``split_batches=True``, ``DataLoaderConfiguration`` there, a
+``gk.Runtime`` keyword here) and steps a ``OneCycleLR`` built from ``len(loader)`` after every
+optimizer step: the global batch is then the loader's own, so its scheduler steps once a call
+on any number of ranks; the weights and the last learning rate match.
 
 The Fabric anchor (``Fabric(accelerator="cpu", devices=N, strategy="ddp")``,
 ``seed_everything``, ``fabric.setup``, ``fabric.setup_dataloaders``, ``fabric.backward``) and its
@@ -103,6 +107,52 @@ def accelerate_program(rank: int | None = None) -> Weights:
             optimizer.step()
             optimizer.zero_grad()
     return _copy(accelerator.unwrap_model(model))
+
+
+def _one_cycle(optimizer: torch.optim.Optimizer, batches: int) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=EPOCHS * batches)
+
+
+def accelerate_split_program() -> Weights:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    config = DataLoaderConfiguration(split_batches=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    set_seed(SEED)
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+    scheduler = _one_cycle(optimizer, len(loader))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for _ in range(EPOCHS):
+        model.train()
+        for x, y in loader:
+            accelerator.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    lr = torch.tensor(scheduler.get_last_lr(), dtype=torch.float64)
+    return {**_copy(accelerator.unwrap_model(model)), "lr": lr}
+
+
+def gpukit_split_port() -> Weights:
+    rt = gk.Runtime(seed=SEED, data_order="accelerate", split_batches=True)
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+    scheduler = _one_cycle(optimizer, len(loader))
+    model, optimizer, loader, scheduler = rt.setup(model, optimizer, loader, scheduler)
+    for _ in range(EPOCHS):
+        model.train()
+        for x, y in loader:
+            rt.backward(F.cross_entropy(model(x), y))
+            rt.step(optimizer)
+            scheduler.step()
+    lr = torch.tensor(scheduler.get_last_lr(), dtype=torch.float64)
+    weights = {**_copy(rt.unwrap(model)), "lr": lr}
+    rt.teardown()
+    return weights
 
 
 def gpukit_port(data_order: Any, rank: int | None = None) -> Weights:
@@ -202,6 +252,8 @@ def _worker(rank: int, port: int, folder: str, world: int) -> None:
         "gpukit-torch": gpukit_port("torch"),
         "accelerate-reseeded": accelerate_program(rank),
         "gpukit-reseeded": gpukit_port("accelerate", rank),
+        "accelerate-split": accelerate_split_program(),
+        "gpukit-split": gpukit_split_port(),
         # Stopped in the second epoch, then resumed (epoch 1 starts at step 12 on 1 rank, 6 on 2).
         "gpukit-resumed": gpukit_port_resumed(Path(folder, "ckpt"), 12 // world + 2)
         or gpukit_port_resumed(Path(folder, "ckpt"), 0),
@@ -246,6 +298,14 @@ def test_ranks_seeded_apart_get_rank_0s_data_order_as_under_accelerate(runs: Any
     _, ranks = runs
     for results in ranks:
         assert _equal(results["accelerate-reseeded"], results["gpukit-reseeded"])
+
+
+def test_split_batches_train_the_same_weights_and_step_the_scheduler_once_a_call(
+    runs: Any,
+) -> None:
+    _, ranks = runs
+    for results in ranks:
+        assert _equal(results["accelerate-split"], results["gpukit-split"])
 
 
 def test_a_run_resumed_mid_epoch_in_accelerates_order_trains_the_same_weights(runs: Any) -> None:

@@ -262,3 +262,86 @@ def test_gpukit_train_flags_and_config_keys_give_the_data_order() -> None:
     )
     gk.Runtime(devices="cpu", **{k: given[k] for k in ("data_order", "split_batches")})
     assert values(parser.parse_args([]))["data_order"] == "torch"
+
+
+class _Epochs(torch.utils.data.Dataset[torch.Tensor]):
+    """A dataset with ``set_epoch`` (as Hugging Face's have): each sample says the epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, self.epoch])
+
+
+@pytest.mark.parametrize("sampler", ["sequential", "distributed"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_dataset_is_told_each_epoch_as_accelerates_prepared_loader_tells_it(
+    ranks: int, sampler: str
+) -> None:
+    """Accelerate tells the dataset unless, on several ranks, the sampler inside is told
+    instead (a DistributedSampler); in one process it tells both."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    state = pytest.importorskip("accelerate.state")
+
+    def given() -> DataLoader[Any]:
+        data = _Epochs()
+        if sampler == "sequential":
+            return DataLoader(data, batch_size=2)
+        inner = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)
+        return DataLoader(data, batch_size=2, sampler=inner)
+
+    def passes(loader: Any) -> list[list[list[int]]]:
+        return [[b.tolist() for b in loader] for _ in range(3)]
+
+    try:
+        for rank in range(ranks):
+            theirs = passes(accelerate.prepare_data_loader(given(), None, ranks, rank))
+            ours = passes(DeviceLoader(given(), CPU, ranks, rank, order=ACCELERATE))
+            assert ours == theirs
+            told = sampler == "sequential" or ranks == 1
+            assert {row[1] for b in ours[2] for row in b} == {2 if told else 0}
+    finally:
+        state.PartialState._reset_state()
+
+
+def test_one_process_in_accelerates_order_tells_the_dataset_each_epoch() -> None:
+    rt = gk.Runtime(devices="cpu", data_order="accelerate")
+    loader = rt.setup(DataLoader(_Epochs(), batch_size=4))
+    assert [[b[:, 1].tolist() for b in loader] for _ in range(3)] == [
+        [[0] * 4] * 2,
+        [[1] * 4] * 2,
+        [[2] * 4] * 2,
+    ]
+    plain = gk.Runtime(devices="cpu").setup(DataLoader(_Epochs(), batch_size=4))
+    assert {row[1] for _ in range(2) for b in plain for row in b.tolist()} == {0}
+
+
+class _TensorBatches:
+    """A batch sampler that yields tensors of indices, not lists."""
+
+    batch_size, drop_last = 4, False
+
+    def __len__(self) -> int:
+        return 3
+
+    def __iter__(self) -> Any:
+        for batch in BatchSampler(SequentialSampler(range(10)), 4, drop_last=False):
+            yield torch.tensor(batch)
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_batch_sampler_yielding_tensors_is_refused_on_every_rank(split: bool, even: bool) -> None:
+    for rank in range(2):
+        order = DataOrder("accelerate", even_batches=even, split_batches=split)
+        loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=_TensorBatches())
+        dealt = DeviceLoader(loader, CPU, 2, rank, order=order)
+        with pytest.raises(ConfigError, match=r"yielded tensor\(shape=\(4,\).* as batch 0 .*lists"):
+            next(iter(dealt))

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from gpukit._util.text import described, type_name
 from gpukit.checkpoint.plain import not_plain, saved_state
 from gpukit.errors import ConfigError
+from gpukit.runtime.data.dealing import data_order
 from gpukit.runtime.data.loader import DeviceLoader
 from gpukit.runtime.schedulers import Scheduler, is_scheduler
 from gpukit.runtime.settings import Settings
@@ -55,10 +56,13 @@ class Registry:
         track(self.state, objects)
 
     def scheduler(self, scheduler: Any, shards: int) -> Scheduler:
-        """``scheduler`` as ``rt.setup`` returns it, for ranks that split the batches in
-        ``shards`` (each sees 1/shards of them per optimizer step)."""
+        """``scheduler`` as ``rt.setup`` returns it, for ``shards`` ranks sharing the loaders'
+        batches: under ``scheduler_steps="per-sample"`` it steps once per loader batch that
+        one optimizer step covers (``shards`` of them, or one where each rank takes a piece
+        of every batch: :meth:`~gpukit.runtime.data.dealing.DataOrder.batches_per_step`)."""
         per_sample = self.settings.scheduler_steps == "per-sample"
-        return Scheduler(scheduler, shards if per_sample else 1, self._mid_window)
+        batches = data_order(self.settings, None).batches_per_step(shards)
+        return Scheduler(scheduler, batches if per_sample else 1, self._mid_window)
 
     def _mid_window(self) -> bool:
         """Whether gradients are accumulating (the optimizer steps at the window's end)."""

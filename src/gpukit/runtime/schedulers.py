@@ -5,9 +5,11 @@ from ``len(loader)`` of the whole data set and stepped once per optimizer step. 
 data-parallel ranks that split the batches (ddp, fsdp) each optimizer step covers N times the
 samples, so :class:`Scheduler`, what ``rt.setup`` returns in its place, steps it N times per
 ``step()`` call: the learning rate at a given number of samples seen is the one-process
-program's. It does not step it at all when the optimizer step was skipped (a 16-mixed overflow,
-or the non-finite guard), nor while gradients accumulate (a loop that calls ``step()`` after
-every micro-batch). A scheduler stepped less often than the optimizer (once an epoch: the same
+program's. Where each rank takes a piece of every batch instead (Accelerate's order with
+``split_batches=True``), an optimizer step covers one of the loader's batches: once per call.
+It does not step it at all when the optimizer step was skipped (a 16-mixed overflow, or the
+non-finite guard), nor while gradients accumulate (a loop that calls ``step()`` after every
+micro-batch). A scheduler stepped less often than the optimizer (once an epoch: the same
 data on any number of ranks) is stepped once per call. ``Runtime(scheduler_steps=
 "per-optimizer-step")`` keeps one step per call for a scheduler already written for N ranks.
 

@@ -19,9 +19,11 @@ not give a shuffled loader a ``DistributedSampler`` (gpukit's default order, ``"
   r-th (a short last batch is filled up from the start of the pass first, under
   ``even_batches``); the batch size must then divide by N;
 - each batch is read one ahead of the one handed out (Accelerate's loader looks ahead to know
-  the last), which matters where reading a sample draws random numbers.
+  the last), which matters where reading a sample draws random numbers;
+- a dataset with ``set_epoch`` is told each pass's epoch as the pass starts, unless the
+  sampler is told instead (:func:`dataset_told_epoch`), in one process too.
 
-In one process Accelerate changes nothing (no draw, no dealing): neither does gpukit.
+In one process Accelerate changes nothing else (no draw, no dealing): neither does gpukit.
 
 >>> from torch.utils.data import BatchSampler, SequentialSampler
 >>> batches = BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False)
@@ -41,6 +43,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
+from gpukit._util.text import described, type_name
 from gpukit.errors import ConfigError
 
 DataOrderName = Literal["torch", "accelerate"]
@@ -64,6 +67,17 @@ class DataOrder:
     def reads_ahead(self) -> bool:
         """Each batch is read one ahead of the one handed out, as Accelerate's loader does."""
         return self.name == "accelerate"
+
+    def batches_per_step(self, num_ranks: int) -> int:
+        """How many of a loader's own batches ``num_ranks`` ranks take together per step: one
+        each, or one in all where ``split_batches`` cuts every batch into a piece per rank (the
+        global batch is then the loader's own, and Accelerate's scheduler steps once a call).
+
+        >>> split = DataOrder("accelerate", split_batches=True)
+        >>> DataOrder().batches_per_step(4), split.batches_per_step(4)
+        (4, 1)
+        """
+        return 1 if self.name == "accelerate" and self.split_batches else num_ranks
 
 
 def data_order(settings: Any, share: Share | None) -> DataOrder:
@@ -100,6 +114,24 @@ def dealt(loader: DataLoader[Any], num_ranks: int, rank: int, order: DataOrder) 
         generator=generator if isinstance(generator, torch.Generator) else None,
         share=order.share,
     )
+
+
+def dataset_told_epoch(loader: DataLoader[Any], num_ranks: int) -> Any:
+    """``loader``'s dataset where Accelerate's prepared loader calls its ``set_epoch(epoch)``
+    as each pass starts, else None. It tells the dataset unless it tells a sampler with a
+    ``set_epoch`` instead: on several ranks, the sampler inside the batch sampler it deals
+    from; in one process, none (the dataset is told beside the sampler). A ``BatchSampler``
+    given as the loader's sampler leaves it nothing to tell but the dataset."""
+    if not callable(getattr(loader.dataset, "set_epoch", None)):
+        return None
+    if not isinstance(loader.sampler, BatchSampler):
+        # Accelerate looks for the sampler one level inside the batch sampler it iterates:
+        # on several ranks that is its shard around the loader's batch sampler.
+        inside = loader.batch_sampler
+        dealt_from = inside if num_ranks > 1 else getattr(inside, "batch_sampler", None)
+        if hasattr(getattr(dealt_from, "sampler", None), "set_epoch"):
+            return None
+    return loader.dataset
 
 
 class Dealt:
@@ -169,12 +201,24 @@ class Dealt:
         # Without a batch size (a batch sampler of varying sizes) every batch counts as full.
         return self.batch_size is None or len(batch) == self.batch_size
 
+    def _check_listed(self, batch: Any, index: int) -> None:
+        # Every rank runs the whole batch sampler, so every rank stops at the same batch: none
+        # goes on alone to wait for the others in its next collective.
+        if not isinstance(batch, list):
+            raise ConfigError(
+                f"data_order='accelerate': the loader's {type_name(self.inner)} yielded "
+                f"{described(batch)} as batch {index} of the pass, not a list of indices. "
+                "Accelerate's order deals, pads and cuts batches as lists: make it yield "
+                "lists (a tensor's .tolist()), or use data_order='torch'"
+            )
+
     def _whole(self) -> Iterator[Any]:
         n, me = self.num_ranks, self.index
         head: list[Any] = []  # the pass's first n batches: what a last round is padded from
         mine: Any = None  # this rank's batch in the round under way
         index, last = -1, None
         for index, batch in enumerate(self.inner):
+            self._check_listed(batch, index)
             if index < n and not self.drop_last:
                 head.append(batch)
             if index % n == me:
@@ -188,10 +232,10 @@ class Dealt:
         if self.drop_last or not head:
             return
         if not self.even_batches:
-            if mine:
+            if mine is not None and len(mine) > 0:
                 yield mine
             return
-        if mine and self._full(mine):
+        if mine is not None and len(mine) > 0 and self._full(mine):
             yield mine
         yield from self._padding(head, index, last)
 
@@ -222,12 +266,13 @@ class Dealt:
         mine = slice(piece * self.index, piece * (self.index + 1))
         first: Any = None
         last: Any = None
-        for batch in self.inner:
+        for index, batch in enumerate(self.inner):
+            self._check_listed(batch, index)
             first = batch if first is None else first
             if len(batch) == size:
                 yield batch[mine]
             last = batch
-        if self.drop_last or not first or len(last) >= size:
+        if self.drop_last or first is None or len(first) == 0 or len(last) >= size:
             return
         if not self.even_batches:
             if len(last) > mine.start:

@@ -8,7 +8,8 @@ global random generator when it starts as a ``DataLoader`` does (the workers' ba
 
 What it adds: it shards the data across ranks (see ``gpukit.runtime.data.sampling``; or in
 Accelerate's order, ``gpukit.runtime.data.dealing``), calls the
-sampler's ``set_epoch`` at each pass (unless the program calls it itself), leaves SIGTERM and
+sampler's ``set_epoch`` at each pass (unless the program calls it itself; in Accelerate's order
+the dataset's too, where Accelerate calls it), leaves SIGTERM and
 SIGINT to the main process in its workers (``workers.MainStops``: a preemption then saves),
 hands out batches already on the device (``prefetch``: on CUDA from pinned memory, the next
 batch copied on a side stream while the current one is used), measures how long each batch
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from gpukit.errors import ConfigError
 from gpukit.runtime.data import sampling
 from gpukit.runtime.data.checks import check_has_batches
-from gpukit.runtime.data.dealing import DataOrder, Dealt, dealt
+from gpukit.runtime.data.dealing import DataOrder, Dealt, dataset_told_epoch, dealt
 from gpukit.runtime.data.prefetch import on_device
 from gpukit.runtime.data.sampling import PassSampler
 from gpukit.runtime.data.wait import DataWait
@@ -128,6 +129,8 @@ class DeviceLoader:
         self._unit = 1  # sampler items per batch: batch_size for an index sampler
         self._epoch_owned = True  # False once the program calls set_epoch itself
         self.loader = self._rebuilt(loader, num_shards, shard, self._order.seed)
+        accelerate = self._order.name == "accelerate"
+        self._told_epoch = dataset_told_epoch(loader, num_shards) if accelerate else None
         check_has_batches(loader, self.loader, num_shards)
         self._epoch_set = getattr(self.sampler, "epoch", None)
 
@@ -272,6 +275,8 @@ class DeviceLoader:
         self._set_epoch()
         if isinstance(self.sampler, Dealt):  # rank 0's sampler generator, as Accelerate's pass
             self.sampler.synchronize()
+        if self._told_epoch is not None:  # Accelerate's loader tells the dataset every pass
+            self._told_epoch.set_epoch(self.epoch)
         generators = sampling.generators(self.loader)
         started = _Pass(self._steps(), _capture(generators))
         if resume is not None and resume.rng is not None:
