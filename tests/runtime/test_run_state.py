@@ -558,6 +558,12 @@ def test_a_step_the_scaler_skipped_does_not_step_the_scheduler_and_repeats_stop_
         wrapped.optimizer_stepped(optimizer, ran=True)
         wrapped.step()
     assert wrapped.last_epoch == 5
+    # A cycle over epochs whose padded shards asked for more steps than it holds: the last
+    # call finds the cycle ended, and makes none (as Accelerate's prepared scheduler).
+    optimizer.step()
+    wrapped.optimizer_stepped(optimizer, ran=True)
+    wrapped.step()
+    assert wrapped.last_epoch == 5
 
 
 def test_a_scheduler_stepped_around_the_wrapper_over_several_ranks_warns_once() -> None:

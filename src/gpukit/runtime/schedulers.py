@@ -146,8 +146,10 @@ class Scheduler:
                 times = self.repeats
         elif ran:
             self.per_step = False
-        self.scheduler.step(*args, **kwargs)
-        self._repeat(times - 1)
+        if times > 1:  # the ranks' steps, each stopped at a schedule's end
+            self._repeat(times)
+        else:  # the program's own call, as one process makes it (past the end: its error)
+            self.scheduler.step(*args, **kwargs)
         self._seen = getattr(self.scheduler, "last_epoch", None)
 
     def owed(self) -> int:
