@@ -222,3 +222,42 @@ def _sgd_before_a_step(rt: gk.Runtime, path: str) -> float:
 def test_under_fsdp_an_optimizer_without_state_loads_its_settings(tmp_path: Path) -> None:
     rt = gk.Runtime(devices=["cpu", "cpu"], strategy="fsdp")
     assert rt.launch(_sgd_before_a_step, str(tmp_path / "run.pt")) == 0.1
+
+
+def _two_groups(net: nn.Sequential) -> torch.optim.Optimizer:
+    return torch.optim.Adam(
+        [{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.5}], lr=0.1
+    )
+
+
+def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_changes(
+    tmp_path: Path,
+) -> None:
+    rt = gk.Runtime(devices="cpu")
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model, optimizer = rt.setup(net, _two_groups(net))
+    rt.backward(model(torch.ones(3, 2)).sum())
+    rt.step(optimizer)  # Adam keeps its moments: state tensors to compare
+    path = tmp_path / "run.pt"
+    rt.save(path, {"model": model, "optimizer": optimizer})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    one_group = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(
+        ConfigError, match=r"'optimizer' does not fit.*2 parameter group\(s\), the optimizer 1"
+    ):
+        rt.load(path, {"model": model, "optimizer": one_group})
+    split = torch.optim.Adam(
+        [{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()]}]
+    )
+    with pytest.raises(ConfigError, match=r"group 0 holds 2 parameter\(s\) in the file, 1 in"):
+        rt.load(path, {"model": model, "optimizer": split})
+    other = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    with pytest.raises(ConfigError, match=r"'exp_avg' is \(2, 2\) in the file, \(3, 2\) here"):
+        rt.load(path, {"model": model, "optimizer": _two_groups(other)})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    rt.load(path, {"model": model, "optimizer": optimizer})  # the one it was saved from fits
+    assert not torch.equal(model[0].weight, before[0])

@@ -257,7 +257,9 @@ def _mismatch(
     run: Run,
 ) -> str | None:
     """What keeps ``loaded`` from filling ``state``, or None: a name it lacks, a model's
-    weights that differ in names or shapes."""
+    weights that differ in names or shapes, an optimizer's groups that differ in number or
+    size. Found before anything is loaded: torch's loaders fail halfway, after the models
+    before them have changed."""
     missing = [name for name in state if name not in loaded]
     if missing:
         return (
@@ -280,6 +282,14 @@ def _mismatch(
                 f"rt.load({str(path)!r}, state): {name!r} is a {type_name(loaded[name])} in "
                 f"the file, not the state of the {type_name(obj)} given; nothing was changed"
             )
+        elif isinstance(obj, torch.optim.Optimizer):
+            found = _optimizer_mismatch(loaded[name], obj)
+            if found:
+                return (
+                    f"rt.load({str(path)!r}, state): {name!r} does not fit the optimizer "
+                    f"given: {found}; nothing was changed: give an optimizer made as the "
+                    "saved one was (the same parameter groups, in the same order)"
+                )
     return None
 
 
@@ -294,4 +304,69 @@ def _weights_mismatch(saved: Any, model: nn.Module) -> str | None:
     for k, shape in live.items():
         if shape != kept[k]:
             return f"{k}: file {kept[k]}, model {shape}"
+    return None
+
+
+# torch's optimizers whose state per parameter is the parameter's shape or a 0-d count: a
+# saved state of another shape is another model's. Others (LBFGS, Adafactor) keep other shapes.
+_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+def _optimizer_mismatch(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """Where the file's optimizer state does not fit ``optimizer``: the groups' count, each
+    group's parameter count, and the shape of each state tensor kept for a parameter (against
+    the live optimizer's state where it has one, else the parameter's own shape)."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return "the file holds no parameter groups"
+    live_groups = optimizer.param_groups
+    if len(groups) != len(live_groups):
+        return f"the file has {len(groups)} parameter group(s), the optimizer {len(live_groups)}"
+    kept = saved.get("state")
+    kept = kept if isinstance(kept, dict) else {}
+    for index, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
+        if len(group["params"]) != len(live["params"]):
+            return (
+                f"group {index} holds {len(group['params'])} parameter(s) in the file, "
+                f"{len(live['params'])} in the optimizer"
+            )
+        for key, param in zip(group["params"], live["params"], strict=True):
+            found = _state_shape_mismatch(kept.get(key), optimizer, param)
+            if found:
+                return f"group {index}, parameter {key!r}: {found}"
+    return None
+
+
+def _state_shape_mismatch(
+    saved: Any, optimizer: torch.optim.Optimizer, param: torch.Tensor
+) -> str | None:
+    if not isinstance(saved, dict):
+        return None
+    live = optimizer.state.get(param, {})
+    for name, value in saved.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        current = live.get(name)
+        if isinstance(current, torch.Tensor):
+            expected: tuple[int, ...] | None = tuple(current.shape)
+        elif type(optimizer) in _ELEMENTWISE and value.dim() > 0:
+            expected = tuple(param.shape)
+        else:
+            expected = None
+        if expected is not None and tuple(value.shape) != expected:
+            return f"{name!r} is {tuple(value.shape)} in the file, {expected} here"
     return None
