@@ -5,9 +5,11 @@ cannot be told, or whose file cannot be read, refused."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -261,3 +263,26 @@ def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_changes(
 
     rt.load(path, {"model": model, "optimizer": optimizer})  # the one it was saved from fits
     assert not torch.equal(model[0].weight, before[0])
+
+
+def _refused_on_rank_1_only(rt: gk.Runtime, path: str) -> tuple[str, str, bool]:
+    """A value the file cannot hold on rank 1 alone: every rank says the same refusal."""
+    model = rt.setup(nn.Linear(2, 1))
+    best: Any = 5 if rt.rank == 0 else np.int64(5)
+    try:
+        rt.save(path, {"model": model, "best": best})
+        said = "saved"
+    except ConfigError as err:
+        said = str(err)
+    rt.barrier()  # the ranks still meet: none was left behind in the save
+    return said, rt.broadcast(said, src=1), Path(path).exists()
+
+
+@pytest.mark.processes
+def test_a_state_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.pt")
+    rt = gk.Runtime(devices=["cpu", "cpu"], strategy="ddp")
+    on_rank_0, on_rank_1, written = rt.launch(_refused_on_rank_1_only, path)
+    assert on_rank_0 == on_rank_1
+    assert re.search(r"state\['best'\] is a .*int64.*cannot hold", on_rank_0), on_rank_0
+    assert not written

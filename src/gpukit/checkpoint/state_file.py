@@ -75,7 +75,10 @@ def save(path: Path, state: Mapping[str, Any], run: Run) -> None:
     (under fsdp every rank gives its shards), rank 0 writes, and a write the disk refused is
     raised on every rank."""
     strategy = run.strategy
-    saved = _saved(state, run)  # every rank: checked alike, shards gathered
+    # Every rank gathers its shards and checks its own state; what one rank refuses is raised
+    # on all of them before rank 0 writes, never a rank left waiting for one that stopped.
+    saved, problem = _saved(state, run)
+    _agree(strategy, problem)
     error: Exception | None = None
     if strategy.rank == 0:
         try:
@@ -113,10 +116,7 @@ def load(
             problem = _mismatch(path, loaded, state, run)
     except ConfigError as err:
         loaded, problem = None, str(err)
-    said = run.strategy.all_gather_object(problem)
-    first = next((s for s in said if s is not None), None)
-    if first is not None:
-        raise ConfigError(first)
+    _agree(run.strategy, problem)
     assert isinstance(loaded, dict)
     if state is None:
         return loaded
@@ -135,19 +135,27 @@ def load(
     return loaded
 
 
-def _saved(state: Mapping[str, Any], run: Run) -> dict[str, Any]:
+def _agree(strategy: Strategy, problem: str | None) -> None:
+    """Raise the first rank's ``problem`` as a ConfigError on every rank, if any rank has one.
+    Collective: every rank calls it, with its problem or None."""
+    said = strategy.all_gather_object(problem)
+    first = next((s for s in said if s is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+
+
+def _saved(state: Mapping[str, Any], run: Run) -> tuple[dict[str, Any], str | None]:
+    """``state`` as the file holds it, and the first entry the file cannot hold, or None. Every
+    entry is gathered even after a refused one: under fsdp a gather is collective, and the
+    other ranks, which may have refused nothing, are gathering it too."""
     if not isinstance(state, Mapping):
-        raise ConfigError(
+        return {}, (
             f"rt.save(path, state) got a state of {type_name(state)}: give a dict of what to "
             "save, e.g. rt.save('run.pt', {'model': model, 'optimizer': optimizer})"
         )
     saved: dict[str, Any] = {}
+    problem: str | None = None
     for name, obj in state.items():
-        if not isinstance(name, str):
-            raise ConfigError(
-                f"rt.save(path, state): the key {name!r} is a {type_name(name)}: name each "
-                "entry with a string, e.g. {'model': model}"
-            )
         if isinstance(obj, nn.Module):
             user = user_model(obj, run.strategy, run.precision)
             value: Any = full_weights(user, run.strategy) if is_sharded(user) else user.state_dict()
@@ -158,14 +166,20 @@ def _saved(state: Mapping[str, Any], run: Run) -> dict[str, Any]:
         else:
             value = obj
         where = not_plain(value, f"[{name!r}]")
-        if where is not None:
-            raise ConfigError(
+        if not isinstance(name, str):
+            problem = problem or (
+                f"rt.save(path, state): the key {name!r} is a {type_name(name)}: name each "
+                "entry with a string, e.g. {'model': model}"
+            )
+        elif where is not None:
+            problem = problem or (
                 f"rt.save(path, state): state{where}, which a file read back without running "
                 "code cannot hold: give tensors, numbers, strings, lists and dicts of them, or "
                 "objects with state_dict()/load_state_dict() (a model, an optimizer, a scheduler)"
             )
-        saved[name] = map_tensors(value, lambda t: t.detach().cpu())
-    return saved
+        else:
+            saved[name] = map_tensors(value, lambda t: t.detach().cpu())
+    return saved, problem
 
 
 def _stateful(obj: Any) -> bool:
