@@ -278,3 +278,23 @@ def test_every_row_is_found_by_one_key() -> None:
     assert len(keys) == len(set(keys))
     assert all(r.call and r.gpukit for r in TABLE)
     assert len({(b.library, b.key) for b in BEHAVIOURS}) == len(BEHAVIOURS)
+
+
+def test_accelerates_batch_dealing_keywords_have_gpukits_spelling() -> None:
+    source = """\
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+
+old = Accelerator(split_batches=True, even_batches=False)
+new = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
+"""
+    found = scan_source(source).findings
+    assert [(f.line, f.written, f.gpukit) for f in found if not f.call.endswith("(...)")] == [
+        (4, "split_batches=True", '`gk.Runtime(data_order="accelerate", split_batches=True)`'),
+        (4, "even_batches=False", '`gk.Runtime(data_order="accelerate", even_batches=False)`'),
+        (
+            5,
+            "dataloader_config=DataLoaderConfiguration(split_batches=True)",
+            '`gk.Runtime(data_order="accelerate", split_batches=..., even_batches=...)`',
+        ),
+    ]

@@ -69,6 +69,16 @@ keyword project_dir | Accelerator(project_dir=folder) | `gk.Runtime(checkpoints=
     `rt.save()` without a folder writes
 keyword step_scheduler_with_optimizer | Accelerator(step_scheduler_with_optimizer=False) |
     `gk.Runtime(scheduler_steps="per-optimizer-step")` | one step per call on every rank count
+keyword split_batches | Accelerator(split_batches=True) |
+    `gk.Runtime(data_order="accelerate", split_batches=True)` | every batch cut into one piece
+    per rank: the loader's batch size is the total over the ranks
+keyword even_batches | Accelerator(even_batches=False) |
+    `gk.Runtime(data_order="accelerate", even_batches=False)` | the last round left short;
+    True (the default) completes it from the pass's first samples
+keyword dataloader_config | Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=...,
+    even_batches=...)) | `gk.Runtime(data_order="accelerate",
+    split_batches=..., even_batches=...)` | its other fields (`dispatch_batches`,
+    `use_seedable_sampler`...) have no gpukit spelling
 method prepare | accelerator.prepare(model, optimizer, loader, scheduler) | `rt.setup(model,
     optimizer, loader, scheduler)` | the model first; loaders alone: `rt.setup(loader1,
     loader2)`
