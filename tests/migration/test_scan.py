@@ -298,3 +298,25 @@ new = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
             '`gk.Runtime(data_order="accelerate", split_batches=..., even_batches=...)`',
         ),
     ]
+
+
+def test_a_fabric_methods_keyword_that_changes_what_it_does_is_listed() -> None:
+    source = """\
+from lightning.fabric import Fabric
+
+fabric = Fabric()
+loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+fabric.load("run.pt", state, strict=False)
+fabric.load("run.pt", state, strict=True)
+"""
+    found = scan_source(source).findings
+    assert [(f.line, f.written) for f in found] == [
+        (3, "Fabric()"),
+        (4, "fabric.setup_dataloaders(loader, use_distributed_sampler=False)"),
+        (4, "use_distributed_sampler=False"),
+        (5, 'fabric.load("run.pt", state, strict=False)'),
+        (5, "strict=False"),
+        (6, 'fabric.load("run.pt", state, strict=True)'),  # on, as by default: nothing to say
+    ]
+    assert "each rank iterates the whole data set" in found[2].note
+    assert found[4].note.startswith("always strict")
