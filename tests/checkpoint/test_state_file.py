@@ -5,9 +5,11 @@ cannot be told, or whose file cannot be read, refused."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -222,3 +224,65 @@ def _sgd_before_a_step(rt: gk.Runtime, path: str) -> float:
 def test_under_fsdp_an_optimizer_without_state_loads_its_settings(tmp_path: Path) -> None:
     rt = gk.Runtime(devices=["cpu", "cpu"], strategy="fsdp")
     assert rt.launch(_sgd_before_a_step, str(tmp_path / "run.pt")) == 0.1
+
+
+def _two_groups(net: nn.Sequential) -> torch.optim.Optimizer:
+    return torch.optim.Adam(
+        [{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.5}], lr=0.1
+    )
+
+
+def test_an_optimizer_that_does_not_fit_is_refused_before_the_model_changes(
+    tmp_path: Path,
+) -> None:
+    rt = gk.Runtime(devices="cpu")
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model, optimizer = rt.setup(net, _two_groups(net))
+    rt.backward(model(torch.ones(3, 2)).sum())
+    rt.step(optimizer)  # Adam keeps its moments: state tensors to compare
+    path = tmp_path / "run.pt"
+    rt.save(path, {"model": model, "optimizer": optimizer})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    one_group = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(
+        ConfigError, match=r"'optimizer' does not fit.*2 parameter group\(s\), the optimizer 1"
+    ):
+        rt.load(path, {"model": model, "optimizer": one_group})
+    split = torch.optim.Adam(
+        [{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()]}]
+    )
+    with pytest.raises(ConfigError, match=r"group 0 holds 2 parameter\(s\) in the file, 1 in"):
+        rt.load(path, {"model": model, "optimizer": split})
+    other = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    with pytest.raises(ConfigError, match=r"'exp_avg' is \(2, 2\) in the file, \(3, 2\) here"):
+        rt.load(path, {"model": model, "optimizer": _two_groups(other)})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    rt.load(path, {"model": model, "optimizer": optimizer})  # the one it was saved from fits
+    assert not torch.equal(model[0].weight, before[0])
+
+
+def _refused_on_rank_1_only(rt: gk.Runtime, path: str) -> tuple[str, str, bool]:
+    """A value the file cannot hold on rank 1 alone: every rank says the same refusal."""
+    model = rt.setup(nn.Linear(2, 1))
+    best: Any = 5 if rt.rank == 0 else np.int64(5)
+    try:
+        rt.save(path, {"model": model, "best": best})
+        said = "saved"
+    except ConfigError as err:
+        said = str(err)
+    rt.barrier()  # the ranks still meet: none was left behind in the save
+    return said, rt.broadcast(said, src=1), Path(path).exists()
+
+
+@pytest.mark.processes
+def test_a_state_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.pt")
+    rt = gk.Runtime(devices=["cpu", "cpu"], strategy="ddp")
+    on_rank_0, on_rank_1, written = rt.launch(_refused_on_rank_1_only, path)
+    assert on_rank_0 == on_rank_1
+    assert re.search(r"state\['best'\] is a .*int64.*cannot hold", on_rank_0), on_rank_0
+    assert not written

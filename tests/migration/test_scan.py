@@ -278,3 +278,45 @@ def test_every_row_is_found_by_one_key() -> None:
     assert len(keys) == len(set(keys))
     assert all(r.call and r.gpukit for r in TABLE)
     assert len({(b.library, b.key) for b in BEHAVIOURS}) == len(BEHAVIOURS)
+
+
+def test_accelerates_batch_dealing_keywords_have_gpukits_spelling() -> None:
+    source = """\
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+
+old = Accelerator(split_batches=True, even_batches=False)
+new = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
+"""
+    found = scan_source(source).findings
+    assert [(f.line, f.written, f.gpukit) for f in found if not f.call.endswith("(...)")] == [
+        (4, "split_batches=True", '`gk.Runtime(data_order="accelerate", split_batches=True)`'),
+        (4, "even_batches=False", '`gk.Runtime(data_order="accelerate", even_batches=False)`'),
+        (
+            5,
+            "dataloader_config=DataLoaderConfiguration(split_batches=True)",
+            '`gk.Runtime(data_order="accelerate", split_batches=..., even_batches=...)`',
+        ),
+    ]
+
+
+def test_a_fabric_methods_keyword_that_changes_what_it_does_is_listed() -> None:
+    source = """\
+from lightning.fabric import Fabric
+
+fabric = Fabric()
+loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+fabric.load("run.pt", state, strict=False)
+fabric.load("run.pt", state, strict=True)
+"""
+    found = scan_source(source).findings
+    assert [(f.line, f.written) for f in found] == [
+        (3, "Fabric()"),
+        (4, "fabric.setup_dataloaders(loader, use_distributed_sampler=False)"),
+        (4, "use_distributed_sampler=False"),
+        (5, 'fabric.load("run.pt", state, strict=False)'),
+        (5, "strict=False"),
+        (6, 'fabric.load("run.pt", state, strict=True)'),  # on, as by default: nothing to say
+    ]
+    assert "each rank iterates the whole data set" in found[2].note
+    assert found[4].note.startswith("always strict")

@@ -75,7 +75,10 @@ def save(path: Path, state: Mapping[str, Any], run: Run) -> None:
     (under fsdp every rank gives its shards), rank 0 writes, and a write the disk refused is
     raised on every rank."""
     strategy = run.strategy
-    saved = _saved(state, run)  # every rank: checked alike, shards gathered
+    # Every rank gathers its shards and checks its own state; what one rank refuses is raised
+    # on all of them before rank 0 writes, never a rank left waiting for one that stopped.
+    saved, problem = _saved(state, run)
+    _agree(strategy, problem)
     error: Exception | None = None
     if strategy.rank == 0:
         try:
@@ -113,10 +116,7 @@ def load(
             problem = _mismatch(path, loaded, state, run)
     except ConfigError as err:
         loaded, problem = None, str(err)
-    said = run.strategy.all_gather_object(problem)
-    first = next((s for s in said if s is not None), None)
-    if first is not None:
-        raise ConfigError(first)
+    _agree(run.strategy, problem)
     assert isinstance(loaded, dict)
     if state is None:
         return loaded
@@ -135,19 +135,27 @@ def load(
     return loaded
 
 
-def _saved(state: Mapping[str, Any], run: Run) -> dict[str, Any]:
+def _agree(strategy: Strategy, problem: str | None) -> None:
+    """Raise the first rank's ``problem`` as a ConfigError on every rank, if any rank has one.
+    Collective: every rank calls it, with its problem or None."""
+    said = strategy.all_gather_object(problem)
+    first = next((s for s in said if s is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+
+
+def _saved(state: Mapping[str, Any], run: Run) -> tuple[dict[str, Any], str | None]:
+    """``state`` as the file holds it, and the first entry the file cannot hold, or None. Every
+    entry is gathered even after a refused one: under fsdp a gather is collective, and the
+    other ranks, which may have refused nothing, are gathering it too."""
     if not isinstance(state, Mapping):
-        raise ConfigError(
+        return {}, (
             f"rt.save(path, state) got a state of {type_name(state)}: give a dict of what to "
             "save, e.g. rt.save('run.pt', {'model': model, 'optimizer': optimizer})"
         )
     saved: dict[str, Any] = {}
+    problem: str | None = None
     for name, obj in state.items():
-        if not isinstance(name, str):
-            raise ConfigError(
-                f"rt.save(path, state): the key {name!r} is a {type_name(name)}: name each "
-                "entry with a string, e.g. {'model': model}"
-            )
         if isinstance(obj, nn.Module):
             user = user_model(obj, run.strategy, run.precision)
             value: Any = full_weights(user, run.strategy) if is_sharded(user) else user.state_dict()
@@ -158,14 +166,20 @@ def _saved(state: Mapping[str, Any], run: Run) -> dict[str, Any]:
         else:
             value = obj
         where = not_plain(value, f"[{name!r}]")
-        if where is not None:
-            raise ConfigError(
+        if not isinstance(name, str):
+            problem = problem or (
+                f"rt.save(path, state): the key {name!r} is a {type_name(name)}: name each "
+                "entry with a string, e.g. {'model': model}"
+            )
+        elif where is not None:
+            problem = problem or (
                 f"rt.save(path, state): state{where}, which a file read back without running "
                 "code cannot hold: give tensors, numbers, strings, lists and dicts of them, or "
                 "objects with state_dict()/load_state_dict() (a model, an optimizer, a scheduler)"
             )
-        saved[name] = map_tensors(value, lambda t: t.detach().cpu())
-    return saved
+        else:
+            saved[name] = map_tensors(value, lambda t: t.detach().cpu())
+    return saved, problem
 
 
 def _stateful(obj: Any) -> bool:
@@ -257,7 +271,9 @@ def _mismatch(
     run: Run,
 ) -> str | None:
     """What keeps ``loaded`` from filling ``state``, or None: a name it lacks, a model's
-    weights that differ in names or shapes."""
+    weights that differ in names or shapes, an optimizer's groups that differ in number or
+    size. Found before anything is loaded: torch's loaders fail halfway, after the models
+    before them have changed."""
     missing = [name for name in state if name not in loaded]
     if missing:
         return (
@@ -280,6 +296,14 @@ def _mismatch(
                 f"rt.load({str(path)!r}, state): {name!r} is a {type_name(loaded[name])} in "
                 f"the file, not the state of the {type_name(obj)} given; nothing was changed"
             )
+        elif isinstance(obj, torch.optim.Optimizer):
+            found = _optimizer_mismatch(loaded[name], obj)
+            if found:
+                return (
+                    f"rt.load({str(path)!r}, state): {name!r} does not fit the optimizer "
+                    f"given: {found}; nothing was changed: give an optimizer made as the "
+                    "saved one was (the same parameter groups, in the same order)"
+                )
     return None
 
 
@@ -294,4 +318,69 @@ def _weights_mismatch(saved: Any, model: nn.Module) -> str | None:
     for k, shape in live.items():
         if shape != kept[k]:
             return f"{k}: file {kept[k]}, model {shape}"
+    return None
+
+
+# torch's optimizers whose state per parameter is the parameter's shape or a 0-d count: a
+# saved state of another shape is another model's. Others (LBFGS, Adafactor) keep other shapes.
+_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+
+
+def _optimizer_mismatch(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """Where the file's optimizer state does not fit ``optimizer``: the groups' count, each
+    group's parameter count, and the shape of each state tensor kept for a parameter (against
+    the live optimizer's state where it has one, else the parameter's own shape)."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return "the file holds no parameter groups"
+    live_groups = optimizer.param_groups
+    if len(groups) != len(live_groups):
+        return f"the file has {len(groups)} parameter group(s), the optimizer {len(live_groups)}"
+    kept = saved.get("state")
+    kept = kept if isinstance(kept, dict) else {}
+    for index, (group, live) in enumerate(zip(groups, live_groups, strict=True)):
+        if len(group["params"]) != len(live["params"]):
+            return (
+                f"group {index} holds {len(group['params'])} parameter(s) in the file, "
+                f"{len(live['params'])} in the optimizer"
+            )
+        for key, param in zip(group["params"], live["params"], strict=True):
+            found = _state_shape_mismatch(kept.get(key), optimizer, param)
+            if found:
+                return f"group {index}, parameter {key!r}: {found}"
+    return None
+
+
+def _state_shape_mismatch(
+    saved: Any, optimizer: torch.optim.Optimizer, param: torch.Tensor
+) -> str | None:
+    if not isinstance(saved, dict):
+        return None
+    live = optimizer.state.get(param, {})
+    for name, value in saved.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        current = live.get(name)
+        if isinstance(current, torch.Tensor):
+            expected: tuple[int, ...] | None = tuple(current.shape)
+        elif type(optimizer) in _ELEMENTWISE and value.dim() > 0:
+            expected = tuple(param.shape)
+        else:
+            expected = None
+        if expected is not None and tuple(value.shape) != expected:
+            return f"{name!r} is {tuple(value.shape)} in the file, {expected} here"
     return None

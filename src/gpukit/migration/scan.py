@@ -235,6 +235,13 @@ class _Scanner:
             row = _row(library, "method", method) or _unknown(library, "method", method)
             self._add(node, row)
             self._method_behaviours(library, method, node)
+            for keyword in node.keywords:
+                # The keywords held switch off what the method does by default: on, they
+                # change nothing.
+                on = isinstance(keyword.value, ast.Constant) and keyword.value.value is True
+                if keyword.arg and not on:
+                    found = _row(library, "method-keyword", f"{method}.{keyword.arg}")
+                    self._add(keyword, found, keyword)
         elif receiver in self.optimizers:
             self._add(node, _row_by_name("optimizer", method))
         elif receiver in self.schedulers and method == "step":

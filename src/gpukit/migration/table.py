@@ -19,8 +19,11 @@ from typing import Literal, cast
 Library = Literal["accelerate", "fabric", "ddp", "torch"]
 # What the scan matches: a method of the Accelerator or Fabric object, one of its attributes
 # read, a keyword of its constructor, a function by its full import name, a method called on
-# any object (``set_epoch``), on an optimizer or a scheduler, or an environment variable read.
-Kind = Literal["method", "attribute", "keyword", "function", "any-method", "optimizer", "env"]
+# any object (``set_epoch``), on an optimizer or a scheduler, or an environment variable read;
+# a method's keyword that changes what the method does (``method.keyword``) is a row of its own.
+Kind = Literal[
+    "method", "method-keyword", "attribute", "keyword", "function", "any-method", "optimizer", "env"
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,16 @@ keyword project_dir | Accelerator(project_dir=folder) | `gk.Runtime(checkpoints=
     `rt.save()` without a folder writes
 keyword step_scheduler_with_optimizer | Accelerator(step_scheduler_with_optimizer=False) |
     `gk.Runtime(scheduler_steps="per-optimizer-step")` | one step per call on every rank count
+keyword split_batches | Accelerator(split_batches=True) |
+    `gk.Runtime(data_order="accelerate", split_batches=True)` | every batch cut into one piece
+    per rank: the loader's batch size is the total over the ranks
+keyword even_batches | Accelerator(even_batches=False) |
+    `gk.Runtime(data_order="accelerate", even_batches=False)` | the last round left short;
+    True (the default) completes it from the pass's first samples
+keyword dataloader_config | Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=...,
+    even_batches=...)) | `gk.Runtime(data_order="accelerate",
+    split_batches=..., even_batches=...)` | its other fields (`dispatch_batches`,
+    `use_seedable_sampler`...) have no gpukit spelling
 method prepare | accelerator.prepare(model, optimizer, loader, scheduler) | `rt.setup(model,
     optimizer, loader, scheduler)` | the model first; loaders alone: `rt.setup(loader1,
     loader2)`
@@ -151,6 +164,10 @@ method setup_optimizers | fabric.setup_optimizers(optimizer) | `rt.setup(model, 
     given with the model
 method setup_dataloaders | fabric.setup_dataloaders(loader1, loader2) | `rt.setup(loader1,
     loader2)`
+method-keyword setup_dataloaders.use_distributed_sampler |
+    fabric.setup_dataloaders(loader, use_distributed_sampler=False) | `gk.to(batch, rt.device)`
+    | the loader kept out of `rt.setup`, which shares a loader out among several ranks: each
+    rank iterates the whole data set, and moves each batch itself
 method backward | fabric.backward(loss) | `rt.backward(loss)` | divides by `accumulate`: Fabric
     does not
 method no_backward_sync | with fabric.no_backward_sync(model, enabled=...): |
@@ -172,6 +189,10 @@ method rank_zero_first | with fabric.rank_zero_first(): | `with rt.main_process_
 method save | fabric.save(path, state) | `rt.save(path, state)` | one file, written by rank 0
 method load | fabric.load(path, state) | `rt.load(path, state)` | returns what `state` did not
     hold, as Fabric does
+method-keyword load.strict | fabric.load(path, state, strict=False) | `rt.load(path, state)` |
+    always strict: every entry of `state` must be in the file and every model fit it; leave
+    out of `state` what the file lacks (safetensors weights by the names both have:
+    `rt.load_weights(path, model, strict=False)`)
 method print | fabric.print(...) | `rt.print(...)`
 method seed_everything | fabric.seed_everything(seed) | `gk.Runtime(seed=seed)`
 attribute is_global_zero | fabric.is_global_zero | `rt.is_global_zero`
