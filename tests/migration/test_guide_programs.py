@@ -25,16 +25,12 @@ def program(marker: str) -> str:
 def test_the_ddp_program_and_its_move_end_with_the_same_weights(tmp_path: Path) -> None:
     before = program('dist.init_process_group("gloo")')
     after = program("rt = gk.Runtime(seed=0)\ndata")
-    # The plain program's ranks meet before leaving: torch's destroy_process_group, called
-    # by ranks out of step, was seen to hang once in the loaded suite (the program's own,
-    # unchanged in the guide; gpukit's teardown follows its ranks' last collective).
     saves = {
-        "before": (before, "dist.destroy_process_group()", "dist.get_rank()", "model.module"),
+        "before": (before, "del model", "dist.get_rank()", "model.module"),
         "after": (after, "rt.teardown()", "rt.rank", "rt.unwrap(model)"),
     }
     for name, (source, last, rank, model) in saves.items():
         save = f"if {rank} == 0:\n    torch.save({model}.state_dict(), '{name}.pt')\n"
-        save += "dist.barrier()\n" if name == "before" else ""
         (tmp_path / f"{name}.py").write_text(source.replace(last, save + last))
         done = subprocess.run(
             [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", f"{name}.py"],
