@@ -20,6 +20,8 @@ from gpukit.strategies.base import MemoryAdvice, Recovery, ReduceOp, Strategy
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.dp import DP, DPBalanced
 from gpukit.strategies.fsdp import FSDP
+from gpukit.strategies.layout import Layout
+from gpukit.strategies.mesh import Parallel
 from gpukit.strategies.per_device import PerDevice
 from gpukit.strategies.registry import (
     STRATEGIES,
@@ -39,7 +41,9 @@ __all__ = [
     "STRATEGIES",
     "Collective",
     "DPBalanced",
+    "Layout",
     "MemoryAdvice",
+    "Parallel",
     "PerDevice",
     "Recovery",
     "ReduceOp",

@@ -1,0 +1,155 @@
+"""Every parallelism dimension on one device mesh: pipeline stages x data (replicas x shards)
+x context x tensor, as torchtitan composes them.
+
+``Parallel`` is fsdp generalised: its mesh has the five dimensions of a
+:class:`~gpukit.strategies.layout.Layout` (size-one dimensions included, so that every rank
+finds every name), and the model is prepared in torchtitan's order: split into pipeline stages,
+tensor parallel (a plan gpukit reads off the model, or the user's), context parallel,
+activation checkpointing, compile, then ``fully_shard`` over the data dimensions (``dp_shard``
+and ``cp`` together; across ``dp_replicate`` as HSDP).
+
+Ranks that split one batch's work (tensor, context and pipeline ranks) read the same samples:
+the data is sharded over ``dp_replicate x dp_shard`` only.
+
+>>> import gpukit as gk
+>>> strategy = gk.strategies.Parallel(dp_shard=-1, tp=2)
+>>> rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4)
+>>> strategy.layout.described(), strategy.sampler_placement()
+('dp_shard 2 x tp 2', (2, 0))
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, ClassVar
+
+from torch import nn
+
+from gpukit._util.fake import real_tensors
+from gpukit.devices.device import Device
+from gpukit.errors import ConfigError
+from gpukit.strategies.ddp import DDP
+from gpukit.strategies.fsdp import FSDP
+from gpukit.strategies.layout import DIMS, Layout
+from gpukit.strategies.traits import Collective, Traits
+
+
+class Parallel(FSDP):
+    """Training over one mesh of every dimension; see the module docstring.
+
+    ``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``cp``: the layout's sizes (one may be -1:
+    what the others leave). ``tp_plan``: the user's tensor-parallel plan (default: read off
+    the model). The other keywords are fsdp's (``gpukit.strategies.FSDP``).
+    """
+
+    name: ClassVar[str] = "parallel"
+    traits: ClassVar[Traits] = Traits(
+        sharded=FSDP.traits.sharded,
+        gathers_weights=True,
+        process_per_device=True,
+        activation_checkpointing=True,
+        collectives=(
+            *FSDP.traits.collectives,
+            Collective("all-reduce", "samples", "micro-step", "block"),  # tensor parallel
+        ),
+    )
+
+    def __init__(
+        self,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        tp_plan: Any = None,
+        reshard: bool | int | str = "auto",
+        mixed: Any = None,
+        activation_checkpointing: str = "off",
+        compile: bool | str = False,
+        accumulation: str = "reduce-scatter",
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    ) -> None:
+        if tp == -1 or dp_replicate == -1:
+            raise ConfigError(
+                "parallel: tp and dp_replicate take a size, not -1 (each decides how a layer "
+                "or the data is split); give -1 to dp_shard, pp or cp"
+            )
+        self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
+        super().__init__(
+            reshard=reshard,
+            mixed=mixed,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            tp=tp,
+            replicas=dp_replicate,
+            accumulation=accumulation,
+            tp_plan=tp_plan if tp_plan is not None or tp == 1 else "auto",
+            timeout=timeout,
+        )
+        self.layout = self.requested
+
+    def described(self) -> dict[str, object]:
+        fields = super().described()
+        fields["layout"] = self.layout.described()
+        return fields
+
+    # -- processes ---------------------------------------------------------------------------
+    def configure(self, devices: list[Device]) -> None:
+        DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
+        self.layout = self.requested.resolved(self.world_size)
+        super().configure(devices)
+
+    @property
+    def shard_size(self) -> int:
+        # fully_shard spans the context ranks too: they hold the same weights, and their
+        # gradients (each of one part of the sequence) are reduced with the data's.
+        return self.layout.dp_shard * self.layout.cp
+
+    def setup_environment(self) -> None:
+        DDP.setup_environment(self)
+        if self.mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            sizes = self.layout.sizes()
+            with real_tensors():
+                self.mesh = init_device_mesh(
+                    self.device.type, tuple(sizes.values()), mesh_dim_names=DIMS
+                )
+
+    def sampler_placement(self) -> tuple[int, int]:
+        at = self.layout.coordinates(self.rank)
+        return self.layout.data_parallel, at["dp_replicate"] * self.layout.dp_shard + at["dp_shard"]
+
+    def _data_mesh(self) -> Any:
+        # fully_shard's mesh: shards over dp_shard x cp (flattened into one dimension), and
+        # across dp_replicate as HSDP's 2-D (replicas, shards) mesh.
+        shards = "dp_shard"
+        if self.layout.cp > 1:
+            shards = "dp_shard_cp"
+            if shards not in _flattened(self.mesh):
+                self.mesh["dp_shard", "cp"]._flatten(shards)
+        if self.layout.dp_replicate == 1:
+            return self.mesh[shards]
+        return self.mesh["dp_replicate", shards]
+
+    # -- the model ---------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.layout.pp > 1:
+            raise ConfigError(
+                f"parallel pp={self.layout.pp}: pipeline stages are not available yet"
+            )
+        if self.layout.cp > 1:
+            raise ConfigError(
+                f"parallel cp={self.layout.cp}: context parallel is not available yet"
+            )
+        return super().setup_module(module)
+
+
+def _flattened(mesh: Any) -> dict[str, Any]:
+    """The dimensions flattened on ``mesh``'s root so far (torch keeps them there)."""
+    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    return getattr(root, "_flatten_mapping", {})
+
+
+__all__ = ["Parallel"]
