@@ -189,6 +189,36 @@ def test_fsdp_tensorwise_shards_float8_weights_and_leaves_the_head(
     assert one_rank(_gathers_in_float8, float8="tensorwise") == [True, False]
 
 
+def _resumed(rt: gk.Runtime, folder: str) -> tuple[list[float], list[float]]:
+    """Three steps, a save, three more; the load of the save, the same three again."""
+    net = _net()
+    model, optimizer = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    data = _data()
+    runs: list[list[float]] = []
+    for batches in (data[:3], data[3:6], data[3:6]):
+        if len(runs) == 1:
+            rt.save(folder)
+        elif len(runs) == 2:
+            rt.load(folder)
+        runs.append([])
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+            runs[-1].append(float(loss.detach()))
+    return runs[1], runs[2]
+
+
+def test_a_load_gives_the_next_step_the_loaded_weights_scales(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """The scales of weights gathered in float8 are computed after each step: a load must
+    compute them again, or the next forward would cast the loaded weights with the scales of
+    the weights it replaced."""
+    after, again = one_rank(_resumed, str(tmp_path / "ckpt"), float8="tensorwise")
+    assert again == after
+
+
 # -- host reads --------------------------------------------------------------------------------
 LOG_EVERY = 5
 
