@@ -154,6 +154,29 @@ def test_one_fsdp_rank_trains_as_one_device() -> None:
         rt.teardown()
 
 
+def _plain_float8() -> list[float]:
+    single = gk.strategies.SingleDevice(float8="tensorwise")
+    return _train(gk.Runtime(strategy=single, devices="cpu", seed=0))
+
+
+def test_checkpointed_blocks_train_alike(one_rank: Callable[..., Any]) -> None:
+    """Float8 first, then activation checkpointing, as torchtitan orders them: the blocks
+    recompute their float8 forward in the backward, and no loss changes."""
+    plain = _plain_float8()
+    assert one_rank(_train, float8="tensorwise", activation_checkpointing="full") == plain
+
+
+@pytest.mark.slow  # dynamo traces torchao's float8 tensors: seconds of CPU
+def test_compiled_blocks_train_alike() -> None:
+    plain = _plain_float8()
+    compiled = gk.strategies.FSDP(float8="tensorwise")
+    rt = gk.Runtime(strategy=compiled, devices=["cpu"], seed=0, compile="aot_eager")
+    try:
+        assert rt.launch(_train) == plain
+    finally:
+        rt.teardown()
+
+
 # Two ranks scale each half-batch's activations on their own. Tensorwise scales are per
 # tensor, so each half gets its own scale and the losses move off one process's by 0.7% at most
 # (measured); rowwise scales are per row, the same however the batch is split (2e-7 measured).

@@ -9,7 +9,9 @@ dimensions are not multiples of 16 (float8 matrix products need them), and the o
 
 - ``"tensorwise"``: one scale per tensor. Under fsdp the weights are all-gathered in float8
   (half the bytes of bf16); their scales are computed for every weight in one all-reduce right
-  after each optimizer step (``Float8Training.after_optimizer_step``).
+  after each optimizer step and after each load (``precompute_scales``, which fsdp's
+  ``after_optimizer_step`` calls). Weights changed by hand between steps keep the scales of
+  the step before: their largest values may then clip at float8's range.
 - ``"rowwise"``: one scale per row: more accurate, slower; weights gathered in bf16.
 
 Float8 tensor cores need a GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell). On
