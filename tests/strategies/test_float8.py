@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 import gpukit as gk
+import gpukit.strategies.float8
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
-from gpukit.strategies.float8 import convert_float8
+from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies.float8 import check_float8_device, convert_float8
 
 pytest.importorskip("torchao")
 float8 = pytest.importorskip("torchao.float8")
@@ -103,12 +105,14 @@ def test_each_recipe_converts_the_layers_float8_can_take(
 
 
 def test_the_line_is_said_once_and_fsdp_gathers_tensorwise_weights_in_float8(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(gpukit.strategies.float8, "_SAID", set())  # as in a new process
     convert_float8(_net(), "tensorwise", CPU, fsdp=False, rank=0)
     convert_float8(_net(), "tensorwise", CPU, fsdp=False, rank=0)
-    assert capsys.readouterr().out.count("float8 tensorwise") <= 1  # once per process
-    convert_float8(_net(), "tensorwise", CPU, fsdp=False, rank=1)
+    convert_float8(_net(), "tensorwise", CPU, fsdp=False, rank=1)  # other ranks stay quiet
+    said = capsys.readouterr().out
+    assert said.count("float8 tensorwise") == 1 and said.count("emulated on the CPU") == 1
     model = _net()
     tensorwise = convert_float8(model, "tensorwise", CPU, fsdp=True, quiet=True)
     assert tensorwise.all_gather
@@ -369,3 +373,21 @@ def test_a_model_already_in_float8_is_refused() -> None:
     convert_float8(model, "tensorwise", CPU, fsdp=False, quiet=True)
     with pytest.raises(ConfigError, match=r"already has float8 layers \(blocks\.0\.up"):
         convert_float8(model, "tensorwise", CPU, fsdp=False)
+
+
+def test_a_device_neither_cuda_nor_cpu_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"CUDA GPUs of compute capability 8\.9.*trains on mps"):
+        check_float8_device("rowwise", Device("mps"))
+
+
+def _shard_then_setup(rt: gk.Runtime) -> None:
+    model = _net()
+    rt.barrier()  # fully_shard needs the process group
+    fsdp2().fully_shard(model)
+    rt.setup(model)
+
+
+def test_a_model_sharded_by_hand_is_refused(one_rank: Callable[..., Any]) -> None:
+    """Float8 must convert the layers before they are sharded: too late once they are."""
+    with pytest.raises(ConfigError, match=r"already sharded with fully_shard: let gpukit shard"):
+        one_rank(_shard_then_setup, float8="tensorwise")
