@@ -391,3 +391,12 @@ def test_a_model_sharded_by_hand_is_refused(one_rank: Callable[..., Any]) -> Non
     """Float8 must convert the layers before they are sharded: too late once they are."""
     with pytest.raises(ConfigError, match=r"already sharded with fully_shard: let gpukit shard"):
         one_rank(_shard_then_setup, float8="tensorwise")
+
+
+def test_a_torchao_without_the_recipes_by_name_is_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    import enum
+
+    old = enum.Enum("Float8LinearRecipeName", {"ALL_TENSORWISE": "all_tensorwise"})
+    monkeypatch.setattr(float8, "Float8LinearRecipeName", old)
+    with pytest.raises(ConfigError, match=r"torchao .* is too old.*pip install 'torchao>=0.10'"):
+        gk.strategies.FSDP(float8="tensorwise")
