@@ -15,6 +15,7 @@ from gpukit._util.text import described
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import fsdp2
 from gpukit.strategies._recompute import MODES
+from gpukit.strategies.float8 import check_float8_recipe
 
 ACCUMULATION = ("reduce-scatter", "no-sync")
 _MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,7 +30,9 @@ class FSDPOptions:
     weights stay in their dtype; the Runtime's precision applies), "bf16"/"fp16" (weights
     gathered and computed in that dtype, gradients reduced in float32), or a torch
     ``MixedPrecisionPolicy``. ``accumulation``: what the micro-batches before an optimizer
-    step do with their gradients (see ``gpukit.strategies.fsdp``)."""
+    step do with their gradients (see ``gpukit.strategies.fsdp``). ``float8``: None, or the
+    torchao recipe the Linear layers compute in ("tensorwise": weights all-gathered in
+    float8; "rowwise"; see ``gpukit.strategies.float8``)."""
 
     reshard: bool | int | str = "auto"
     mixed: Any = None
@@ -40,9 +43,11 @@ class FSDPOptions:
     replicas: int = 1
     accumulation: str = "reduce-scatter"
     tp_plan: Any = None
+    float8: str | None = None
 
     def __post_init__(self) -> None:
         _check_reshard(self.reshard)
+        check_float8_recipe(self.float8, "FSDP")
         _check_mixed(self.mixed)
         for name in ("offload",):
             if not isinstance(getattr(self, name), bool):

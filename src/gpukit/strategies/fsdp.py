@@ -55,6 +55,7 @@ from gpukit.strategies._user_sharded import (
 )
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
+from gpukit.strategies.float8 import check_float8_precision, convert_float8, precompute_scales
 from gpukit.strategies.meta_init import is_meta, move_buffers
 from gpukit.strategies.traits import STATES, Collective, Traits
 
@@ -145,6 +146,7 @@ class FSDP(DDP):
         accumulation: str = "reduce-scatter",
         tp_plan: Any = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        float8: str | None = None,
     ) -> None:
         fsdp2()  # this torch has FSDP2, or a clear error now
         super().__init__(timeout=timeout)
@@ -158,7 +160,9 @@ class FSDP(DDP):
             replicas=replicas,
             accumulation=accumulation,
             tp_plan=tp_plan,
+            float8=float8,
         )
+        self.float8 = self.options.float8
         self.compile_backend: str | None = None  # torch.compile's backend for the blocks
         self.mesh: Any = None
         self.plans: list[ShardPlan] = []
@@ -180,6 +184,7 @@ class FSDP(DDP):
 
     # -- processes ---------------------------------------------------------------------------
     def configure(self, devices: list[Device]) -> None:
+        self.float8 = self.options.float8  # the setting lives in the options
         super().configure(devices)
         o = self.options
         if self.world_size % (o.tp * o.replicas):
@@ -205,6 +210,9 @@ class FSDP(DDP):
     def check_precision(self, precision: str) -> None:
         self.precision_name = precision  # checked again against a user-sharded model's policy
         policy = self.options.mixed_policy()
+        if self.float8 is not None:
+            bf16 = policy is not None and policy.param_dtype == torch.bfloat16
+            check_float8_precision(self.float8, self.device, precision, bf16=bf16)
         if policy is not None and policy.param_dtype == torch.float16 and precision != "16-mixed":
             raise ConfigError(
                 f"FSDP(mixed='fp16') computes in float16, whose small gradients round to zero "
@@ -278,6 +286,8 @@ class FSDP(DDP):
             settings["offload_policy"] = api.CPUOffloadPolicy()
         if already:
             refuse_split_ties(module)
+        if self.float8 is not None:  # first, as torchtitan: before tp, checkpointing, compile
+            self._convert_float8(module, already)
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
@@ -308,6 +318,25 @@ class FSDP(DDP):
         if self.rank == 0:
             show_once(plan)
         return module
+
+    def _convert_float8(self, module: nn.Module, already: list[nn.Module]) -> None:
+        if already or is_user_sharded(module):
+            raise ConfigError(
+                f"FSDP(float8={self.float8!r}) converts the Linear layers before sharding, but "
+                "this model was already sharded with fully_shard: let gpukit shard it (do not "
+                "call fully_shard yourself), or convert it with torchao before you shard it "
+                "and drop float8="
+            )
+        assert self.float8 is not None
+        convert_float8(
+            _inside_wrappers(module), self.float8, self.device, fsdp=True, rank=self.rank
+        )
+
+    def after_optimizer_step(self, module: nn.Module) -> None:
+        # Weights all-gathered in float8 ("tensorwise"): every weight's scale for the next
+        # forward, in one all-reduce, now that the optimizer has changed the weights.
+        if self.float8 == "tensorwise":
+            precompute_scales(module)
 
     def _data_mesh(self) -> Any:
         names = self.mesh.mesh_dim_names

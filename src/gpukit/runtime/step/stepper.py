@@ -168,6 +168,8 @@ class Stepper:
                 raise self.out_of_memory(err) from err
             reraise_readable(err)
         optimizer.zero_grad(set_to_none=True)
+        for module in self.state.modules:  # on every rank alike, stepped or not: may talk
+            self.strategy.after_optimizer_step(module)
         self.state.optimizer_stepped(optimizer, stepped, flag if skipping else None)
         self.state.global_step += 1
         self.sync_next_backward()
