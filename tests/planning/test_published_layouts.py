@@ -1,10 +1,11 @@
 """The layout planner against torchtitan's published Llama 3.1 runs on H100s
-(pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 2, 4, 5 and 6): each
-row's memory within 10% and tokens/s per GPU within 25%, with one set of constants for all rows
-(gpukit.planning.layout_time). All of them ran torch.compile and float8 matrix products
-(tensorwise, weights gathered in float8) with full activation checkpointing; "Memory(GiB)" is
-the allocator's peak reserve, compared with the plan's tensors and reserve, without the CUDA
-context. Rows whose memory misses are kept, marked, with the reason (docs/planning.md)."""
+(pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 to 6): each row's
+memory within 10% and tokens/s per GPU within 25%, with one set of constants for all rows
+(gpukit.planning.layout_time). The rows of Tables 2, 4, 5 and 6 ran torch.compile and float8
+matrix products (tensorwise, weights gathered in float8) with full activation checkpointing.
+"Memory(GiB)" is the allocator's peak reserve, compared with the plan's tensors and reserve,
+without the CUDA context. Rows whose memory misses are kept, marked, with the reason
+(docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def _3d(**sizes: object) -> Layout:
 
 
 TP_MEMORY = (
-    "under tensor parallelism the plan misses memory the run held: AsyncTP's and the "
-    "compiled blocks' buffers, the allocator's fragments around logits-sized tensors"
+    "the plan holds less than the run reserved under tensor parallelism (16% less for 2D, 10% "
+    "for AsyncTP); the figures do not say what the rest is: likely the allocator's fragments "
+    "around logits-sized tensors and the collectives' buffers, which the plan does not count"
 )
 # (row, shape, layout, local batch, published tokens/s per GPU, published GiB, memory miss)
 ROWS = [
@@ -132,28 +134,26 @@ def test_memory_within_10_percent(
     assert reserved == pytest.approx(gib, rel=0.10)
 
 
-HELD_OUT_MISS = (
-    "25.2% high, just past the goal, on a row the constants were not fitted on: the bf16 run "
-    "on 128 GPUs is slower than the plan's compute and hidden network gathers account for"
-)
-
-
 @pytest.mark.parametrize(
     ("devices", "float8", "tps"),
-    [
-        (8, None, 6667),
-        (8, F8, 8532),
-        pytest.param(128, None, 6514, marks=pytest.mark.xfail(strict=True, reason=HELD_OUT_MISS)),
-        (128, F8, 8380),
-    ],
+    [(8, None, 6667), (8, F8, 8532), (128, None, 6514), (128, F8, 8380)],
 )
-def test_held_out_8b_fsdp_rows_within_25_percent(
-    devices: int, float8: str | None, tps: float
-) -> None:
-    """Tables 1 and 3 with torch.compile (with and without float8), which the constants were
-    not fitted on: Llama 3.1 8B, local batch 2 of 8192 tokens, selective checkpointing."""
+def test_8b_fsdp_rows_within_25_percent(devices: int, float8: str | None, tps: float) -> None:
+    """Tables 1 and 3 with torch.compile, with and without float8: Llama 3.1 8B, local batch 2
+    of 8192 tokens, selective (op-level) checkpointing."""
     layout = Layout(dp_shard=devices, float8=float8)
     planned = layout_time(
         _8b(8192), layout, target("h100"), local_batch=2, checkpointing="selective"
     )
     assert planned.tokens_per_s_per_gpu == pytest.approx(tps, rel=0.25)
+
+
+@pytest.mark.parametrize(("devices", "gib"), [(8, 82.4), (128, 67.0)])
+def test_8b_fsdp_memory_within_10_percent(devices: int, gib: float) -> None:
+    """Tables 1 and 3, row "FSDP" (without torch.compile, whose memory the plan does not
+    model: the compiled rows held 5 GiB less)."""
+    parts = layout_memory(
+        _8b(8192), Layout(dp_shard=devices), local_batch=2, checkpointing="selective"
+    )
+    reserved = sum(v for k, v in parts.items() if k != "cuda_context") / GiB
+    assert reserved == pytest.approx(gib, rel=0.10)

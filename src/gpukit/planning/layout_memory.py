@@ -20,12 +20,11 @@ across GPUs), in the categories of :data:`gpukit.planning.result.BREAKDOWN`:
   the micro-batches the schedule holds at once on the first rank (GPipe: all; 1F1B: ``pp``;
   interleaved: torch's warm-up count of stage-micro-batches).
 - **temporaries**: the larger of the loss over the vocabulary (float32 log-probabilities and,
-  in its backward, two more float32 logits-sized tensors, for one micro-batch, split by ``tp``
-  under loss parallelism) on the last rank, and one block's whole activations while it is
-  recomputed under checkpointing.
-- **allocator_reserve**: 5% of the tensors and FSDP's gathered blocks once more (they are
-  allocated on streams of their own), as :func:`gpukit.planning.planner` adds; and the CUDA
-  context.
+  in its backward, two more float32 logits-sized tensors, for one micro-batch; split by ``tp``
+  under loss parallelism, whose unfused backward holds two more) on the last rank, and one
+  block's whole activations and gradients while it is recomputed under checkpointing.
+- **allocator_reserve**: 5% of the tensors and FSDP's gathered weights once more (allocated on
+  streams of their own), as ``gk.plan`` adds for fsdp; and the CUDA context.
 
 >>> from gpukit.planning.layout_shape import TransformerShape
 >>> from gpukit.planning.layouts import Layout
@@ -63,6 +62,9 @@ BACKWARD_WIDTHS = (12, 4, 4, 6)
 # float32 logits-sized tensors at once (the gradient coming in and going out).
 # The bf16 logits stay alive while the loss's forward upcasts them (2 more bytes at its peak).
 LOSS_BYTES_PER_LOGIT = 14
+# Under tensor parallelism the loss is torch's loss_parallel, unfused: its backward holds the
+# saved log-probabilities, a zeroed gradient, their exponentials' sum and its product at once.
+LOSS_PARALLEL_BYTES_PER_LOGIT = 16
 
 
 def stage_layers(layers: int, stages: int) -> list[int]:
@@ -145,7 +147,8 @@ def _rank_memory(
     held = _held_chunks(layout, m, rank) * per_chunk
     parts["activations"] = int(held * _block_bytes(shape, t, tokens, SAVED_WIDTHS[checkpointing]))
     recompute = _block_bytes(shape, t, tokens, BACKWARD_WIDTHS)
-    loss = last * tokens * shape.vocab / t * LOSS_BYTES_PER_LOGIT
+    per_logit = LOSS_PARALLEL_BYTES_PER_LOGIT if t > 1 else LOSS_BYTES_PER_LOGIT
+    loss = last * tokens * shape.vocab / t * per_logit
     parts["temporaries"] = int(max(loss, recompute if checkpointing != "off" else 0.0))
 
     tensors = sum(parts.values())

@@ -3,10 +3,12 @@ it gives.
 
 - **Compute**, for the pipeline rank with the most blocks: the matrix products' FLOPs (6 per
   weight per token, split ``tp`` ways) at :data:`LINEAR_EFFICIENCY` of the GPU's bf16 peak,
-  :data:`FLOAT8_SPEEDUP` times faster under float8 where the GPU has float8 tensor cores (sm90:
-  H100, H200; the head stays bf16, as torchtitan leaves it); causal attention's (6 x width x
-  sequence per token) at :data:`ATTENTION_EFFICIENCY`. Checkpointing recomputes the forward:
-  a third more under full, a sixth of the matrix products under selective.
+  :data:`FLOAT8_SPEEDUP` times faster under float8 where the GPU has float8 tensor cores (sm89
+  and sm90: H100, H200, L40S, L4; none on sm80; the head stays bf16, as torchtitan leaves it);
+  causal attention's (6 x width x sequence per token) at :data:`ATTENTION_EFFICIENCY`, slower
+  by :data:`CP_STEP_OVERHEAD` per further rank of a context-parallel ring; the elementwise work
+  (:data:`ELEMENTWISE_WIDTHS`) at the GPU's memory bandwidth. Checkpointing recomputes the
+  forward: a third more under full, a sixth of the matrix products under selective.
 - **Tensor parallelism** (sequence parallel): per block and micro-batch, two all-gathers and two
   reduce-scatters of the block's activations in forward, again in backward and in the
   recomputation, over NVLink; exposed whole (torch runs them between the matrix products), or
@@ -22,7 +24,7 @@ it gives.
   the point-to-point sends along the critical path.
 
 Every constant is one for all layouts and GPUs, fitted once against torchtitan's published runs
-(docs/planning.md lists them with the errors).
+(docs/planning.md lists them, and each run's error).
 
 >>> from gpukit.planning.layout_shape import TransformerShape
 >>> from gpukit.planning.layouts import Layout
@@ -30,7 +32,7 @@ Every constant is one for all layouts and GPUs, fitted once against torchtitan's
 >>> s = TransformerShape(4096, 32, 32, 8, 14336, 128256, 8192)
 >>> t = layout_time(s, Layout(dp_shard=8), target("h100"), local_batch=2, checkpointing="selective")
 >>> round(t.tokens_per_s_per_gpu)
-8292
+6373
 """
 
 from __future__ import annotations
@@ -43,10 +45,25 @@ from gpukit.planning.layout_shape import TransformerShape
 from gpukit.planning.layouts import GPUS_PER_NODE, Layout, microbatches
 from gpukit.planning.targets import Target
 
-# Fitted once on torchtitan's H100 runs (500 W, torch.compile; see docs/planning.md): the share
-# of the bf16 peak the matrix products reach, and causal attention (flash attention's kernels).
-LINEAR_EFFICIENCY = 0.6
-ATTENTION_EFFICIENCY = 0.2
+# Fitted once, together, on torchtitan's 16 published H100 runs with torch.compile (500 W;
+# docs/planning.md): the share of the bf16 peak the matrix products reach, and causal
+# attention's (torch's flash attention kernels).
+LINEAR_EFFICIENCY = 0.55
+ATTENTION_EFFICIENCY = 0.22
+# Bytes a block's elementwise work reads and writes per token, in widths of bf16 activation:
+# fitted, as the rest (torch.compile fuses much of it).
+ELEMENTWISE_WIDTHS = 200
+# Memory bandwidth of GPU families (bytes/s, datasheets; a name before its prefixes).
+MEMORY_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "L40S": 0.864e12,
+    "L40": 0.864e12,
+    "L4": 0.3e12,
+}
+DEFAULT_MEMORY_BANDWIDTH = 1.0e12
 # Context parallelism's attention, per further rank of the ring: fitted, like the rest.
 CP_STEP_OVERHEAD = 0.05
 # Float8 matrix products against bf16 ones, all casting and scaling included: well under the
@@ -60,7 +77,7 @@ LINK_EFFICIENCY = 0.7
 INTER_NODE_BYTES_PER_S = 50e9
 INTER_NODE_LATENCY_S = 20e-6
 # Share of tensor parallelism's collectives that AsyncTP hides behind the matrix products.
-ASYNC_TP_HIDDEN = 0.3
+ASYNC_TP_HIDDEN = 0.5
 # Host time per micro-step of one pipeline stage: compiled blocks launch few kernels.
 HOST_SECONDS = 2e-3
 # The forward's share of a block's training FLOPs (backward is twice the forward).
@@ -153,6 +170,10 @@ def layout_time(
         + blocks * attention_flops / (bf16 * ATTENTION_EFFICIENCY) * _ring_slowdown(cp)
         + head_flops / (bf16 * LINEAR_EFFICIENCY)
     )
+    # Memory-bound work (norms, rotations, activations, residuals, casts): bytes per width.
+    again = 1 + (linear_again > 0)
+    moved = blocks * ELEMENTWISE_WIDTHS * again * 2 * shape.dim / t
+    per_token += moved / _memory_bandwidth(target)
     micro_s = tokens * per_token
     compute = m * micro_s
 
@@ -169,7 +190,7 @@ def layout_time(
     data_parallel = _data_parallel(shape, layout, target, blocks, last, micro_s, gpus_per_node)
 
     bubble = 0.0
-    if pp > 1 and layout.pp_schedule != "ZeroBubble":
+    if pp > 1 and layout.pp_schedule != "InterleavedZeroBubble":
         bubble = (pp - 1) / (v * m) * (compute + tensor_parallel + context_parallel)
     send = 0.0
     if pp > 1:
@@ -184,6 +205,12 @@ def layout_time(
     return LayoutTime(
         compute, tensor_parallel, context_parallel, data_parallel, bubble, send, host, per_gpu
     )
+
+
+def _memory_bandwidth(target: Target) -> float:
+    upper = target.name.upper()
+    found = (bw for family, bw in MEMORY_BANDWIDTH.items() if family.upper() in upper)
+    return next(found, DEFAULT_MEMORY_BANDWIDTH)
 
 
 def _ring_slowdown(cp: int) -> float:

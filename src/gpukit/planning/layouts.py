@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
 from gpukit.errors import ConfigError
 from gpukit.planning.layout_shape import TransformerShape
 
-# torch.distributed.pipelining's schedules the planner models, by their torchtitan names:
-# stages held per rank (the "v" of interleaving) and how long the pipeline idles.
-Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble"]
-SCHEDULES: dict[str, int] = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZeroBubble": 2}
+# torch.distributed.pipelining's schedules the planner models, by the names torchtitan's
+# --parallelism.pipeline_parallel_schedule takes, with the stages each rank holds (the "v" of
+# interleaving: torchtitan's default of 2 for the looped ones).
+SCHEDULES: dict[str, int] = {
+    "GPipe": 1,
+    "1F1B": 1,
+    "Interleaved1F1B": 2,
+    "InterleavedZeroBubble": 2,
+}
 FLOAT8 = ("tensorwise", "rowwise")
 # GPUs one NVLink domain joins: tensor parallelism communicates every block, so it stays there.
 GPUS_PER_NODE = 8
@@ -224,7 +228,6 @@ __all__ = [
     "GPUS_PER_NODE",
     "SCHEDULES",
     "Layout",
-    "Schedule",
     "candidates",
     "check",
     "microbatches",
