@@ -26,6 +26,9 @@ from gpukit.planning.layout_time import LayoutTime, layout_time
 from gpukit.planning.layouts import GPUS_PER_NODE, Layout, candidates, check
 from gpukit.planning.targets import Target
 
+# Layouts whose planned speeds differ by less than this are as fast as the plan can tell.
+AS_FAST = 0.01
+
 
 @dataclass(frozen=True)
 class LayoutPlan:
@@ -74,6 +77,7 @@ class LayoutReport:
     gpus: int
     target: Target
     plans: tuple[LayoutPlan, ...]
+    activation_checkpointing: str = "full"
 
     @property
     def fitting(self) -> list[LayoutPlan]:
@@ -81,8 +85,14 @@ class LayoutReport:
 
     @property
     def best(self) -> LayoutPlan | None:
+        """The fastest layout that fits; of those within :data:`AS_FAST` of it, the one that
+        holds the least (the headroom is worth more than a speed the plan cannot tell)."""
         fitting = self.fitting
-        return max(fitting, key=_speed) if fitting else None
+        if not fitting:
+            return None
+        fastest = _speed(max(fitting, key=_speed))
+        close = [p for p in fitting if _speed(p) >= fastest * (1 - AS_FAST)]
+        return min(close, key=lambda p: (p.peak_bytes, -_speed(p)))
 
     @property
     def reason(self) -> str:
@@ -91,10 +101,12 @@ class LayoutReport:
         best = self.best
         if best is None:
             least = min(self.plans, key=lambda p: p.peak_bytes)
+            full = self.activation_checkpointing == "full"
             return (
                 f"nothing of {len(self.plans)} layout(s) fits {format_bytes(cap or 0)}: the "
                 f"smallest, {least.layout.describe()}, needs {format_bytes(least.peak_bytes)} per "
-                "GPU; use more GPUs, a smaller batch or full checkpointing"
+                f"GPU; use more GPUs{' or' if full else ','} a smaller batch"
+                + ("" if full else " or full checkpointing")
             )
         line = f"{best.layout.describe()}: fits in {format_bytes(best.peak_bytes)}"
         line += f" of {format_bytes(cap)}" if cap else ""
@@ -102,14 +114,21 @@ class LayoutReport:
         if len(self.plans) == 1:
             return line
         line += f"; fastest of {len(self.fitting)} that fit"
+        if _speed(best) < max(_speed(p) for p in self.fitting):
+            line += f" (within {AS_FAST:.0%}, holding the least)"
         runner = _runner_up(self.fitting, best)
-        if runner is not None:
-            slower = 1 - _speed(runner) / _speed(best)
-            cause = _main_cost(runner.time)
-            line += (
-                f"; {runner.layout.describe()} would fit too but is {slower:.1%} slower ({cause})"
+        if runner is None:
+            return line
+        slower = 1 - _speed(runner) / _speed(best)
+        if slower < AS_FAST:
+            return (
+                f"{line}; {runner.layout.describe()} is as fast (within {AS_FAST:.0%}), "
+                f"needing {format_bytes(runner.peak_bytes)}"
             )
-        return line
+        cause = _main_cost(runner.time)
+        return (
+            f"{line}; {runner.layout.describe()} would fit too but is {slower:.0%} slower ({cause})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """What ``gpukit plan --layout ... --json`` prints."""
@@ -208,7 +227,7 @@ def plan_layout(
             gpus_per_node=gpus_per_node,
         )
         plans.append(LayoutPlan(chosen, local, parts, time, goal.memory_bytes))
-    return LayoutReport(shape, gpus, goal, tuple(plans))
+    return LayoutReport(shape, gpus, goal, tuple(plans), activation_checkpointing)
 
 
 def choose_layout(
