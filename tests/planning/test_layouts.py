@@ -35,6 +35,7 @@ L70 = TransformerShape(8192, 80, 64, 8, 28672, 128256, 8192)
         (Layout(tp=0), 1, "tp=0: give a whole number of GPUs"),
         (Layout(pp=4, microbatches=0), 4, "microbatches=0"),
         (Layout(pp=4), 4, "micro-batches must divide the local batch and number at least pp"),
+        (Layout(microbatches=4), 1, "microbatches=4 with pp=1"),
     ],
 )
 def test_each_bad_layout_is_a_config_error_naming_it(layout: Layout, gpus: int, says: str) -> None:
@@ -69,6 +70,14 @@ def test_stage_split_and_schedules_order_memory_and_bubble() -> None:
         == times["GPipe"]
     )
     assert held["GPipe"] > held["1F1B"]
+
+
+def test_float8_is_refused_on_a_gpu_without_float8_tensor_cores() -> None:
+    for layout in ({"dp_shard": 8, "float8": "rowwise"}, Layout(dp_shard=8, float8="rowwise")):
+        with pytest.raises(ConfigError, match="float8='rowwise' on A100 80GB: it has no float8"):
+            gk.plan_layout(L70, devices=8, target="a100", layout=layout)
+    with pytest.raises(ConfigError, match="float8='tensorwise' on A100 80GB"):
+        gk.plan_layout(L70, devices=8, target="a100", float8="tensorwise")
 
 
 def test_float8_speeds_up_only_where_the_gpu_has_float8_tensor_cores() -> None:
@@ -176,6 +185,9 @@ def test_cli_plans_one_layout_as_json(capsys: pytest.CaptureFixture[str]) -> Non
         (["--devices", "8,16", "--layout", "auto"], "give one GPU count"),
         (["--devices", "8", "--layout", "auto", "--tp", "2"], "either --layout auto or the sizes"),
         (["--devices", "8", "--tp", "2", "--strategies", "fsdp"], "plan strategies, not layouts"),
+        (["--devices", "8", "--float8", "rowwise"], "--float8 plan layouts: add --layout auto"),
+        (["--devices", "8", "--async-tp", "--pp-schedule", "GPipe"], "--pp-schedule, --async-tp"),
+        (["--devices", "8", "--tp", "8", "--pp-schedule", "GPipe"], "give --pp above 1 with it"),
     ],
 )
 def test_cli_refuses_mixed_layout_flags(

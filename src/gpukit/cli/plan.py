@@ -100,8 +100,23 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.layout or any(getattr(args, d) is not None for d in DEGREES) or args.pp_schedule:
+    if args.layout or any(getattr(args, d) is not None for d in DEGREES):
         return _run_layout(args)
+    alone = [
+        flag
+        for flag, value in (
+            ("--pp-schedule", args.pp_schedule),
+            ("--microbatches", args.microbatches),
+            ("--float8", args.float8),
+            ("--async-tp", args.async_tp),
+        )
+        if value
+    ]
+    if alone:
+        raise ConfigError(
+            f"{', '.join(alone)} plan layouts: add --layout auto, or the sizes (--tp, --pp, "
+            "--cp, --dp-shard, --dp-replicate)"
+        )
     if args.activation_checkpointing is None:
         args.activation_checkpointing = "off"
     calibration = None
@@ -164,6 +179,11 @@ def _run_layout(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--layout auto searches every layout, but {', '.join(given)} fixes one: give "
             "either --layout auto or the sizes"
+        )
+    if args.pp_schedule and (args.layout or (given.get("pp") or 1) == 1):
+        raise ConfigError(
+            f"--pp-schedule {args.pp_schedule} schedules a pipeline: give --pp above 1 with it "
+            "(--layout auto tries every schedule)"
         )
     layout: Any = "auto"
     if not args.layout:

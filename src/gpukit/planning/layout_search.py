@@ -22,7 +22,7 @@ from gpukit.errors import ConfigError
 from gpukit.planning import arguments
 from gpukit.planning.layout_memory import CHECKPOINTING, layout_memory
 from gpukit.planning.layout_shape import TransformerShape, shape_of
-from gpukit.planning.layout_time import LayoutTime, layout_time
+from gpukit.planning.layout_time import LayoutTime, float8_speedup, layout_time
 from gpukit.planning.layouts import GPUS_PER_NODE, Layout, candidates, check
 from gpukit.planning.targets import Target
 
@@ -183,6 +183,14 @@ def plan_layout(
     gpus = arguments.positive("devices", devices)
     goal = arguments.target(target, memory)
     arguments.choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
+    asked = layout.float8 if isinstance(layout, Layout) else float8
+    if isinstance(layout, dict):
+        asked = layout.get("float8", float8)
+    if asked is not None and float8_speedup(goal, "tensorwise") == 1.0:
+        raise ConfigError(
+            f"float8={asked!r} on {goal.name}: it has no float8 tensor cores (torchao's float8 "
+            "needs compute capability 8.9 or 9.0: H100, H200, L40S, L4); plan it without float8"
+        )
     if batch is not None:
         arguments.positive("batch", batch)
     if isinstance(layout, str):

@@ -160,6 +160,11 @@ def check(
     m = layout.microbatches
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ConfigError(f"microbatches={m!r}: give a whole number, at least 1, or None")
+    if m is not None and m > 1 and layout.pp == 1:
+        raise ConfigError(
+            f"microbatches={m} with pp=1: micro-batches split a pipeline's step; give pp > 1, "
+            "or leave microbatches out"
+        )
     m = microbatches(layout, local_batch)
     if layout.pp > 1 and (local_batch % m or m < layout.pp):
         raise ConfigError(
