@@ -39,7 +39,7 @@ from gpukit.errors import (
 )
 from gpukit.planning import auto as _auto  # noqa: F401  (strategy="auto" asks the planner)
 from gpukit.planning.layout_search import plan_layout
-from gpukit.planning.planner import plan
+from gpukit.planning.plan_or_layout import plan
 from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"

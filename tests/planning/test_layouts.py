@@ -3,6 +3,7 @@ each bad input; the search, its one-line reason, choose_layout, and `gpukit plan
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError
 from gpukit.planning import choose_layout
 from gpukit.planning.layout_memory import layout_memory, stage_layers
-from gpukit.planning.layout_search import AS_FAST
+from gpukit.planning.layout_search import AS_FAST, LayoutReport
 from gpukit.planning.layout_shape import TransformerShape, shape_of
 from gpukit.planning.layout_time import layout_time
 from gpukit.planning.layouts import Layout, candidates, check
@@ -195,3 +196,33 @@ def test_cli_refuses_mixed_layout_flags(
 ) -> None:
     code = main(["plan", "--workload", "gpukit.workloads.llama:llama3_8b", *extra])
     assert code != 0 and says in capsys.readouterr().err
+
+
+def test_gk_plan_with_a_layout_plans_layouts() -> None:
+    report = gk.plan(
+        functools.partial(llama3_8b, seq_len=4096, sizes={"layers": 4}),
+        devices=8,
+        batch=8,
+        layout={"tp": 2, "dp_shard": 4},
+        float8="tensorwise",
+    )
+    assert isinstance(report, LayoutReport) and report.target.name == "H100"
+    assert report.plans[0].layout.float8 == "tensorwise"
+    assert report.activation_checkpointing == "full"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"layout": "auto", "strategies": ["fsdp"]}, "strategies with layout='auto': those plan"),
+        ({"layout": "auto", "fsdp_mixed": "bf16", "precision": "32"}, "precision, fsdp_mixed"),
+        ({"layout": "auto", "devices": [8, 16]}, "give one GPU count"),
+        ({"float8": "rowwise"}, "float8 and async_tp are settings of layouts"),
+    ],
+)
+def test_gk_plan_refuses_strategy_settings_with_a_layout(
+    kwargs: dict[str, object], says: str
+) -> None:
+    given = {"devices": 8, **kwargs}
+    with pytest.raises(ConfigError, match=says):
+        gk.plan(L70, **given)  # type: ignore[call-overload]

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from torch import nn
+
 from gpukit._util.text import format_bytes
 from gpukit.errors import ConfigError
 from gpukit.planning import arguments
@@ -168,8 +170,9 @@ def plan_layout(
     async_tp: bool = False,
     gpus_per_node: int = GPUS_PER_NODE,
 ) -> LayoutReport:
-    """Plans of ``model`` (a gpukit Llama workload or model, or a
-    :class:`~gpukit.planning.layout_shape.TransformerShape`) on ``devices`` GPUs: the one
+    """Plans of ``model`` (a gpukit Llama workload, its name, a function returning one, its
+    model, or a :class:`~gpukit.planning.layout_shape.TransformerShape`) on ``devices`` GPUs:
+    the one
     ``layout`` (a :class:`~gpukit.planning.layouts.Layout` or a dict of its fields), or with
     ``"auto"`` every valid layout (see :func:`gpukit.planning.layouts.candidates`) with
     ``float8`` and ``async_tp`` as given. ``batch``: global, in samples of ``seq_len`` tokens
@@ -179,7 +182,8 @@ def plan_layout(
     >>> report.best is not None and report.best.fits
     True
     """
-    shape = shape_of(arguments.workload(model) if isinstance(model, str) else model, seq_len)
+    named = isinstance(model, str) or (callable(model) and not isinstance(model, nn.Module))
+    shape = shape_of(arguments.workload(model) if named else model, seq_len)
     gpus = arguments.positive("devices", devices)
     goal = arguments.target(target, memory)
     arguments.choice("activation_checkpointing", activation_checkpointing, CHECKPOINTING)
