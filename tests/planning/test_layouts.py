@@ -10,6 +10,7 @@ import pytest
 
 import gpukit as gk
 from gpukit.cli.__main__ import main
+from gpukit.devices import hw
 from gpukit.errors import ConfigError
 from gpukit.planning import choose_layout
 from gpukit.planning.layout_memory import layout_memory, stage_layers
@@ -226,3 +227,11 @@ def test_gk_plan_refuses_strategy_settings_with_a_layout(
     given = {"devices": 8, **kwargs}
     with pytest.raises(ConfigError, match=says):
         gk.plan(L70, **given)  # type: ignore[call-overload]
+
+
+def test_choose_layout_on_this_machine_without_a_gpu_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(hw, "cuda_count", lambda: 0)
+    with pytest.raises(ConfigError, match="layouts are planned for GPUs with a bf16 peak"):
+        choose_layout(L70, 8, "cuda", batch=8)

@@ -253,11 +253,23 @@ def choose_layout(
     float8: str | None = None,
 ) -> tuple[dict[str, int], str]:
     """The layout a run of ``model`` on ``world_size`` GPUs of ``device_kind`` (a name such as
-    "h100", a Target, or None for this machine's GPU) should use: ``({"dp_replicate": ...,
-    "dp_shard": ..., "tp": ..., "pp": ..., "cp": ...}, reason)``, the fastest that fits, with
-    the one line why. ``model``: what :func:`plan_layout` takes (a model on the meta device
-    will do). When nothing fits, a :class:`~gpukit.errors.ConfigError` says what holds the
-    least; ``parallel="auto"`` calls this once, before building the mesh."""
+    "h100" or torch's ``get_device_name()``, a Target, or None, "cuda" or "gpu" for this
+    machine's first GPU) should use: ``({"dp_replicate": ..., "dp_shard": ..., "tp": ...,
+    "pp": ..., "cp": ...}, reason)``, the fastest that fits, with the one line why. ``model``:
+    what :func:`plan_layout` takes (a model on the meta device will do); ``batch``: the global
+    batch in samples (None: one per data-parallel rank, which leaves pipelines out). When
+    nothing fits, a :class:`~gpukit.errors.ConfigError` says what holds the least;
+    ``parallel="auto"`` calls this once, before building the mesh.
+
+    >>> llama_8b = TransformerShape(4096, 32, 32, 8, 14336, 128256, 8192)
+    >>> degrees, why = choose_layout(llama_8b, 8, "NVIDIA H100 80GB HBM3", batch=8)
+    >>> degrees
+    {'dp_replicate': 1, 'dp_shard': 8, 'tp': 1, 'pp': 1, 'cp': 1}
+    >>> why.split(";")[0]
+    'dp_shard 8: fits in 41.7 GiB of 79.6 GiB, 5,554 tokens/s per GPU'
+    """
+    if isinstance(device_kind, str) and device_kind.strip().lower() in ("cuda", "gpu"):
+        device_kind = None  # the kind a device names, not a model: this machine's GPU
     report = plan_layout(
         model,
         devices=world_size,
