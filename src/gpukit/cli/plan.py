@@ -24,7 +24,8 @@ Example:
 Layouts of data, tensor, pipeline and context parallelism (a Llama-style decoder, closed
 form): --layout auto searches every valid dp_replicate x dp_shard x tp x pp x cp of one GPU
 count for the fastest that fits; any of --dp-shard, --dp-replicate, --tp, --pp, --cp plans
-that one layout (the sizes left out are 1). Activation checkpointing defaults to full there.
+that one layout (the sizes left out are 1). Activation checkpointing defaults to full there,
+and --target to h100.
     gpukit plan --workload gpukit.workloads.llama:llama3_405b --devices 512 --batch-size 256 \
         --layout auto --float8 tensorwise
     gpukit plan --workload gpukit.workloads.llama:llama3_70b --devices 256 --batch-size 512 \
@@ -48,6 +49,13 @@ from gpukit.planning.targets import parse_bytes, target
 from gpukit.strategies import STRATEGIES
 
 NAME = "plan"
+DEGREE_HELP = (
+    "replicas of the shards (HSDP)",
+    "FSDP shards",
+    "tensor parallel (within a node)",
+    "pipeline stages",
+    "context parallel (sequence)",
+)
 
 
 def register(sub: Any) -> None:
@@ -90,10 +98,19 @@ def register(sub: Any) -> None:
     )
     layouts = parser.add_argument_group("layouts (tensor, pipeline, context parallelism)")
     layouts.add_argument("--layout", choices=("auto",), default=None, help="search every layout")
-    for degree in DEGREES:
-        layouts.add_argument(f"--{degree.replace('_', '-')}", type=int, default=None, metavar="N")
-    layouts.add_argument("--pp-schedule", default=None, choices=tuple(SCHEDULES), metavar="NAME")
-    layouts.add_argument("--microbatches", type=int, default=None, metavar="N")
+    for degree, meaning in zip(DEGREES, DEGREE_HELP, strict=True):
+        flag = f"--{degree.replace('_', '-')}"
+        layouts.add_argument(flag, type=int, default=None, metavar="N", help=meaning)
+    layouts.add_argument(
+        "--pp-schedule",
+        default=None,
+        choices=tuple(SCHEDULES),
+        metavar="NAME",
+        help=f"{', '.join(SCHEDULES)} (default 1F1B)",
+    )
+    layouts.add_argument(
+        "--microbatches", type=int, default=None, metavar="N", help="per pipeline step (default pp)"
+    )
     layouts.add_argument("--float8", default=None, choices=FLOAT8)
     layouts.add_argument("--async-tp", action="store_true", help="overlap TP's collectives")
     parser.set_defaults(run=run)
