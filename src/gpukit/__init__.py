@@ -38,6 +38,7 @@ from gpukit.errors import (
     SimulationUnsupported,
 )
 from gpukit.planning import auto as _auto  # noqa: F401  (strategy="auto" asks the planner)
+from gpukit.planning import auto_layout as _auto_layout  # noqa: F401  (so does parallel="auto")
 from gpukit.planning.layout_search import plan_layout
 from gpukit.planning.plan_or_layout import plan
 from gpukit.runtime.runtime import Runtime

@@ -87,6 +87,7 @@ class Parallel(FSDP):
         activation_checkpointing: str = "off",
         compile: bool | str = False,
         accumulation: str = "reduce-scatter",
+        float8: str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         if tp == -1 or dp_replicate == -1:
@@ -106,6 +107,7 @@ class Parallel(FSDP):
             tp=tp,
             replicas=dp_replicate,
             accumulation=accumulation,
+            float8=float8,
             tp_plan=tp_plan if tp_plan is not None or tp == 1 else "auto",
             timeout=timeout,
         )
