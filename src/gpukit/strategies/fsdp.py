@@ -58,7 +58,7 @@ from gpukit.strategies._user_sharded import (
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
 from gpukit.strategies.meta_init import is_meta, move_buffers
-from gpukit.strategies.tensor_plans import check_tp, loss_parallel_criterion, resolve_plan
+from gpukit.strategies.tensor_plans import check_tp, loss_parallel_criterion, parallelize
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -289,7 +289,8 @@ class FSDP(DDP):
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
         if o.tp > 1:
-            self._parallelize(_inside_wrappers(module))
+            tp_mesh, lp = self.mesh["tp"], o.loss_parallel
+            parallelize(_inside_wrappers(module), tp_mesh, o.tp_plan, loss_parallel=lp)
         if o.compile:
             backend = {"backend": self.compile_backend} if self.compile_backend else {}
             for block in blocks:
@@ -320,13 +321,6 @@ class FSDP(DDP):
         names = self.mesh.mesh_dim_names
         data = tuple(n for n in names if n != "tp")
         return self.mesh[data] if len(data) < len(names) else self.mesh
-
-    def _parallelize(self, module: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        o = self.options
-        plan = resolve_plan(module, o.tp, o.tp_plan, loss_parallel=o.loss_parallel)
-        parallelize_module(module, self.mesh["tp"], plan)
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None

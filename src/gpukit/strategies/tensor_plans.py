@@ -125,6 +125,15 @@ def resolve_plan(model: nn.Module, tp: int, given: Any, *, loss_parallel: bool) 
     return plan
 
 
+def parallelize(model: nn.Module, tp_mesh: Any, given: Any, *, loss_parallel: bool) -> None:
+    """Split ``model`` across ``tp_mesh`` (a one-dimensional DeviceMesh) by the plan
+    :func:`resolve_plan` gives: the user's ``given`` one, else :func:`auto_plan`'s."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = resolve_plan(model, tp_mesh.size(), given, loss_parallel=loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+
+
 def loss_parallel_criterion(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``fn`` computed on logits split by vocabulary (a ``Shard(-1)`` DTensor) under torch's
     ``loss_parallel``, forward and backward, without gathering them; other outputs go to
