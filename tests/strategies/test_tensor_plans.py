@@ -1,6 +1,7 @@
 """Tensor parallel without a plan: ``FSDP(tp=N)`` reads the plan from the model
-(``gpukit.strategies.tensor_plans``). Each run trains 10 AdamW steps over gloo ranks and is
-compared with the same steps in one process.
+(``gpukit.strategies.tensor_plans``): gpukit's gpt and llama decoders, a small ``transformers``
+Llama (its published plan) and a user's model read by its projections' names. Each run trains
+10 AdamW steps over gloo ranks and is compared with the same steps in one process.
 
 Float32 throughout, as the workloads train: a row-split Linear adds ``tp`` partial matrix
 products where one process computes one, and sequence-parallel norms reduce their weights'
@@ -65,6 +66,59 @@ def _hf_llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+class _UserAttention(nn.Module):
+    """A user's grouped-query attention that reshapes by its own head counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.n_kv_heads, self.head_dim = 4, 2, 8
+        self.q_proj = nn.Linear(32, 32, bias=False)
+        self.k_proj = nn.Linear(32, 16, bias=False)
+        self.v_proj = nn.Linear(32, 16, bias=False)
+        self.o_proj = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            p(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            for p in (self.k_proj, self.v_proj)
+        )
+        repeat = self.num_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class _UserMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(32, 64), nn.Linear(32, 64)
+        self.down_proj = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _UserModel(nn.Module):
+    """Llama-shaped, with names none of gpukit's layouts use: read by its projections' names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.attn = nn.ModuleList(_UserAttention() for _ in range(2))
+        self.mlp = nn.ModuleList(_UserMLP() for _ in range(2))
+        self.norm = nn.RMSNorm(32)
+        self.lm_head = nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for attn, mlp in zip(self.attn, self.mlp, strict=True):
+            x = x + attn(self.norm(x))
+            x = x + mlp(x)
+        return self.lm_head(self.norm(x))  # type: ignore[no-any-return]
+
+
 class _HFLogits(nn.Module):
     """A transformers causal LM called as the workloads' models are: ids in, logits out."""
 
@@ -76,7 +130,7 @@ class _HFLogits(nn.Module):
         return self.model(input_ids=ids).logits  # type: ignore[no-any-return]
 
 
-MODELS = {"gpt": _gpt, "llama": _llama, "hf-llama": _hf_llama}
+MODELS = {"gpt": _gpt, "llama": _llama, "hf-llama": _hf_llama, "user": _UserModel}
 
 
 def _model(kind: str) -> nn.Module:
@@ -221,6 +275,22 @@ def test_a_model_without_attention_or_mlp_is_refused_with_how_to_give_a_plan() -
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
     with pytest.raises(ConfigError, match=r"found nothing to split in Sequential.*tp_plan"):
         auto_plan(model, 2)
+
+
+def test_a_published_style_gpukit_cannot_map_is_refused_by_name() -> None:
+    model = _hf_llama()
+    model.config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM's base_model_tp_plan.*packed_colwise"):
+        auto_plan(model, 2)
+
+
+def test_transformers_gpt2_without_a_published_plan_is_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4)
+    # Its Conv1D layers are not Linear: torch's styles cannot split them.
+    with pytest.raises(ConfigError, match=r"nothing to split in GPT2LMHeadModel.*tp_plan"):
+        auto_plan(GPT2LMHeadModel(config), 2)
 
 
 def test_a_bad_tp_plan_is_refused() -> None:
