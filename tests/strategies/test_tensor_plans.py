@@ -246,15 +246,39 @@ def test_loss_parallel_keeps_the_logits_split_and_trains_the_same() -> None:
     _assert_same_training(got, _reference("llama"))
 
 
-def _unreadable(rt: gk.Runtime) -> None:
-    rt.setup(nn.Sequential(nn.Conv1d(4, 4, 1)))
+class _NanoGPTAttention(nn.Module):
+    """nanoGPT's attention: its head width from its input's width, ``C // n_head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = 4, 32
+        self.c_attn, self.c_proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(out.transpose(1, 2).contiguous().view(b, t, c))  # type: ignore[no-any-return]
+
+
+def _refusals(rt: gk.Runtime) -> list[str]:
+    said = []
+    for model in (nn.Sequential(nn.Conv1d(4, 4, 1)), nn.Sequential(_NanoGPTAttention())):
+        try:  # both ranks fail at the same point, after the same collectives
+            rt.setup(model)(torch.randn(2, 8, 32))
+        except ConfigError as err:
+            said.append(str(err))
+    return said
 
 
 @pytest.mark.processes
-def test_fsdp_tp_without_a_plan_refuses_a_model_it_cannot_read() -> None:
+def test_fsdp_tp_without_a_plan_refuses_what_it_cannot_split() -> None:
     rt = gk.Runtime(strategy=gk.strategies.FSDP(tp=2), devices=["cpu"] * 2)
-    with pytest.raises(Exception, match=r"found nothing to split in Sequential"):
-        rt.launch(_unreadable)
+    unreadable, by_width = rt.launch(_refusals)
+    assert "found nothing to split in Sequential" in unreadable and "tp_plan" in unreadable
+    # Its split is right, but its forward reshapes by the input's width: a clear refusal.
+    assert "_NanoGPTAttention 1/2 of its heads" in by_width and "head_dim" in by_width
 
 
 # -- plans and refusals (no processes) ---------------------------------------------------------

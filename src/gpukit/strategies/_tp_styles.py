@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
 
+from gpukit.errors import ConfigError
 from gpukit.strategies._tp_find import HEAD_COUNTS, KV_HEAD_COUNTS
 
 
@@ -42,6 +43,7 @@ class LocalHeads(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _to_local_heads(module, device_mesh.size())
+        _explain_first_failure(module, device_mesh.size())
         if not self.sequence_parallel:
             return module
         rest = (None,) * (self.args - 1)
@@ -54,6 +56,39 @@ class LocalHeads(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"LocalHeads(sequence_parallel={self.sequence_parallel})"
+
+
+def _explain_first_failure(module: nn.Module, tp: int) -> None:
+    """Turn a failure of the module's first forward into a ConfigError that says why.
+
+    The plan cannot see the forward's code: one that reshapes by its input's width (nanoGPT's
+    ``C // n_head``) rather than by ``head_dim`` or its head counts fails on a rank's share of
+    the heads, with a shape error that would not say so. Only the first call is watched: a
+    forward that ran once has its shapes right, and later errors (out of memory among them)
+    pass unchanged."""
+    own = module.__dict__.get("forward")  # a forward replaced on the instance already
+    original = module.forward
+
+    def first_forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(*args, **kwargs)
+        except (RuntimeError, ValueError) as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            raise ConfigError(
+                f"tensor parallel gave {type(module).__name__} 1/{tp} "
+                f"of its heads, and its forward failed on them ({str(err).splitlines()[0]}): it "
+                "must reshape by head_dim or by its head-count attributes (n_head, num_heads, "
+                "...), which hold the heads of this rank, not by its input's width, e.g. "
+                "q.view(batch, time, -1, head_dim). Change that, or give FSDP(tp_plan=...)"
+            ) from err
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+        return out
+
+    module.forward = first_forward
 
 
 class _WholeHeads(torch.autograd.Function):

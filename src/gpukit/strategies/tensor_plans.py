@@ -96,7 +96,7 @@ def check_tp(model: nn.Module, tp: int) -> None:
                 f"tensor parallel (tp={tp}) found nothing to split in "
                 f"{type(model).__name__}: no attention (q/k/v/o or fused qkv projections) "
                 "and no MLP (gate/up/down, w1/w2/w3, c_fc/c_proj, fc1/fc2, Linear-act-Linear) "
-                f"it recognises, and no transformers base_model_tp_plan. {HOW_TO_PLAN}"
+                f"it recognises, and no transformers base_model_tp_plan: {HOW_TO_PLAN}"
             )
         for a in found.attention:
             sizes += [(a.name, "attention heads", a.heads), (a.name, "key/value heads", a.kv_heads)]
