@@ -322,6 +322,11 @@ def test_a_bad_tp_plan_is_refused() -> None:
         gk.strategies.FSDP(tp=2, tp_plan=3)
 
 
+def test_loss_parallel_without_tensor_parallel_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"FSDP\(loss_parallel=True\) was given with tp=1"):
+        gk.strategies.FSDP(loss_parallel=True)
+
+
 def test_the_gpt_attention_gives_the_numbers_it_gave_with_n_head() -> None:
     # The attention reads heads from the projection's width now: the same numbers as
     # nanoGPT's split by n_head (computed here the old way) and the same state_dict keys.

@@ -21,7 +21,6 @@ class LossParallel:
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self.fn = fn
-        self.reduction = getattr(fn, "reduction", None)  # read by reduction_of, as fn's own
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
