@@ -261,13 +261,13 @@ class FSDP(DDP):
             self.meta_init.not_used(_inside_wrappers(module))
             module = place(module, self.device.torch)
         o = self.options
-        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):  # before any collective
-            check_tp(_inside_wrappers(module), o.tp)
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
         # before any broadcast (a DTensor has none) or grouping (see _user_sharded).
         already = user_groups(module)
         if already or is_user_sharded(module):
             check_user_sharded(module, already, o, self.precision_name, self.device.torch)
+        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):  # before any collective
+            check_tp(_inside_wrappers(module), o.tp)
         if self.world_size > 1 and not meta:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
