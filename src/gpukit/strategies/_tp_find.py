@@ -15,6 +15,7 @@ _FUSED = (("qkv", "proj"), ("c_attn", "c_proj"))
 _GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _PLAIN = (("c_fc", "c_proj"), ("fc1", "fc2"))
 
+# The attributes an attention module keeps its head counts in, across common code bases.
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "heads", "num_attention_heads")
 KV_HEAD_COUNTS = ("n_kv_head", "n_kv_heads", "kv_heads", "num_key_value_heads", "num_kv_heads")
 
@@ -27,6 +28,8 @@ HOW_TO_PLAN = (
 
 @dataclass
 class Attention:
+    """An attention module: its name, its projections' names, and its head counts."""
+
     name: str
     inputs: list[str]  # column-split projections (one when fused)
     output: str  # the row-split projection
@@ -37,6 +40,8 @@ class Attention:
 
 @dataclass
 class MLP:
+    """An MLP: the module holding its projections, their names, and its hidden width."""
+
     name: str  # the module holding the projections
     inputs: list[str]
     output: str
@@ -46,6 +51,8 @@ class MLP:
 
 @dataclass
 class Found:
+    """What :func:`find_parts` recognised in a model."""
+
     attention: list[Attention] = field(default_factory=list)
     mlp: list[MLP] = field(default_factory=list)
 

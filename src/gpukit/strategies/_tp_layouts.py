@@ -65,9 +65,9 @@ def _has(module: nn.Module, parts: dict[str, Any]) -> bool:
 
 
 def _vocab_split(model: nn.Module, layout: Decoder) -> bool:
-    """Whether the embedding and output layer are split by vocabulary: untied only (a tied
-    pair's one weight would become two), gpt's learned positions being added to the token
-    embedding's output keep it whole."""
+    """Whether the embedding and output layer are split by vocabulary: llama's, untied only
+    (splitting a tied pair's one weight for two layers would make it two). Gpt's pair is tied
+    in every workload, and its learned positions are added to the embedding's whole output."""
     embedding, head = getattr(model, layout.embedding), getattr(model, layout.head)
     return layout is _LLAMA and embedding.weight is not head.weight
 
