@@ -6,7 +6,8 @@ Without a wrapping policy: the model's repeated blocks (the blocks a model names
 holding the most parameters) are sharded one group each, then the root holds the rest;
 parameters tied across modules never span two groups (see ``_groups``). Each block may first
 be checkpointed (its activations recomputed in the backward, ``_recompute``), compiled
-(``torch.compile`` per block) and split across tensor-parallel ranks (``tp``, with a plan).
+(``torch.compile`` per block) and split across tensor-parallel ranks (``tp``: with the user's
+``tp_plan``, else one read from the model, ``tensor_plans``).
 ``replicas`` > 1 shards within groups of ranks and replicates across them (HSDP: all-gathers
 stay inside a group). A ``transformers`` model's ``save_pretrained`` writes its full weights
 (``_hf_export``).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -57,6 +59,7 @@ from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
 from gpukit.strategies.float8 import check_float8_precision, convert_float8, precompute_scales
 from gpukit.strategies.meta_init import is_meta, move_buffers
+from gpukit.strategies.tensor_plans import check_tp, loss_parallel_criterion, parallelize
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -145,6 +148,7 @@ class FSDP(DDP):
         replicas: int = 1,
         accumulation: str = "reduce-scatter",
         tp_plan: Any = None,
+        loss_parallel: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         float8: str | None = None,
     ) -> None:
@@ -161,6 +165,7 @@ class FSDP(DDP):
             accumulation=accumulation,
             tp_plan=tp_plan,
             float8=float8,
+            loss_parallel=loss_parallel,
         )
         self.float8 = self.options.float8
         self.compile_backend: str | None = None  # torch.compile's backend for the blocks
@@ -269,6 +274,8 @@ class FSDP(DDP):
         already = user_groups(module)
         if already or is_user_sharded(module):
             check_user_sharded(module, already, o, self.precision_name, self.device.torch)
+        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):  # before any collective
+            check_tp(_inside_wrappers(module), o.tp)
         if self.world_size > 1 and not meta:
             # Every rank shards its own copy: rank 0's weights must be everyone's first, as
             # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
@@ -292,7 +299,8 @@ class FSDP(DDP):
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
         if o.tp > 1:
-            self._parallelize(module)
+            tp_mesh, lp = self.mesh["tp"], o.loss_parallel
+            parallelize(_inside_wrappers(module), tp_mesh, o.tp_plan, loss_parallel=lp)
         if o.compile:
             backend = {"backend": self.compile_backend} if self.compile_backend else {}
             for block in blocks:
@@ -343,18 +351,11 @@ class FSDP(DDP):
         data = tuple(n for n in names if n != "tp")
         return self.mesh[data] if len(data) < len(names) else self.mesh
 
-    def _parallelize(self, module: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        plan = self.options.tp_plan
-        if callable(plan) and not isinstance(plan, dict):
-            plan = plan(module)
-        if not isinstance(plan, dict) or not plan:
-            raise ConfigError(
-                "FSDP(tp_plan=...): give a non-empty dict of module names (wildcards allowed) "
-                "to ParallelStyles, or a function returning one"
-            )
-        parallelize_module(module, self.mesh["tp"], plan)
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        fn = super().setup_criterion(fn, reduction)
+        return loss_parallel_criterion(fn) if self.options.loss_parallel else fn
 
     def _shard(self, api: Any, target: Any, settings: dict[str, Any], names: list[str]) -> None:
         try:

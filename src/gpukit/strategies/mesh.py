@@ -88,6 +88,7 @@ class Parallel(FSDP):
         compile: bool | str = False,
         accumulation: str = "reduce-scatter",
         float8: str | None = None,
+        loss_parallel: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         if tp == -1 or dp_replicate == -1:
@@ -108,6 +109,7 @@ class Parallel(FSDP):
             replicas=dp_replicate,
             accumulation=accumulation,
             float8=float8,
+            loss_parallel=loss_parallel,
             tp_plan=tp_plan if tp_plan is not None or tp == 1 else "auto",
             timeout=timeout,
         )
