@@ -121,6 +121,7 @@ from gpukit.train.loggers import train_loggers
 from gpukit.train.loop import check, fit, planned
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import check_out, claim_out
+from gpukit.workloads.base import load_workload
 
 NAME = "train"
 
@@ -218,6 +219,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 "which cannot run there: use --strategy ddp (one process per device), or drop "
                 "--max-restarts and --hang-timeout"
             )
+        if not worker and parallel:
+            # A layout the model cannot take (heads, blocks or sequence that do not divide) is
+            # said here, before any rank starts: the workload is built on the meta device.
+            rt.strategy.check_model(load_workload(args.workload, seed=args.seed, meta=True).model)
         if not worker and (rt.strategy.needs_launch or watched):
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.

@@ -242,6 +242,11 @@ class Strategy(abc.ABC):
         what the next forward derives from the weights (the scales of weights gathered in
         float8). Weights changed by hand in between are not seen."""
 
+    def check_model(self, module: nn.Module) -> None:  # noqa: B027
+        """Refuse a ``module`` this strategy cannot split as configured (heads, layers or a
+        sequence that does not divide by its ranks), before any process or collective: a
+        launcher asks it of the model (on the meta device) before it starts the ranks."""
+
     def check_gradients(self, module: nn.Module) -> None:  # noqa: B027
         """Called once after the first backward, to catch setups that fail a step later."""
 
