@@ -292,6 +292,12 @@ class Strategy(abc.ABC):
         """(number of data shards, this rank's shard) for the data loader."""
         return self.world_size, self.rank
 
+    def local_batch(self, batch: Any) -> Any:
+        """The part of ``batch`` (on the device, from the data loader) this rank computes on:
+        the batch itself, except where ranks split each sample (context parallel: this
+        rank's chunks of every sequence)."""
+        return batch
+
     def teardown(self) -> None:  # noqa: B027
         """Release what ``setup_environment`` took."""
 
