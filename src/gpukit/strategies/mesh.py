@@ -36,6 +36,16 @@ from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
+from gpukit.strategies.meta_init import user_model
+from gpukit.strategies.sequence_batches import SequenceShards
+from gpukit.strategies.sequence_parallel import (
+    CP_ATTENTION,
+    CpAttention,
+    Ring,
+    SequenceParallel,
+    Ulysses,
+    check_ring,
+)
 from gpukit.strategies.traits import Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -57,7 +67,10 @@ class Parallel(FSDP):
     ``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``cp``: the layout's sizes (one may be -1:
     what the others leave); or ``layout="auto"``: the planner chooses them for the model at
     ``rt.setup`` (every rank shards until then). ``tp_plan``: the user's tensor-parallel
-    plan (default: read off the model). The other keywords are fsdp's (``gpukit.strategies.FSDP``).
+    plan (default: read off the model). ``cp_attention``: how attention sees the whole
+    sequence under ``cp`` > 1, ``"ulysses"`` (any attention kernel) or ``"ring"`` (torch's,
+    CUDA only; see ``gpukit.strategies.sequence_parallel``). The other keywords are fsdp's
+    (``gpukit.strategies.FSDP``).
     """
 
     name: ClassVar[str] = "parallel"
@@ -82,6 +95,7 @@ class Parallel(FSDP):
         cp: int = 1,
         layout: str | None = None,
         tp_plan: Any = None,
+        cp_attention: CpAttention = "ulysses",
         reshard: bool | int | str = "auto",
         mixed: Any = None,
         activation_checkpointing: str = "off",
@@ -99,6 +113,12 @@ class Parallel(FSDP):
         if layout is not None:
             check_auto(layout, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
         self.auto = layout == "auto"
+        if cp_attention not in CP_ATTENTION:
+            raise ConfigError(
+                f"Parallel(cp_attention={cp_attention!r}): give one of "
+                f"{', '.join(map(repr, CP_ATTENTION))}"
+            )
+        self.cp_attention = cp_attention
         self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
         super().__init__(
             reshard=reshard,
@@ -125,6 +145,24 @@ class Parallel(FSDP):
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
         self._take_layout(self.requested.resolved(self.world_size))
         super().configure(devices)
+        cp, checkpointing = self.layout.cp, self.options.activation_checkpointing
+        if cp > 1 and checkpointing != "off":
+            # torch's checkpoint recomputes a block in the backward, after the forward's hooks
+            # have left: its attention would be recomputed over this rank's tokens alone.
+            raise ConfigError(
+                f"parallel cp={cp} with activation_checkpointing={checkpointing!r}: "
+                "recomputing a block in the backward is not context-parallel yet; use "
+                "activation_checkpointing='off' with cp, or cp=1"
+            )
+        if cp > 1 and self.options.compile:
+            raise _compiled_blocks(cp)
+        if cp > 1 and self.cp_attention == "ring":
+            check_ring(self.device.torch)
+
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
+        if self.requested.cp != 1:
+            raise _compiled_blocks(self.requested.cp)
+        return super().enable_compile(backend, mode)
 
     def _take_layout(self, layout: Layout) -> None:
         """Train over ``layout``: fsdp's options follow it, and say it (a run's config.toml
@@ -164,6 +202,17 @@ class Parallel(FSDP):
         at = self.layout.coordinates(self.rank)
         return self.layout.data_parallel, at["dp_replicate"] * self.layout.dp_shard + at["dp_shard"]
 
+    @property
+    def sequence_shards(self) -> SequenceShards | None:
+        """This rank's part of every sequence under context parallelism (None without)."""
+        if self.layout.cp == 1:
+            return None
+        return SequenceShards(self.layout.cp, self.layout.coordinates(self.rank)["cp"])
+
+    def local_batch(self, batch: Any) -> Any:
+        shards = self.sequence_shards
+        return batch if shards is None else shards.batch(batch)
+
     def _data_mesh(self) -> Any:
         # fully_shard's mesh: shards over dp_shard x cp (flattened into one dimension), and
         # across dp_replicate as HSDP's 2-D (replicas, shards) mesh.
@@ -184,11 +233,26 @@ class Parallel(FSDP):
             raise ConfigError(
                 f"parallel pp={self.layout.pp}: pipeline stages are not available yet"
             )
-        if self.layout.cp > 1:
-            raise ConfigError(
-                f"parallel cp={self.layout.cp}: context parallel is not available yet"
-            )
-        return super().setup_module(module)
+        shards = self.sequence_shards
+        if shards is None:
+            return super().setup_module(module)
+        module = super().setup_module(module)
+        attention = (
+            Ring(self.mesh["cp"])
+            if self.cp_attention == "ring"
+            else Ulysses(shards, self.mesh["cp"].get_group())
+        )
+        # On the user's model, inside gpukit's wrappers: a call through rt.unwrap(model) is
+        # context-parallel too (its weights are sharded over the cp ranks alike).
+        SequenceParallel(user_model(module), shards, attention)
+        return module
+
+
+def _compiled_blocks(cp: int) -> ConfigError:
+    return ConfigError(
+        f"parallel cp={cp} with compile: compiled blocks are not context-parallel yet; drop "
+        "compile, or use cp=1"
+    )
 
 
 def _choose_layout(self: Parallel, module: nn.Module) -> None:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpukit.errors import ConfigError
+from gpukit.strategies.sequence_batches import sequence_positions
 from gpukit.workloads.base import Workload
 
 STRIDE = 8  # characters between window starts: windows overlap, so an epoch sees each ~8 times
@@ -188,7 +189,9 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        # The tokens' places in the whole sequence: under context parallelism this rank
+        # holds only some of them (arange otherwise).
+        positions = sequence_positions(ids.shape[1], ids.device)
         x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
         return self.head(self.ln_f(self.blocks(x)))
 
