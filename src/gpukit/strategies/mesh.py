@@ -145,15 +145,7 @@ class Parallel(FSDP):
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
         self._take_layout(self.requested.resolved(self.world_size))
         super().configure(devices)
-        cp, checkpointing = self.layout.cp, self.options.activation_checkpointing
-        if cp > 1 and checkpointing != "off":
-            # torch's checkpoint recomputes a block in the backward, after the forward's hooks
-            # have left: its attention would be recomputed over this rank's tokens alone.
-            raise ConfigError(
-                f"parallel cp={cp} with activation_checkpointing={checkpointing!r}: "
-                "recomputing a block in the backward is not context-parallel yet; use "
-                "activation_checkpointing='off' with cp, or cp=1"
-            )
+        cp = self.layout.cp
         if cp > 1 and self.options.compile:
             raise _compiled_blocks(cp)
         if cp > 1 and self.cp_attention == "ring":

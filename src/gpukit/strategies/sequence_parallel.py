@@ -28,7 +28,8 @@ be split with the sequence; ``is_causal=True`` is what is supported).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -228,6 +229,17 @@ class _SequenceParallelAttention(TorchFunctionMode):
         return self.attention(func, query, key, value, **given)
 
 
+# The context-parallel forwards running now (a stack: a forward may call another model).
+_forwards: list[SequenceParallel] = []
+
+
+def recomputation() -> contextlib.AbstractContextManager[None] | None:
+    """What a block checkpointed in this forward must be recomputed under in the backward
+    (after the forward's hooks have left) to be context-parallel as its forward was; None
+    outside a context-parallel forward."""
+    return _forwards[-1].active() if _forwards else None
+
+
 class SequenceParallel:
     """Makes ``module``'s forward context-parallel: its batches' sequences are this rank's
     chunks (``shards``), its ``scaled_dot_product_attention`` calls go through ``attention``,
@@ -244,13 +256,27 @@ class SequenceParallel:
         module.register_forward_pre_hook(self._enter)
         module.register_forward_hook(self._leave, always_call=True)
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Run what is inside as this model's forward runs (its attention calls, its
+        positions), without the check of the first forward."""
+        self._enter(None, ())
+        try:
+            yield
+        finally:
+            _forwards.pop()
+            sequence_batches.leave()
+            self._modes.pop().__exit__(None, None, None)
+
+    def _enter(self, module: nn.Module | None, args: Any) -> None:
         mode = _SequenceParallelAttention(self.attention, self.shards.size)
         mode.__enter__()
         self._modes.append(mode)
         sequence_batches.enter(self.shards)
+        _forwards.append(self)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        _forwards.pop()
         sequence_batches.leave()
         mode = self._modes.pop()
         mode.__exit__(None, None, None)
@@ -275,4 +301,5 @@ __all__ = [
     "all_to_all",
     "check_ring",
     "heads_of",
+    "recomputation",
 ]
