@@ -154,7 +154,9 @@ def _train(rt: gk.Runtime, name: str) -> dict[str, Any]:
             losses.append(rt.all_reduce(loss.detach(), "mean"))
     state = rt.unwrap(model).state_dict()
     weights = {k: v.full_tensor().detach().clone() for k, v in state.items()}
-    return {"losses": torch.stack(losses), "weights": weights, "exchanges": exchanges}
+    # This rank's chunks of its samples, made whole sequences again and joined over the ranks.
+    last = rt.gather_for_metrics(x)
+    return {"losses": torch.stack(losses), "weights": weights, "exchanges": exchanges, "last": last}
 
 
 def _reference(name: str) -> dict[str, Any]:
@@ -168,11 +170,12 @@ def _reference(name: str) -> dict[str, Any]:
         optimizer.zero_grad()
         losses.append(loss.detach())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": torch.stack(losses), "weights": state}
+    return {"losses": torch.stack(losses), "weights": state, "last": x}
 
 
 def _assert_same_training(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert len(got["losses"]) == STEPS
+    assert torch.equal(got["last"], want["last"])  # gather_for_metrics: whole sequences
     worst = (got["losses"] - want["losses"]).abs().max().item()
     assert worst < TOLERANCE, f"losses differ by up to {worst}"
     assert got["weights"].keys() == want["weights"].keys()

@@ -298,6 +298,13 @@ class Strategy(abc.ABC):
         rank's chunks of every sequence)."""
         return batch
 
+    def whole_samples(self, data: Any) -> Any:
+        """``data``, what this rank computed from its part of a batch, with each sample made
+        whole again where ranks split samples (context parallel: every tensor of two or more
+        dimensions gathered along the sequence from the other ranks of its group); ``data``
+        itself by default. Collective where it gathers: every rank calls it."""
+        return data
+
     def teardown(self) -> None:  # noqa: B027
         """Release what ``setup_environment`` took."""
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
+from gpukit._util.tree import map_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_options import FSDPOptions
@@ -204,6 +205,13 @@ class Parallel(FSDP):
     def local_batch(self, batch: Any) -> Any:
         shards = self.sequence_shards
         return batch if shards is None else shards.batch(batch)
+
+    def whole_samples(self, data: Any) -> Any:
+        shards = self.sequence_shards
+        if shards is None:
+            return data
+        group = self.mesh["cp"].get_group()
+        return map_tensors(data, lambda t: shards.whole(t, group) if t.dim() > 1 else t)
 
     def _data_mesh(self) -> Any:
         # fully_shard's mesh: shards over dp_shard x cp (flattened into one dimension), and

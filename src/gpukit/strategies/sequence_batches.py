@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpukit._util.tree import map_tensors
 from gpukit.errors import ConfigError
@@ -72,6 +73,14 @@ class SequenceShards:
         """``batch`` with every tensor of two or more dimensions (``(batch, sequence, ...)``)
         cut to this rank's part; tensors of one value per sample pass as they are."""
         return map_tensors(batch, lambda t: self.local(t) if t.dim() > SEQUENCE_DIM else t)
+
+    def whole(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        """``tensor``, this rank's part of whole sequences along dimension 1, made whole from
+        every rank's part (an all-gather over ``group``, the cp ranks, in rank order)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+        order = torch.argsort(self.gathered_positions(tensor.shape[SEQUENCE_DIM], tensor.device))
+        return torch.cat(parts, dim=SEQUENCE_DIM).index_select(SEQUENCE_DIM, order)
 
     def positions(self, length: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The positions in the whole sequence of this rank's ``length`` local tokens."""
