@@ -96,6 +96,17 @@ def test_an_attention_cp_cannot_split_is_refused_before_any_collective(
     assert gk.sequence_positions(2).tolist() == [0, 1]  # the forward's state left behind it
 
 
+@pytest.mark.parametrize(("cut", "said"), [({4}, "(4)"), (set(), "(none yet)")])
+def test_a_forward_on_sequences_not_cut_is_refused(cut: set[int], said: str) -> None:
+    shards = SequenceShards(2, 0)
+    model = _Attention()
+    SequenceParallel(model, shards, Ulysses(shards, group=None), cut)
+    with pytest.raises(ConfigError, match="called with a sequence of 8 tokens") as caught:
+        model(torch.zeros(1, 8, 12))  # e.g. a batch shifted after the cut, or never cut
+    assert said in str(caught.value)
+    assert gk.sequence_positions(2).tolist() == [0, 1]
+
+
 def test_settings_context_parallel_cannot_run_are_refused_before_any_process() -> None:
     with pytest.raises(ConfigError, match="cp_attention='flash'"):
         gk.strategies.Parallel(cp=2, cp_attention="flash")  # type: ignore[arg-type]

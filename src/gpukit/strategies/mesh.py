@@ -30,7 +30,7 @@ from torch import nn
 
 from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
-from gpukit._util.tree import map_tensors
+from gpukit._util.tree import map_tensors, tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_options import FSDPOptions
@@ -135,6 +135,7 @@ class Parallel(FSDP):
             timeout=timeout,
         )
         self.layout = self.requested
+        self._cut: set[int] = set()  # the sequence lengths local_batch has cut batches to
 
     def described(self) -> dict[str, object]:
         fields = super().described()
@@ -204,7 +205,11 @@ class Parallel(FSDP):
 
     def local_batch(self, batch: Any) -> Any:
         shards = self.sequence_shards
-        return batch if shards is None else shards.batch(batch)
+        if shards is None:
+            return batch
+        local = shards.batch(batch)
+        self._cut.update(t.shape[1] for t in tensors(local) if t.dim() > 1)
+        return local
 
     def whole_samples(self, data: Any) -> Any:
         shards = self.sequence_shards
@@ -244,7 +249,7 @@ class Parallel(FSDP):
         )
         # On the user's model, inside gpukit's wrappers: a call through rt.unwrap(model) is
         # context-parallel too (its weights are sharded over the cp ranks alike).
-        SequenceParallel(user_model(module), shards, attention)
+        SequenceParallel(user_model(module), shards, attention, self._cut)
         return module
 
 

@@ -247,10 +247,16 @@ class SequenceParallel:
     rank's positions while it runs."""
 
     def __init__(
-        self, module: nn.Module, shards: SequenceShards, attention: Callable[..., torch.Tensor]
+        self,
+        module: nn.Module,
+        shards: SequenceShards,
+        attention: Callable[..., torch.Tensor],
+        cut: set[int] | None = None,
     ) -> None:
         self.shards = shards
         self.attention = attention
+        # The sequence lengths of the batches the strategy has cut (None: not checked).
+        self.cut = cut
         self.checked = False
         self._modes: list[_SequenceParallelAttention] = []
         module.register_forward_pre_hook(self._enter)
@@ -269,13 +275,33 @@ class SequenceParallel:
             self._modes.pop().__exit__(None, None, None)
 
     def _enter(self, module: nn.Module | None, args: Any) -> None:
+        if module is not None and self.cut is not None:
+            self._check_cut(module, args)
         mode = _SequenceParallelAttention(self.attention, self.shards.size)
         mode.__enter__()
         self._modes.append(mode)
         sequence_batches.enter(self.shards)
         _forwards.append(self)
 
+    def _check_cut(self, module: nn.Module, args: Any) -> None:
+        """Refuse a forward whose input was not cut to this rank's part of its sequences: the
+        all-to-alls would take it for a part, and the attention would be wrong."""
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), None)
+        if first is None or first.shape[1] in (self.cut or ()):
+            return
+        cp = self.shards.size
+        lengths = ", ".join(map(str, sorted(self.cut or ()))) or "none yet"
+        raise ConfigError(
+            f"context parallel cp={cp}: {type(module).__name__} was called with a sequence of "
+            f"{first.shape[1]} tokens, not a length the batches were cut to ({lengths}): "
+            "under cp each rank's forward takes its part of every sequence. Feed the model "
+            "batches from rt.setup's loader (or cut them with rt.strategy.local_batch), and "
+            "make inputs and targets in the dataset, not by shifting a batch after the cut"
+        )
+
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._modes:  # the forward was refused before it entered
+            return
         _forwards.pop()
         sequence_batches.leave()
         mode = self._modes.pop()
