@@ -107,6 +107,11 @@ def test_a_forward_on_sequences_not_cut_is_refused(cut: set[int], said: str) -> 
     assert gk.sequence_positions(2).tolist() == [0, 1]
 
 
+def test_the_strategy_shows_its_context_ranks_and_attention() -> None:
+    rt = gk.Runtime(strategy=gk.strategies.Parallel(cp=2), devices=["cpu"] * 2)
+    assert "layout=cp 2, cp_attention=ulysses" in repr(rt.strategy)
+
+
 def test_settings_context_parallel_cannot_run_are_refused_before_any_process() -> None:
     with pytest.raises(ConfigError, match="cp_attention='flash'"):
         gk.strategies.Parallel(cp=2, cp_attention="flash")  # type: ignore[arg-type]

@@ -140,6 +140,8 @@ class Parallel(FSDP):
     def described(self) -> dict[str, object]:
         fields = super().described()
         fields["layout"] = self.layout.described()
+        if self.layout.cp > 1:
+            fields["cp_attention"] = self.cp_attention
         return fields
 
     # -- processes ---------------------------------------------------------------------------
