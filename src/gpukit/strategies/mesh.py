@@ -149,6 +149,11 @@ class Parallel(FSDP):
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
         self._take_layout(self.requested.resolved(self.world_size))
         super().configure(devices)
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """Refuse what context parallel cannot go with, before any collective (again at
+        ``rt.setup`` for the layout ``layout="auto"`` chose there)."""
         cp = self.layout.cp
         if cp > 1 and self.options.compile:
             raise _compiled_blocks(cp)
@@ -236,6 +241,7 @@ class Parallel(FSDP):
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.auto:
             _choose_layout(self, module)
+            self._check_context_parallel()
         if self.layout.pp > 1:
             raise ConfigError(
                 f"parallel pp={self.layout.pp}: pipeline stages are not available yet"
