@@ -42,7 +42,7 @@ from gpukit.planning import auto_layout as _auto_layout  # noqa: F401  (so does 
 from gpukit.planning.layout_search import plan_layout
 from gpukit.planning.plan_or_layout import plan
 from gpukit.runtime.runtime import Runtime
-from gpukit.strategies.sequence_batches import sequence_positions
+from gpukit.strategies.sequence_batches import sequence_positions, whole_sequences
 
 __version__ = "0.1.0"
 
@@ -92,4 +92,5 @@ __all__ = [
     "strategies",
     "to",
     "trace",
+    "whole_sequences",
 ]

@@ -24,6 +24,8 @@ tokens are not the sequence's first ``T``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +109,8 @@ class SequenceShards:
 
 
 # The shards of the model forward running now (a stack: a forward may call another model).
-_running: list[SequenceShards] = []
+# None: a whole_sequences() block, where positions are arange again.
+_running: list[SequenceShards | None] = []
 
 
 def enter(shards: SequenceShards) -> None:
@@ -118,6 +121,37 @@ def enter(shards: SequenceShards) -> None:
 def leave() -> None:
     """End the forward :func:`enter` started."""
     _running.pop()
+
+
+# Depth of whole_sequences() blocks: context-parallel forwards inside take whole sequences.
+_whole: list[None] = []
+
+
+@contextlib.contextmanager
+def whole_sequences() -> Iterator[None]:
+    """Inside, a context-parallel model's forward takes whole sequences, as without context
+    parallelism: every rank computes the whole forward (its attention over the sequence it
+    was given, its positions ``arange``). For a few small forwards (writing a sample, a
+    check) that every rank makes together: the weights are still gathered from the ranks.
+    Elsewhere it changes nothing.
+
+    >>> import gpukit as gk
+    >>> with gk.whole_sequences():
+    ...     gk.sequence_positions(3).tolist()
+    [0, 1, 2]
+    """
+    _whole.append(None)
+    _running.append(None)
+    try:
+        yield
+    finally:
+        _running.pop()
+        _whole.pop()
+
+
+def taking_whole() -> bool:
+    """Whether forwards now take whole sequences (inside :func:`whole_sequences`)."""
+    return bool(_whole)
 
 
 def sequence_positions(length: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -131,9 +165,10 @@ def sequence_positions(length: int, device: torch.device | str | None = None) ->
     >>> gk.sequence_positions(3).tolist()
     [0, 1, 2]
     """
-    if not _running:
+    shards = _running[-1] if _running else None
+    if shards is None:
         return torch.arange(length, device=device)
-    return _running[-1].positions(length, device)
+    return shards.positions(length, device)
 
 
 def sequence_rows(table: torch.Tensor, length: int) -> torch.Tensor:
@@ -144,9 +179,18 @@ def sequence_rows(table: torch.Tensor, length: int) -> torch.Tensor:
     >>> sequence_rows(torch.arange(6.0).view(6, 1), 2).tolist()
     [[0.0], [1.0]]
     """
-    if not _running:
+    shards = _running[-1] if _running else None
+    if shards is None:
         return table[:length]
-    return table[_running[-1].positions(length, table.device)]
+    return table[shards.positions(length, table.device)]
 
 
-__all__ = ["SequenceShards", "enter", "leave", "sequence_positions", "sequence_rows"]
+__all__ = [
+    "SequenceShards",
+    "enter",
+    "leave",
+    "sequence_positions",
+    "sequence_rows",
+    "taking_whole",
+    "whole_sequences",
+]

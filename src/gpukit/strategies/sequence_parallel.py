@@ -258,7 +258,8 @@ class SequenceParallel:
         # The sequence lengths of the batches the strategy has cut (None: not checked).
         self.cut = cut
         self.checked = False
-        self._modes: list[_SequenceParallelAttention] = []
+        # One per forward running, None for one on whole sequences (whole_sequences()).
+        self._modes: list[_SequenceParallelAttention | None] = []
         module.register_forward_pre_hook(self._enter)
         module.register_forward_hook(self._leave, always_call=True)
 
@@ -272,9 +273,14 @@ class SequenceParallel:
         finally:
             _forwards.pop()
             sequence_batches.leave()
-            self._modes.pop().__exit__(None, None, None)
+            mode = self._modes.pop()
+            assert mode is not None  # active() always enters one
+            mode.__exit__(None, None, None)
 
     def _enter(self, module: nn.Module | None, args: Any) -> None:
+        if module is not None and sequence_batches.taking_whole():
+            self._modes.append(None)
+            return
         if module is not None and self.cut is not None:
             self._check_cut(module, args)
         mode = _SequenceParallelAttention(self.attention, self.shards.size)
@@ -296,15 +302,18 @@ class SequenceParallel:
             f"{first.shape[1]} tokens, not a length the batches were cut to ({lengths}): "
             "under cp each rank's forward takes its part of every sequence. Feed the model "
             "batches from rt.setup's loader (or cut them with rt.strategy.local_batch), and "
-            "make inputs and targets in the dataset, not by shifting a batch after the cut"
+            "make inputs and targets in the dataset, not by shifting a batch after the cut; "
+            "call it under gk.whole_sequences() to run it on whole sequences (sampling)"
         )
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._modes:  # the forward was refused before it entered
             return
+        mode = self._modes.pop()
+        if mode is None:  # on whole sequences: nothing was entered
+            return
         _forwards.pop()
         sequence_batches.leave()
-        mode = self._modes.pop()
         mode.__exit__(None, None, None)
         if not self.checked:
             self.checked = True
