@@ -11,6 +11,11 @@ bit for bit: over 10 AdamW steps the losses and final weights differ by less tha
 
 from __future__ import annotations
 
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -105,6 +110,16 @@ def test_a_forward_on_sequences_not_cut_is_refused(cut: set[int], said: str) -> 
         model(torch.zeros(1, 8, 12))  # e.g. a batch shifted after the cut, or never cut
     assert said in str(caught.value)
     assert gk.sequence_positions(2).tolist() == [0, 1]
+
+
+def test_under_whole_sequences_a_forward_is_the_plain_one() -> None:
+    shards = SequenceShards(2, 1)
+    model = _Attention()
+    SequenceParallel(model, shards, Ulysses(shards, group=None), cut={4})
+    x = torch.randn(1, 8, 12)
+    with gk.whole_sequences():  # no group is needed: nothing is exchanged
+        assert torch.equal(model(x), _Attention()(x))
+        assert gk.sequence_positions(3).tolist() == [0, 1, 2]
 
 
 def test_the_strategy_shows_its_context_ranks_and_attention() -> None:
@@ -263,3 +278,31 @@ def test_context_times_tensor_parallel_train_as_one_process() -> None:
     strategy = gk.strategies.Parallel(tp=2, cp=2, tp_plan=_llama_plan())
     rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 4)
     _assert_same_training(rt.launch(_train, "llama"), _reference("llama"))
+
+
+def _gpukit_train(out: Path, *argv: str) -> dict[str, Any]:
+    """One step of ``gpukit train --workload gpt`` (a learning rate too small to move the
+    weights: the validation after it sees the initial model); its first loss and metrics."""
+    flags = ["--max-steps", "1", "--lr", "1e-12", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit", "train", "--workload", "gpt", *argv, *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"loss": float(next(r["loss"] for r in rows if r["loss"])), **metrics}
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_gpukit_train_with_cp_takes_the_global_batch_of_one_device(tmp_path: Path) -> None:
+    one = _gpukit_train(tmp_path / "one", "--devices", "cpu")
+    cp = _gpukit_train(tmp_path / "cp", "--devices", "cpu,cpu", "--cp", "2")
+    # The cp ranks read the same samples: the global batch stays the workload's, not half.
+    assert cp["global_batch"] == one["global_batch"]
+    assert cp["loss"] == pytest.approx(one["loss"], rel=1e-6)  # float32, summed otherwise
+    assert cp["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=1e-6)
+    assert len(cp["sample"]) == 200  # written on whole sequences (gk.whole_sequences)
