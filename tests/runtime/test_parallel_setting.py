@@ -7,7 +7,8 @@ import pytest
 
 import gpukit as gk
 from gpukit.cli.__main__ import build_parser, main
-from gpukit.cli.train import _parallel, _worker_command
+from gpukit.cli._parallel_flags import parallel_setting as _parallel
+from gpukit.cli.train import _worker_command
 from gpukit.errors import ConfigError
 
 
