@@ -29,6 +29,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp x replicas": {"tp": 2, "dp_replicate": 2, "dp_shard": 1},
     "float8 x shards": {"dp_shard": 4, "float8": "rowwise"},
     "float8 x tp": {"tp": 2, "dp_shard": 2, "float8": "rowwise"},
+    "cp x shards": {"cp": 2, "dp_shard": 2},
+    "cp x replicas": {"cp": 2, "dp_replicate": 2, "dp_shard": 1},
+    "cp x tp": {"cp": 2, "tp": 2, "dp_shard": 1},
+    "float8 x cp": {"cp": 2, "dp_shard": 2, "float8": "rowwise"},
 }
 TOLERANCE = {"float8": 0.02}  # relative, per step's loss; float32 otherwise: 2e-5
 
@@ -65,12 +69,12 @@ def _train(rt: gk.Runtime, layout: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = inner.setup(model, optimizer)
     criterion = inner.setup_criterion(SequenceCrossEntropy())
-    shards, shard = inner.strategy.sampler_placement()
+    shards = inner.strategy.sampler_placement()[0]
+    batches = [_batch(step) for step in range(STEPS)]
+    data = torch.utils.data.TensorDataset(*(torch.cat(t) for t in zip(*batches, strict=True)))
+    loader = inner.setup(torch.utils.data.DataLoader(data, batch_size=BATCH // shards))
     reads = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        n = BATCH // shards
-        piece = (x[shard * n : (shard + 1) * n], y[shard * n : (shard + 1) * n])
+    for piece in loader:  # this rank's samples of each step, cut along the sequence under cp
         with gk.trace() as t:
             loss = inner.train_step(optimizer, piece, lambda b: criterion(model(b[0]), b[1]))
             inner.log(loss=loss)
