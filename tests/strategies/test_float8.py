@@ -246,6 +246,41 @@ def test_a_load_gives_the_next_step_the_loaded_weights_scales(
     assert again == after
 
 
+def _full_weights(rt: gk.Runtime, folder: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Two steps; the full weights, those of the export, and whether the first stayed as
+    they were through one more step."""
+    from safetensors.torch import load_file
+
+    net = _net()
+    model, optimizer = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    data = _data()
+    for x, y in data[:2]:
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(optimizer)
+    full = rt.full_state_dict(model)
+    kept = {k: v.clone() for k, v in full.items()}
+    exported = load_file(str(rt.save(folder, export=True) / "model.safetensors"))
+    x, y = data[3]
+    rt.backward(nn.functional.mse_loss(model(x), y))
+    rt.step(optimizer)
+    return full, exported, all(torch.equal(full[k], kept[k]) for k in kept)
+
+
+def test_full_weights_of_float8_weights_are_plain_and_load_into_a_plain_model(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """Under fsdp's tensorwise recipe each weight is wrapped by torchao (its all-gather casts
+    to float8): the full weights the user gets are plain tensors, named as the plain model's,
+    and they do not follow the training on."""
+    full, exported, unchanged = one_rank(_full_weights, str(tmp_path / "ckpt"), float8="tensorwise")
+    assert {type(v) for v in full.values()} == {torch.Tensor}
+    plain = _net()
+    plain.load_state_dict(full)  # strict: the same names as without float8
+    assert list(full) == list(plain.state_dict()) and sorted(exported) == sorted(full)
+    assert all(torch.equal(exported[k], full[k]) for k in full)
+    assert unchanged
+
+
 # -- host reads --------------------------------------------------------------------------------
 LOG_EVERY = 5
 
