@@ -181,6 +181,17 @@ def test_cli_plans_one_layout_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert out["reason"].startswith("tp 2 x dp_shard 4, float8 tensorwise")
 
 
+def test_cli_shards_over_what_the_other_sizes_leave(capsys: pytest.CaptureFixture[str]) -> None:
+    """As gpukit train takes --tp 2 --pp 2 on 8 GPUs: dp_shard is the 2 they leave."""
+    args = ["--devices", "8", "--tp", "2", "--pp", "2", "--batch-size", "16", "--json"]
+    assert main(["plan", "--workload", "gpukit.workloads.llama:llama3_8b", *args]) == 0
+    layout = json.loads(capsys.readouterr().out)["plans"][0]["layout"]
+    assert (layout["dp_shard"], layout["tp"], layout["pp"], layout["dp_replicate"]) == (2, 2, 2, 1)
+    given = ["--devices", "8", "--tp", "2", "--dp-shard", "2"]  # given: kept, and refused
+    assert main(["plan", "--workload", "gpukit.workloads.llama:llama3_8b", *given]) != 0
+    assert "is 4 GPUs, not the 8 planned" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -190,6 +201,12 @@ def test_cli_plans_one_layout_as_json(capsys: pytest.CaptureFixture[str]) -> Non
         (["--devices", "8", "--float8", "rowwise"], "--float8 plan layouts: add --layout auto"),
         (["--devices", "8", "--async-tp", "--pp-schedule", "GPipe"], "--pp-schedule, --async-tp"),
         (["--devices", "8", "--tp", "8", "--pp-schedule", "GPipe"], "give --pp above 1 with it"),
+        (["--layout", "auto"], "one GPU count, and --devices was not given"),
+        (["--devices", "8", "--tp", "2", "--accumulate", "2"], "--accumulate plan strategies"),
+        (["--devices", "8", "--layout", "auto", "--precision", "32"], "--precision plan strat"),
+        (["--devices", "8", "--layout", "auto", "--method", "closed-form"], "--method plan"),
+        (["--devices", "8", "--layout", "auto", "--microbatches", "4"], "--microbatches 4 splits"),
+        (["--devices", "8", "--microbatches", "0"], "--microbatches plan layouts"),
     ],
 )
 def test_cli_refuses_mixed_layout_flags(
