@@ -151,6 +151,18 @@ def test_shape_from_a_workload_a_shape_and_bad_models() -> None:
         ({"activation_checkpointing": "some"}, "activation_checkpointing='some'"),
         ({"target": "cpu"}, "layouts are planned for GPUs"),
         ({"devices": 7, "batch": 2}, "no layout of 7 GPUs"),
+        (
+            {"layout": Layout(dp_shard=8), "float8": "tensorwise"},
+            "float8='tensorwise' and a layout whose float8 is None",
+        ),
+        (
+            {"layout": {"dp_shard": 8, "float8": "rowwise"}, "float8": "tensorwise"},
+            "a layout whose float8 is 'rowwise': give it once",
+        ),
+        (
+            {"layout": Layout(dp_shard=2, tp=4), "async_tp": True},
+            "async_tp=True and a layout whose async_tp is False",
+        ),
     ],
 )
 def test_bad_plan_layout_arguments(kwargs: dict[str, object], says: str) -> None:

@@ -175,7 +175,8 @@ def plan_layout(
     the one
     ``layout`` (a :class:`~gpukit.planning.layouts.Layout` or a dict of its fields), or with
     ``"auto"`` every valid layout (see :func:`gpukit.planning.layouts.candidates`) with
-    ``float8`` and ``async_tp`` as given. ``batch``: global, in samples of ``seq_len`` tokens
+    ``float8`` and ``async_tp`` as given (a layout given says its own: another beside it is
+    refused). ``batch``: global, in samples of ``seq_len`` tokens
     (default: one per data-parallel rank). ``target`` and ``memory`` as in ``gk.plan``.
 
     >>> report = plan_layout("gpukit.workloads.llama:llama3_70b", devices=256, batch=512)
@@ -286,6 +287,15 @@ def choose_layout(
 
 
 def _given(layout: Layout | dict[str, Any], float8: str | None, async_tp: bool) -> Layout:
+    if isinstance(layout, (Layout, dict)):
+        # The layout's own float8 and async_tp would win: refuse another given beside it.
+        own = vars(layout) if isinstance(layout, Layout) else layout
+        for name, value, unset in (("float8", float8, None), ("async_tp", async_tp, False)):
+            if value != unset and name in own and own[name] != value:
+                raise ConfigError(
+                    f"{name}={value!r} and a layout whose {name} is {own[name]!r}: give it "
+                    "once, in the layout or beside it"
+                )
     if isinstance(layout, Layout):
         return layout
     if not isinstance(layout, dict):
