@@ -281,6 +281,26 @@ def test_full_weights_of_float8_weights_are_plain_and_load_into_a_plain_model(
     assert unchanged
 
 
+def _load_full(rt: gk.Runtime, folder: str) -> dict[str, torch.Tensor]:
+    net = _net()
+    model, _ = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    rt.load(folder)
+    return rt.full_state_dict(model)
+
+
+def test_a_float8_checkpoint_loads_into_a_run_without_float8_and_back(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """The weights saved after two float8 steps, the same after a load with float8 or without."""
+    folder = str(tmp_path / "ckpt")
+    full, _, _ = one_rank(_full_weights, folder, float8="tensorwise")
+    saved = sorted((tmp_path / "ckpt").glob("step-*"))[0]
+    for float8 in (None, "tensorwise"):
+        loaded = one_rank(_load_full, str(saved), float8=float8)
+        assert list(loaded) == list(full)
+        assert all(torch.equal(loaded[k], full[k]) for k in full)
+
+
 # -- host reads --------------------------------------------------------------------------------
 LOG_EVERY = 5
 
