@@ -357,15 +357,21 @@ def one_rank() -> Any:
 
 # -- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "make",
+    ("make", "owner"),
     [
-        lambda: gk.strategies.FSDP(float8="fp8"),
-        lambda: gk.strategies.DDP(float8="mxfp8"),
-        lambda: gk.strategies.SingleDevice(float8=True),  # type: ignore[arg-type]
+        (lambda: gk.strategies.FSDP(float8="fp8"), "FSDP"),
+        (lambda: gk.strategies.DDP(float8="mxfp8"), "DDP"),
+        (lambda: gk.strategies.SingleDevice(float8=True), "SingleDevice"),  # type: ignore[arg-type]
+        (lambda: gk.strategies.Parallel(float8="fp8"), "Parallel"),
+        (lambda: gk.Runtime(parallel={"float8": "fp8"}, devices=["cpu"] * 2), "Parallel"),
     ],
 )
-def test_an_unknown_recipe_is_refused_with_the_known_ones(make: Callable[[], Any]) -> None:
-    with pytest.raises(ConfigError, match=r"\(float8=.*give None.*'tensorwise'.*'rowwise'"):
+def test_an_unknown_recipe_is_refused_with_the_known_ones(
+    make: Callable[[], Any], owner: str
+) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^{owner}\(float8=.*give None.*'tensorwise'.*'rowwise'"
+    ):
         make()
 
 
