@@ -101,7 +101,8 @@ def test_auto_picks_the_fastest_that_fits_and_says_why() -> None:
     assert report.reason.startswith(best.layout.describe() + ": fits in")
     assert "fastest of" in report.reason
     assert "as fast (within 1%), needing" in report.reason or "would fit too" in report.reason
-    assert "layout(s) of 64 H100 GPUs" in str(report)
+    assert f"{len(report.plans)} layout(s) of 64 H100 GPUs (10 shown, the fastest" in str(report)
+    assert len(str(report).splitlines()) == 1 + 10 + 1  # the title, 10 layouts, the plan
 
 
 def test_a_slower_runner_up_is_named_with_its_main_cost() -> None:

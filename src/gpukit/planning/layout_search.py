@@ -30,6 +30,8 @@ from gpukit.planning.targets import Target
 
 # Layouts whose planned speeds differ by less than this are as fast as the plan can tell.
 AS_FAST = 0.01
+# Layouts a report prints (of hundreds searched): the fastest that fit first.
+SHOWN = 10
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,12 @@ class LayoutReport:
         }
 
     def __str__(self) -> str:
-        shown = sorted(self.plans, key=lambda p: (p.fits is False, -_speed(p)))[:10]
-        lines = [f"{len(self.plans)} layout(s) of {self.gpus} {self.target.name} GPUs:"]
+        shown = sorted(self.plans, key=lambda p: (p.fits is False, -_speed(p)))[:SHOWN]
+        more = len(self.plans) > SHOWN
+        lines = [
+            f"{len(self.plans)} layout(s) of {self.gpus} {self.target.name} GPUs"
+            + (f" ({SHOWN} shown, the fastest that fit first; --json lists all):" if more else ":")
+        ]
         for p in shown:
             mark = "fits" if p.fits is not False else "over"
             lines.append(
