@@ -301,6 +301,28 @@ def test_a_float8_checkpoint_loads_into_a_run_without_float8_and_back(
         assert all(torch.equal(loaded[k], full[k]) for k in full)
 
 
+def _save_pretrained(rt: gk.Runtime, folder: str) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = LlamaConfig(vocab_size=64, num_attention_heads=2, num_key_value_heads=2, **sizes)
+    model = rt.setup(LlamaForCausalLM(config))
+    rt.unwrap(model).save_pretrained(folder)
+    return rt.full_state_dict(model)
+
+
+def test_save_pretrained_writes_float8_weights_as_plain_ones(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """transformers' save_pretrained under fsdp with weights gathered in float8: safetensors
+    gets plain tensors, which load back into the plain model."""
+    transformers = pytest.importorskip("transformers")
+    full = one_rank(_save_pretrained, str(tmp_path), float8="tensorwise")
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
 # -- host reads --------------------------------------------------------------------------------
 LOG_EVERY = 5
 
