@@ -80,3 +80,22 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(
     said = capsys.readouterr().err
     assert "blocks.0.attn of GPT has 4, not a multiple of 8" in said
     assert said.count("gpukit train: error") == 1
+
+
+def test_strategy_parallel_alone_trains_every_rank_sharding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No size given: parallel={} (every rank sharding), not refused as beside a strategy.
+    import gpukit.cli.train as train_command
+
+    made: list[gk.Runtime] = []
+
+    def runtime(**kwargs: object) -> gk.Runtime:
+        made.append(gk.Runtime(**{**kwargs, "devices": ["cpu"] * 2}))  # type: ignore[arg-type]
+        raise KeyboardInterrupt  # the Runtime is what is checked: stop before training
+
+    monkeypatch.setattr(train_command, "Runtime", runtime)
+    main(["train", "--strategy", "parallel", "--devices", "2", "--max-steps", "1"])
+    assert len(made) == 1
+    assert made[0].strategy.name == "parallel"
+    assert made[0].strategy.layout.described() == "dp_shard 2"

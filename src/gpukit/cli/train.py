@@ -199,7 +199,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     compiled = _compile_choice(args, TrainConfig(**asked, seed=args.seed))
     parallel = parallel_setting(args)
     chosen = {
-        "strategy": "auto" if parallel else _strategy(args),
+        # {} (--strategy parallel alone) is a layout too: every rank sharding.
+        "strategy": "auto" if parallel is not None else _strategy(args),
         "parallel": parallel,
         "checkpoints": checkpoints,
         "compile": compiled.setting,
@@ -220,7 +221,7 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 "which cannot run there: use --strategy ddp (one process per device), or drop "
                 "--max-restarts and --hang-timeout"
             )
-        if not worker and parallel:
+        if not worker and parallel is not None:
             # A layout the model cannot take (heads, blocks or sequence that do not divide) is
             # said here, before any rank starts: the workload is built on the meta device.
             rt.strategy.check_model(load_workload(args.workload, seed=args.seed, meta=True).model)
