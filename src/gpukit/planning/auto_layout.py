@@ -25,9 +25,17 @@ from gpukit.strategies.mesh import use_layout_chooser
 __all__ = ["choose"]
 
 
-def choose(model: nn.Module, world_size: int, device: Device) -> tuple[dict[str, int], str]:
+def choose(
+    model: nn.Module,
+    world_size: int,
+    device: Device,
+    *,
+    activation_checkpointing: str = "off",
+    float8: str | None = None,
+) -> tuple[dict[str, int], str]:
     """The sizes of each dimension for ``model`` over ``world_size`` ranks of ``device``'s
-    kind, and one line saying why (see the module docstring)."""
+    kind, and one line saying why (see the module docstring), planned with the run's
+    ``activation_checkpointing`` and ``float8`` (what fits depends on both)."""
     shard = {"dp_shard": world_size}
     if device.type != "cuda":
         return shard, (
@@ -38,7 +46,13 @@ def choose(model: nn.Module, world_size: int, device: Device) -> tuple[dict[str,
 
     name = torch.cuda.get_device_name(device.index)
     try:
-        return choose_layout(model, world_size, name)
+        return choose_layout(
+            model,
+            world_size,
+            name,
+            activation_checkpointing=activation_checkpointing,
+            float8=float8,
+        )
     except ConfigError as err:
         if "plans a Llama-style decoder" not in str(err):
             raise  # it read the model, and nothing fits: said as the planner says it
