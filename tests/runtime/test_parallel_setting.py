@@ -99,3 +99,14 @@ def test_strategy_parallel_alone_trains_every_rank_sharding(
     assert len(made) == 1
     assert made[0].strategy.name == "parallel"
     assert made[0].strategy.layout.described() == "dp_shard 2"
+
+
+def test_the_batch_is_checked_against_the_ranks_that_read_different_samples(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 3 tensor-parallel ranks read the same 32 samples: the batch splits (over one data
+    # rank); what is refused is gpt's 4 heads over 3 ranks, before any rank starts.
+    assert main(["train", "--devices", "3", "--tp", "3", "--max-steps", "1"]) == 2
+    said = capsys.readouterr().err
+    assert "cannot be split over" not in said
+    assert "has 4, not a multiple of 3" in said

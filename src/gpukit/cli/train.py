@@ -209,7 +209,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     config = TrainConfig(**asked, seed=args.seed, compile_why=compiled.why)
     oom: tuple[BaseException, dict[str, Any] | None] | None = None
     try:
-        check(config, rt.world_size, rt.accumulate)
+        # Split over the ranks that read different samples: tensor and context ranks share.
+        check(config, rt.strategy.sampler_placement()[0], rt.accumulate)
         if not worker:  # the launcher checked it before starting this process
             check_out(args.out, resume=args.resume, overwrite=args.overwrite)
         # A hang watch needs the launcher too, even for one process: it is what watches.
