@@ -110,3 +110,13 @@ def test_the_batch_is_checked_against_the_ranks_that_read_different_samples(
     said = capsys.readouterr().err
     assert "cannot be split over" not in said
     assert "has 4, not a multiple of 3" in said
+
+
+def test_heads_context_parallel_cannot_split_are_refused_before_any_rank_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # gpt's 4 heads over 8 Ulysses ranks: said by the command, not by 8 ranks at a forward.
+    assert main(["train", "--devices", "8", "--cp", "8", "--max-steps", "1"]) == 2
+    said = capsys.readouterr().err
+    assert "cp=8: blocks.0.attn of GPT has 4 attention heads" in said
+    assert said.count("gpukit train: error") == 1

@@ -45,6 +45,7 @@ from gpukit.strategies.sequence_parallel import (
     Ring,
     SequenceParallel,
     Ulysses,
+    check_cp,
     check_ring,
 )
 from gpukit.strategies.traits import Collective, Traits
@@ -181,6 +182,11 @@ class Parallel(FSDP):
             pp=layout.pp,
             cp=layout.cp,
         )
+
+    def check_model(self, module: nn.Module) -> None:
+        super().check_model(module)
+        if self.cp_attention == "ulysses":
+            check_cp(user_model(module), self.layout.cp)
 
     @property
     def shard_size(self) -> int:

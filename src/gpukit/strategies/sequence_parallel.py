@@ -99,6 +99,29 @@ def heads_of(t: torch.Tensor, cp: int, what: str) -> int:
     return heads
 
 
+def check_cp(model: nn.Module, cp: int) -> None:
+    """Refuse, before any process starts, a ``model`` whose query heads do not split across
+    ``cp`` Ulysses ranks, where its attention modules name their head counts (the attention's
+    inputs themselves are checked at its first forward, by :func:`heads_of`)."""
+    if cp == 1:
+        return
+    from gpukit.strategies._tp_find import find_parts
+
+    try:
+        found = find_parts(model)
+    except ConfigError:  # a module that names no head count: its first forward says it
+        return
+    # Query heads only: key/value heads repeated to the query heads' number before the
+    # attention split as those do.
+    for a in found.attention:
+        if a.heads % cp:
+            raise ConfigError(
+                f"context parallel cp={cp}: {a.name or 'the model'} of {type(model).__name__} "
+                f"has {a.heads} attention heads, which do not split across {cp} ranks (Ulysses "
+                f"gives each rank heads/cp of them): use a cp that divides {a.heads}"
+            )
+
+
 class Ulysses:
     """Attention of sequence-split inputs through two all-to-alls (see the module doc)."""
 
@@ -334,6 +357,7 @@ __all__ = [
     "SequenceParallel",
     "Ulysses",
     "all_to_all",
+    "check_cp",
     "check_ring",
     "heads_of",
     "recomputation",
