@@ -10,6 +10,7 @@ from gpukit.cli.__main__ import build_parser, main
 from gpukit.cli._parallel_flags import parallel_setting as _parallel
 from gpukit.cli.train import _worker_command
 from gpukit.errors import ConfigError
+from gpukit.workloads.gpt import GPT, GPTConfig
 
 
 def test_a_mapping_of_sizes_trains_on_one_mesh() -> None:
@@ -120,3 +121,11 @@ def test_heads_context_parallel_cannot_split_are_refused_before_any_rank_starts(
     said = capsys.readouterr().err
     assert "cp=8: blocks.0.attn of GPT has 4 attention heads" in said
     assert said.count("gpukit train: error") == 1
+
+
+def test_heads_left_to_a_tensor_parallel_rank_must_split_across_the_context_ranks() -> None:
+    # 4 heads, 2 on each tensor-parallel rank: 4 Ulysses ranks cannot split those 2.
+    rt = gk.Runtime(parallel={"tp": 2, "cp": 4, "dp_shard": 1}, devices=["cpu"] * 8)
+    model = GPT(GPTConfig(vocab_size=32, context=16, n_layer=1, n_head=4, d_model=32))
+    with pytest.raises(ConfigError, match=r"4 attention heads, 2 on each of 2 tensor-parallel"):
+        rt.strategy.check_model(model)

@@ -185,8 +185,9 @@ class Parallel(FSDP):
 
     def check_model(self, module: nn.Module) -> None:
         super().check_model(module)
-        if self.cp_attention == "ulysses":
-            check_cp(user_model(module), self.layout.cp)
+        if self.cp_attention == "ulysses":  # after tp's check: the heads divide by tp
+            auto = self.options.tp_plan in (None, "auto")
+            check_cp(user_model(module), self.layout.cp, self.layout.tp if auto else 1)
 
     @property
     def shard_size(self) -> int:

@@ -99,10 +99,11 @@ def heads_of(t: torch.Tensor, cp: int, what: str) -> int:
     return heads
 
 
-def check_cp(model: nn.Module, cp: int) -> None:
+def check_cp(model: nn.Module, cp: int, tp: int = 1) -> None:
     """Refuse, before any process starts, a ``model`` whose query heads do not split across
     ``cp`` Ulysses ranks, where its attention modules name their head counts (the attention's
-    inputs themselves are checked at its first forward, by :func:`heads_of`)."""
+    inputs themselves are checked at its first forward, by :func:`heads_of`). ``tp``: the
+    tensor-parallel ranks a plan read off the model splits the heads over first."""
     if cp == 1:
         return
     from gpukit.strategies._tp_find import find_parts
@@ -114,11 +115,13 @@ def check_cp(model: nn.Module, cp: int) -> None:
     # Query heads only: key/value heads repeated to the query heads' number before the
     # attention split as those do.
     for a in found.attention:
-        if a.heads % cp:
+        local = a.heads // tp
+        if local % cp:
+            held = f", {local} on each of {tp} tensor-parallel ranks," if tp > 1 else ""
             raise ConfigError(
                 f"context parallel cp={cp}: {a.name or 'the model'} of {type(model).__name__} "
-                f"has {a.heads} attention heads, which do not split across {cp} ranks (Ulysses "
-                f"gives each rank heads/cp of them): use a cp that divides {a.heads}"
+                f"has {a.heads} attention heads{held} which do not split across {cp} ranks "
+                f"(Ulysses gives each rank heads/cp of them): use a cp that divides {local}"
             )
 
 
