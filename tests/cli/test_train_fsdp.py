@@ -183,3 +183,15 @@ def test_a_killed_fsdp_rank_is_restarted_and_the_run_ends_bitwise_equal(
     got = load_file(tmp_path / "b" / step)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_fsdp_runs_config_toml_trains_it_again() -> None:
+    # fsdp's options hold tp=1: recorded as --tp 1, the rerun was refused beside --strategy
+    # fsdp (the mesh flags are Parallel's).
+    from gpukit.cli._parallel_flags import parallel_setting
+    from gpukit.train.rerun import rerun_flags
+
+    flags = rerun_flags({"workload": "gpt"}, "32", _strategy(parse("--strategy", "fsdp")).options)
+    assert "tp" not in flags
+    again = parse(*(f"--{k.replace('_', '-')}={v}" for k, v in flags.items()))
+    assert parallel_setting(again) is None

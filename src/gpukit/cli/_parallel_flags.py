@@ -13,15 +13,13 @@ from typing import Any
 
 from gpukit.errors import ConfigError
 from gpukit.strategies import Parallel
-
-# gpukit train's flags that name a mesh (gk.Runtime(parallel=...)), by Parallel's keywords.
-_MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "float8")
+from gpukit.train.options import MESH_FLAGS
 
 
 def parallel_setting(args: argparse.Namespace) -> dict[str, Any] | None:
     """``parallel=`` from ``--tp 2 --pp 2`` and the like (with fsdp's own flags, which the
     mesh shards with); None when none of them is given."""
-    given = {k: getattr(args, k) for k in _MESH_FLAGS if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in MESH_FLAGS if getattr(args, k) is not None}
     if not given and args.strategy != Parallel.name:
         return None
     if args.strategy not in ("auto", Parallel.name):

@@ -38,6 +38,10 @@ DEFAULT_PROGRESS_EVERY = DEFAULT_EVERY
 
 Reader = Literal["loop", "runtime", "launcher", "command"]
 
+# The flags that name one mesh of every parallelism dimension (gk.strategies.Parallel's
+# keywords): given any, the run trains with Parallel (gpukit.cli._parallel_flags).
+MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "float8")
+
 
 @dataclass(frozen=True)
 class TrainOption:

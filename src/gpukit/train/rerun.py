@@ -46,8 +46,13 @@ def rerun_flags(
 'precision': '32', 'devices': 'cpu,cpu', 'seed': 0}
     """
     out: dict[str, Any] = {}
+    # The mesh flags are Parallel's, whose options hold a layout: fsdp's hold a tp too (1),
+    # which the rerun would take for --tp 1 beside --strategy fsdp, and refuse.
+    layout = hasattr(strategy_options, "dp_shard")
     for f in options.for_rerun():
         name = options.option(f).strategy_option
+        if f.name in options.MESH_FLAGS and not layout:
+            continue
         if name is None:
             out[f.name] = recorded.get(f.name)
         else:
