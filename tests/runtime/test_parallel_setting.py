@@ -129,3 +129,11 @@ def test_heads_left_to_a_tensor_parallel_rank_must_split_across_the_context_rank
     model = GPT(GPTConfig(vocab_size=32, context=16, n_layer=1, n_head=4, d_model=32))
     with pytest.raises(ConfigError, match=r"4 attention heads, 2 on each of 2 tensor-parallel"):
         rt.strategy.check_model(model)
+
+
+def test_compile_is_refused_for_the_context_ranks_the_layout_resolves_to() -> None:
+    # cp=-1 over one rank is no context parallel: compile goes; over two it is refused.
+    one = gk.Runtime(parallel={"dp_shard": 1, "cp": -1}, devices="cpu", compile=True)
+    assert one.strategy.layout.cp == 1
+    with pytest.raises(ConfigError, match="parallel cp=2 with compile"):
+        gk.Runtime(parallel={"dp_shard": 1, "cp": -1}, devices=["cpu"] * 2, compile=True)

@@ -162,8 +162,8 @@ class Parallel(FSDP):
             check_ring(self.device.torch)
 
     def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
-        if self.requested.cp != 1:
-            raise _compiled_blocks(self.requested.cp)
+        if self.layout.cp != 1:  # as resolved over the ranks (cp=-1 may be one)
+            raise _compiled_blocks(self.layout.cp)
         return super().enable_compile(backend, mode)
 
     def _take_layout(self, layout: Layout) -> None:
