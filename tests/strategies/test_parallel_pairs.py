@@ -2,7 +2,7 @@
 user trains with gpukit (``rt.setup``, ``rt.setup_criterion``, ``rt.train_step``,
 ``rt.log``): the losses of 20 steps of a small GPT equal the plain one-process loop's within
 float32's rounding of the reordered sums (float8: within its own rounding), and the host reads
-per step are the same at every step (``gk.trace()``).
+per step are the same at every step, and as many as plain DDP's (``gk.trace()``).
 
 All layouts run in one launch (each a Runtime of its own over the same 4 processes), so the
 processes start once."""
@@ -63,8 +63,10 @@ def _plain() -> list[float]:
     return losses
 
 
-def _train(rt: gk.Runtime, layout: dict[str, Any]) -> dict[str, Any]:
-    inner = gk.Runtime(parallel=layout, devices="cpu", seed=0, log_every=1)
+def _train(rt: gk.Runtime, layout: dict[str, Any] | None) -> dict[str, Any]:
+    # None: plain DDP over the same ranks, whose host reads each layout's are held to.
+    how: dict[str, Any] = {"parallel": layout} if layout is not None else {"strategy": "ddp"}
+    inner = gk.Runtime(**how, devices="cpu", seed=0, log_every=1)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = inner.setup(model, optimizer)
@@ -85,7 +87,7 @@ def _train(rt: gk.Runtime, layout: dict[str, Any]) -> dict[str, Any]:
 
 
 def _all(rt: gk.Runtime) -> dict[str, Any]:
-    return {name: _train(rt, layout) for name, layout in LAYOUTS.items()}
+    return {name: _train(rt, layout) for name, layout in {**LAYOUTS, "ddp": None}.items()}
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,5 @@ def test_each_layout_trains_as_one_process(name: str, runs: dict[str, Any]) -> N
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tolerance, atol=0)
     reads = runs[name]["reads"]
     assert len(set(reads[2:])) == 1, f"host reads per step vary: {reads}"  # after warm-up
+    ddp = runs["ddp"]["reads"]
+    assert reads[2:] == ddp[2:], f"host reads per step {reads}, where ddp makes {ddp}"
