@@ -265,6 +265,43 @@ def test_ulysses_attention_equals_attention_over_whole_sequences() -> None:
     assert max(rt.launch(_attention)) < 1e-13
 
 
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).double()
+
+
+def _hf_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits(rt: gk.Runtime) -> torch.Tensor:
+    model = rt.setup(_hf_llama())
+    logits = model(input_ids=rt.strategy.local_batch(_hf_ids())).logits
+    return rt.strategy.whole_samples(logits).detach()  # type: ignore[no-any-return]
+
+
+@pytest.mark.processes
+def test_a_transformers_model_is_given_its_tokens_positions() -> None:
+    # Its forward takes position_ids and makes arange over the tokens it holds without them:
+    # its rotary angles would be those of the sequence's first tokens, silently.
+    rt = gk.Runtime(strategy=gk.strategies.Parallel(cp=2), devices=["cpu"] * 2)
+    want = _hf_llama()(input_ids=_hf_ids()).logits.detach()
+    torch.testing.assert_close(rt.launch(_hf_logits), want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.slow
 @pytest.mark.processes
 def test_context_times_shards_train_as_one_process() -> None:

@@ -19,7 +19,9 @@ a ``TorchFunctionMode`` is active during the model's forward (entered and left b
 hooks on the model), and nothing is patched. A forward that calls no
 ``scaled_dot_product_attention`` is refused after the first forward (its attention would
 have seen only the rank's own tokens), as is an attention mask (a whole-sequence mask cannot
-be split with the sequence; ``is_causal=True`` is what is supported).
+be split with the sequence; ``is_causal=True`` is what is supported). A forward that takes
+``position_ids`` (a ``transformers`` model's) is given this rank's positions there when its
+call gives none.
 
 >>> import torch
 >>> heads_of(torch.zeros(2, 8, 16, 4), cp=2, what="query")
@@ -29,6 +31,7 @@ be split with the sequence; ``is_causal=True`` is what is supported).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -286,7 +289,10 @@ class SequenceParallel:
         self.checked = False
         # One per forward running, None for one on whole sequences (whole_sequences()).
         self._modes: list[_SequenceParallelAttention | None] = []
-        module.register_forward_pre_hook(self._enter)
+        # A forward that takes position_ids (transformers' models) computes arange over the
+        # tokens it holds unless given them: it is given this rank's (see _positions).
+        self.takes_positions = "position_ids" in inspect.signature(module.forward).parameters
+        module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         module.register_forward_hook(self._leave, always_call=True)
 
     @contextlib.contextmanager
@@ -302,6 +308,34 @@ class SequenceParallel:
             mode = self._modes.pop()
             assert mode is not None  # active() always enters one
             mode.__exit__(None, None, None)
+
+    def _before_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        self._enter(module, (*args, *kwargs.values()))
+        if self._modes[-1] is None or not self.takes_positions:
+            return None
+        return self._positions(module, args, kwargs)
+
+    def _positions(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """``kwargs`` with ``position_ids``, this rank's tokens' places in the whole sequence,
+        where the call gives none: the forward's own would be ``arange`` over the rank's
+        tokens, and its rotary angles those of the sequence's first tokens."""
+        try:
+            given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return None  # a call the forward refuses says so itself
+        if given.get("position_ids") is not None:
+            return None
+        first = next(
+            (v for v in given.values() if isinstance(v, torch.Tensor) and v.dim() > 1), None
+        )
+        if first is None:
+            return None
+        positions = self.shards.positions(first.shape[1], first.device)
+        return args, {**kwargs, "position_ids": positions.expand(first.shape[0], -1)}
 
     def _enter(self, module: nn.Module | None, args: Any) -> None:
         if module is not None and sequence_batches.taking_whole():
