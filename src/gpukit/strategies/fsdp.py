@@ -247,7 +247,18 @@ class FSDP(DDP):
 
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        api = fsdp2()
+        module, meta, already = self._placed(module)
+        if self.world_size > 1 and not meta:
+            # Every rank shards its own copy: rank 0's weights must be everyone's first, as
+            # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
+            # model would be made of shards of different models. Shards the user made are
+            # theirs to make consistent: only the plain tensors are broadcast.
+            self.broadcast_state(module, sharded=False)
+        return self._sharded(module, meta, already)
+
+    def _placed(self, module: nn.Module) -> tuple[nn.Module, bool, list[Any]]:
+        """``module`` checked and on this rank's device (a meta-device one left there), whether
+        it is on the meta device, and the groups the user sharded in it themselves."""
         module = shardable(require_module(module, "rt.setup", meta=True))
         meta = is_meta(module)  # sharded first, then each rank's shards materialised
         if meta:
@@ -255,18 +266,21 @@ class FSDP(DDP):
         else:
             self.meta_init.not_used(_inside_wrappers(module))
             module = place(module, self.device.torch)
-        o = self.options
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
         # before any broadcast (a DTensor has none) or grouping (see _user_sharded).
         already = user_groups(module)
         if already or is_user_sharded(module):
-            check_user_sharded(module, already, o, self.precision_name, self.device.torch)
-        if self.world_size > 1 and not meta:
-            # Every rank shards its own copy: rank 0's weights must be everyone's first, as
-            # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
-            # model would be made of shards of different models. Shards the user made are
-            # theirs to make consistent: only the plain tensors are broadcast.
-            self.broadcast_state(module, sharded=False)
+            check_user_sharded(
+                module, already, self.options, self.precision_name, self.device.torch
+            )
+        return module, meta, already
+
+    def _sharded(self, module: nn.Module, meta: bool, already: list[Any]) -> nn.Module:
+        """``module`` (every rank's copy alike) checkpointed, split across tensor-parallel
+        ranks, compiled and sharded block by block, then at its root, over the data mesh; a
+        pipeline stage goes through here as a whole model does."""
+        api = fsdp2()
+        o = self.options
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
         if o.reshard_after_forward is not None:
