@@ -21,16 +21,28 @@ the data is sharded over ``dp_replicate x dp_shard`` only.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from gpukit._util.fake import real_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies._criterion import reduction_of
+from gpukit.strategies._norms import scale, total_norm
+from gpukit.strategies.base import check_criterion
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
+from gpukit.strategies.pipeline import (
+    Pipeline,
+    PipelineCriterion,
+    PipelineOptions,
+    combined_norm,
+)
+from gpukit.strategies.pipeline_stages import staged
 from gpukit.strategies.traits import Collective, Traits
 
 
@@ -39,7 +51,9 @@ class Parallel(FSDP):
 
     ``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``cp``: the layout's sizes (one may be -1:
     what the others leave). ``tp_plan``: the user's tensor-parallel plan (default: read off
-    the model). The other keywords are fsdp's (``gpukit.strategies.FSDP``).
+    the model). ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split``:
+    the pipeline's (``gpukit.strategies.pipeline``). The other keywords are fsdp's
+    (``gpukit.strategies.FSDP``).
     """
 
     name: ClassVar[str] = "parallel"
@@ -63,6 +77,10 @@ class Parallel(FSDP):
         pp: int = 1,
         cp: int = 1,
         tp_plan: Any = None,
+        pp_schedule: str = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        pp_split: list[str] | None = None,
         reshard: bool | int | str = "auto",
         mixed: Any = None,
         activation_checkpointing: str = "off",
@@ -76,6 +94,14 @@ class Parallel(FSDP):
                 "or the data is split); give -1 to dp_shard, pp or cp"
             )
         self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
+        split = tuple(pp_split) if isinstance(pp_split, (list, tuple)) else pp_split
+        self.pipeline_options = PipelineOptions(
+            pp_schedule,
+            pp_microbatches,
+            pp_stages_per_rank,
+            split,
+        )
+        self._pipelines: list[Pipeline] = []
         super().__init__(
             reshard=reshard,
             mixed=mixed,
@@ -98,7 +124,27 @@ class Parallel(FSDP):
     def configure(self, devices: list[Device]) -> None:
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
         self.layout = self.requested.resolved(self.world_size)
+        if self.layout.pp == 1 and self.pipeline_options != PipelineOptions():
+            raise ConfigError(
+                f"parallel: pp_* settings were given with pp=1, so there is no pipeline to "
+                f"schedule ({self.pipeline_options}): set pp=2 or more, or leave them out"
+            )
         super().configure(devices)
+
+    def check_precision(self, precision: str) -> None:
+        if self.layout.pp > 1 and precision == "16-mixed":
+            raise ConfigError(
+                "precision='16-mixed' cannot go with pipeline parallel: its gradient scaler "
+                "scales the loss in rt.backward, but the pipeline's schedule runs the backward "
+                "inside the forward, micro-batch by micro-batch, and the scaler's skipped "
+                "steps would have to agree across stages. Use precision='bf16-mixed' (no "
+                "scaler needed) or '32'"
+            )
+        super().check_precision(precision)
+
+    @property
+    def splits_model(self) -> bool:
+        return self.layout.pp > 1
 
     @property
     def shard_size(self) -> int:
@@ -135,15 +181,67 @@ class Parallel(FSDP):
 
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self.layout.pp > 1:
-            raise ConfigError(
-                f"parallel pp={self.layout.pp}: pipeline stages are not available yet"
-            )
         if self.layout.cp > 1:
             raise ConfigError(
                 f"parallel cp={self.layout.cp}: context parallel is not available yet"
             )
-        return super().setup_module(module)
+        if self.layout.pp == 1:
+            return super().setup_module(module)
+        pipeline = staged(self, module, self.pipeline_options, self.layout)
+        self._pipelines.append(pipeline)
+        return pipeline
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.view if isinstance(module, Pipeline) else module
+
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        check_criterion(fn, reduction)
+        if self.layout.pp == 1:
+            return fn
+        if reduction_of(fn, reduction) != "mean":
+            raise ConfigError(
+                "pipeline parallel averages the micro-batches' losses: give a criterion that "
+                "takes the mean over its samples (reduction='mean')"
+            )
+        return PipelineCriterion(fn)
+
+    def loss_weight(self, weight: float) -> None:
+        for pipeline in self._pipelines:
+            pipeline.run.weight = weight
+
+    def backward_done(self, loss: torch.Tensor) -> bool:
+        return any(p.run.backward_done(loss) for p in self._pipelines)
+
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+        if isinstance(module, Pipeline):
+            # The schedule reduces fsdp's gradients itself; tied copies are summed once,
+            # before the optimizer steps.
+            module.run.sync_ties = enabled
+            return
+        super().set_backward_sync(module, enabled)
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        if not self._pipelines:
+            return super().clip_gradients(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = self.gradient_norm(grads)
+        assert norm is not None  # a pipeline's norm is always its own
+        scale(grads, norm, max_norm)
+        return norm
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        if not self._pipelines:
+            return super().gradient_norm(grads)
+        # A tied parameter's copies on later stages hold the same gradient: counted once.
+        again = {id(p.grad) for pl in self._pipelines for p in pl.run.norm_skip}
+        counted = [g for g in grads if id(g) not in again]
+        return combined_norm(total_norm(counted).to(self.device.torch), self.mesh["pp"].get_group())
+
+    def teardown(self) -> None:
+        self._pipelines.clear()
+        super().teardown()
 
 
 def _flattened(mesh: Any) -> dict[str, Any]:

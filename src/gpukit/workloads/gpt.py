@@ -185,9 +185,14 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
-        return self.head(self.ln_f(self.blocks(x)))
+        # A pipeline stage holds only some of these (the others None): a later stage is
+        # given the hidden states instead of ids, an earlier one hands its hidden states on.
+        x = ids
+        if self.token_embedding is not None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
+        x = self.blocks(x)
+        return x if self.head is None else self.head(self.ln_f(x))
 
 
 class SequenceCrossEntropy(nn.Module):

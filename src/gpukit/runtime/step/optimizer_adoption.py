@@ -47,13 +47,20 @@ def adopt(
         for name, old in before.items()
         if name in after and after[name] is not old
     }
-    if not moved:
+    # A parameter under none of its names any more lives on another rank (a pipeline stage
+    # holds part of the model): this rank's optimizers leave it.
+    kept = {id(p) for p in after.values()}
+    gone = {id(old) for old in before.values() if id(old) not in moved and id(old) not in kept}
+    if not moved and not (gone and after):
         return []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             # In place: an optimizer may hold this very list (LBFGS keeps it as _params).
-            group["params"][:] = [moved.get(id(p), p) for p in group["params"]]
+            group["params"][:] = [moved.get(id(p), p) for p in group["params"] if id(p) not in gone]
         for param in list(optimizer.state):
+            if id(param) in gone:
+                del optimizer.state[param]
+                continue
             new = moved.get(id(param))
             if new is not None:
                 kept = optimizer.state.pop(param)

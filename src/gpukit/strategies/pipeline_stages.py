@@ -1,0 +1,124 @@
+"""A model made into this rank's pipeline stages under ``Parallel(pp=...)``: every rank starts
+from rank 0's whole model, cuts it (``pipeline_split``), and prepares each of its stages as
+fsdp prepares a whole model (tensor parallel, checkpointing, compile, ``fully_shard`` over the
+data mesh); parameters tied across stages get the ranks that hold them in one group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpukit.errors import ConfigError
+from gpukit.strategies.fsdp import FSDP
+from gpukit.strategies.layout import Layout
+from gpukit.strategies.pipeline import Pipeline, PipelineOptions, PipelineRun
+from gpukit.strategies.pipeline_split import Cut, holding, stage_module, tied_names, union
+
+
+def staged(strategy: FSDP, module: nn.Module, options: PipelineOptions, layout: Layout) -> Pipeline:
+    """``module`` (as ``rt.setup`` gives it) as this rank's stages of ``layout``'s pipeline,
+    prepared by ``strategy`` (the one mesh's); see the module doc."""
+    module, meta, already = strategy._placed(module)
+    if meta or already:
+        what = "built on the meta device" if meta else "sharded by the user"
+        raise ConfigError(
+            f"pipeline parallel cuts a whole model into stages, and this one was {what}: "
+            "give the model with its weights, unsharded"
+        )
+    inner = _inner(module)
+    # Every rank cuts its own copy: rank 0's weights first, so that the stages are pieces of
+    # one model (and tied copies start equal).
+    strategy.broadcast_state(inner, sharded=False)
+    pp = layout.pp
+    count = pp * options.per_rank
+    cut = Cut.of(inner, count, list(options.split) if options.split else None)
+    pp_rank = layout.coordinates(strategy.rank)["pp"]
+    ids = options.stage_ids(pp, pp_rank)
+    holders = [options.holder(s, pp) for s in range(count)]
+    ties = [
+        (names, sorted({s for n in names for s in holding(inner, cut, n)}))
+        for names in tied_names(inner)
+    ]
+    cuts = [stage_module(inner, cut, s) for s in ids]
+    stages = [strategy._sharded(_rewrapped(module, c), False, []) for c in cuts]
+    group = strategy.mesh["pp"].get_group()
+    tie_groups, skip = _tie_groups(strategy, ties, cuts, ids, holders, pp, group)
+    run = PipelineRun(
+        stages, ids, count, options, group, tie_groups, strategy.device.torch, pp, holders
+    )
+    run.norm_skip = skip
+    if strategy.rank == 0:
+        shown = ", ".join(f"stage {s}: {cut.described(s)}" for s in range(count))
+        print(f"gpukit: pipeline of {count} stage(s) over pp {pp} ({options.schedule}): {shown}")
+    return Pipeline(stages, union(cuts), run)
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    while getattr(module, "gpukit_thin_wrapper", False):
+        module = next(module.children())
+    return module
+
+
+def _rewrapped(outer: nn.Module, inner: nn.Module) -> nn.Module:
+    """``inner`` inside copies of the thin wrappers around ``outer``'s model (mixed
+    precision's autocast), so each stage runs as the whole model would have."""
+    if not getattr(outer, "gpukit_thin_wrapper", False):
+        return inner
+    (name, child), *_ = outer._modules.items()
+    wrapper = outer.__class__.__new__(outer.__class__)
+    wrapper.__dict__ = dict(outer.__dict__)
+    wrapper._modules = {**outer._modules, name: _rewrapped(child, inner)}  # type: ignore[arg-type]
+    return wrapper
+
+
+def _tie_groups(
+    strategy: FSDP,
+    ties: list[tuple[list[str], list[int]]],
+    cuts: list[nn.Module],
+    ids: list[int],
+    holders: list[int],
+    pp: int,
+    pp_group: Any,
+) -> tuple[list[tuple[list[torch.Tensor], Any]], list[torch.Tensor]]:
+    """For each parameter tied across stages: this rank's copies and the group of pipeline
+    ranks that sum their gradients (None: all copies are here); and the copies the gradient
+    norm leaves out (those not on the first stage holding it)."""
+    found: list[tuple[list[torch.Tensor], Any]] = []
+    skip: list[torch.Tensor] = []
+    for names, stages in ties:
+        if len(stages) < 2:
+            continue  # within one stage: autograd sums it as in the whole model
+        ranks = sorted({holders[s] for s in stages})
+        group = None
+        if len(ranks) == pp:
+            group = pp_group
+        elif len(ranks) > 1:
+            group = _subgroup(strategy, ranks)
+        copies: list[torch.Tensor] = []
+        for cut, index in zip(cuts, ids, strict=True):
+            named = dict(cut.named_parameters(remove_duplicate=False))
+            for n in names:
+                p = named.get(n)
+                if p is not None and all(p is not c for c in copies):
+                    copies.append(p)
+                    if index != stages[0]:
+                        skip.append(p)
+        if copies or group is not None:
+            found.append((copies, group))
+    return found, skip
+
+
+def _subgroup(strategy: FSDP, ranks: list[int]) -> Any:
+    """The group of pipeline ranks ``ranks`` of this rank's pipeline: every rank makes every
+    pipeline's (torch's new_group is collective), and keeps its own."""
+    full = strategy.mesh.mesh  # pp outermost: one pipeline per other coordinate
+    lines = full.reshape(full.shape[0], -1).T.tolist()
+    mine = None
+    for line in lines:
+        made = dist.new_group([line[r] for r in ranks])
+        if strategy.rank in (line[r] for r in ranks):
+            mine = made
+    return mine
