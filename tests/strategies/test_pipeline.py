@@ -266,3 +266,57 @@ def test_a_pipeline_that_cannot_be_built_is_refused(options: dict[str, Any], sai
     with pytest.raises(Exception, match="pp") as caught:
         rt.launch(_setup_only)
     assert said in str(caught.value)
+
+
+# -- what a step costs -------------------------------------------------------------------------
+def _counted(rt: gk.Runtime) -> dict[str, Any]:
+    """Reads (gk.trace) and the collectives the pipeline adds, over 4 steps after 2."""
+    from gpukit.strategies import pipeline
+
+    calls: dict[str, int] = {"broadcast": 0, "all_reduce": 0}
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            found = getattr(torch.distributed, name)
+            if name not in calls:
+                return found
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                calls[name] += 1
+                return found(*args, **kwargs)
+
+            return counted
+
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = rt.setup(model, opt)
+    criterion = rt.setup_criterion(SequenceCrossEntropy())
+    batches = _batches("gpt")
+    for x, y in batches[:2]:
+        rt.train_step(opt, (x, y), lambda b: criterion(model(b[0]), b[1]))
+    rt.flush_logs()
+    real, pipeline.dist = pipeline.dist, Counting()  # type: ignore[assignment]
+    try:
+        with gk.trace() as t:
+            for x, y in batches[2:6]:
+                rt.log(loss=rt.train_step(opt, (x, y), lambda b: criterion(model(b[0]), b[1])))
+    finally:
+        pipeline.dist = real
+    return {"reads": sum(s.count for s in t.syncs), **calls}
+
+
+def test_a_step_adds_one_loss_broadcast_and_one_tied_sum() -> None:
+    rt = gk.Runtime(strategy=_pp(), devices=["cpu"] * 2, log_every=2)
+    counts = rt.launch(_counted)
+    # Per step: the loss from the last stage, the tied weight's gradients summed; the only
+    # reads are the two flushes of the logged loss (log_every=2 over 4 steps).
+    assert counts == {"reads": 2, "broadcast": 4, "all_reduce": 4}
+
+
+def test_bf16_mixed_runs_each_stage_under_autocast_as_the_whole_model() -> None:
+    strategy = _pp(pp_schedule="GPipe", pp_microbatches=1)
+    rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 2, precision="bf16-mixed")
+    got = rt.launch(_train, "gpt", 3)
+    want = _train(gk.Runtime(devices="cpu", seed=0, precision="bf16-mixed"), "gpt", 3)
+    assert torch.equal(got["losses"], want["losses"])
+    assert_bit_identical(got["weights"], want["weights"])

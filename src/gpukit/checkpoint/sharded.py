@@ -128,7 +128,8 @@ def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor
         staged = strategy.splits_model
         options = StateDictOptions(full_state_dict=True, cpu_offload=not staged)
         full = {
-            k: v.cpu()
+            # A view of several stages is no fsdp root: its shards are gathered here.
+            k: (cast(Any, v).full_tensor() if is_dtensor(v) else v).cpu()
             for k, v in get_model_state_dict(model, options=options).items()
             if isinstance(v, torch.Tensor)
         }

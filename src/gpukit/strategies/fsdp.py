@@ -56,6 +56,7 @@ from gpukit.strategies._user_sharded import (
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
 from gpukit.strategies.meta_init import is_meta, move_buffers
+from gpukit.strategies.pipeline_split import StagesView
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -392,6 +393,8 @@ def is_sharded(module: nn.Module) -> bool:
         cls = fsdp2().FSDPModule
     except ConfigError:
         return False
+    if isinstance(module, StagesView):  # pipeline stages on one rank, each an fsdp root
+        return any(is_sharded(stage) for stage in module.stages)
     return any(isinstance(m, cls) for m in module.modules())
 
 

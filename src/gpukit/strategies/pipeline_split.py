@@ -175,12 +175,20 @@ def tied_names(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def union(modules: list[nn.Module]) -> nn.Module:
+class StagesView(nn.Module):
+    """Several stages' modules seen as one (see :func:`union`); ``stages`` holds them."""
+
+    stages: tuple[nn.Module, ...] = ()
+
+
+def union(modules: list[nn.Module], top: bool = True) -> nn.Module:
     """One module whose ``state_dict`` holds every name of ``modules`` (stages of one model
     on one rank), sharing their parameters: what checkpoints read and load."""
     if len(modules) == 1:
         return modules[0]
-    view = nn.Module()
+    view = StagesView() if top else nn.Module()
+    if top:
+        view.__dict__["stages"] = tuple(modules)  # not children: their names are the view's
     children: dict[str, list[nn.Module]] = {}
     for m in modules:
         for name, p in m._parameters.items():
@@ -195,5 +203,5 @@ def union(modules: list[nn.Module]) -> nn.Module:
             if child is not None and all(child is not c for c in children.get(name, [])):
                 children.setdefault(name, []).append(child)
     for name, found in children.items():
-        view._modules[name] = union(found)
+        view._modules[name] = union(found, top=False)
     return view

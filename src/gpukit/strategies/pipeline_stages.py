@@ -53,7 +53,23 @@ def staged(strategy: FSDP, module: nn.Module, options: PipelineOptions, layout: 
     if strategy.rank == 0:
         shown = ", ".join(f"stage {s}: {cut.described(s)}" for s in range(count))
         print(f"gpukit: pipeline of {count} stage(s) over pp {pp} ({options.schedule}): {shown}")
-    return Pipeline(stages, union(cuts), run)
+    return Pipeline(stages, _viewed(cuts), run)
+
+
+def _viewed(cuts: list[nn.Module]) -> nn.Module:
+    """The stages' parameters under the whole model's names (see ``union``). Several stages'
+    view is no fsdp root: it reshards theirs before its state is read or loaded, as a root
+    does for itself (an evaluation may have left their full weights gathered)."""
+    view = union(cuts)
+    if len(cuts) > 1:
+
+        def reshard(*_: Any) -> None:
+            for cut in cuts:
+                cut.reshard()  # type: ignore[operator]  # an fsdp root (sharded in _sharded)
+
+        view.register_state_dict_pre_hook(reshard)
+        view.register_load_state_dict_pre_hook(reshard)
+    return view
 
 
 def _inner(module: nn.Module) -> nn.Module:
