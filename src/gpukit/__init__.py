@@ -38,7 +38,9 @@ from gpukit.errors import (
     SimulationUnsupported,
 )
 from gpukit.planning import auto as _auto  # noqa: F401  (strategy="auto" asks the planner)
-from gpukit.planning.planner import plan
+from gpukit.planning import auto_layout as _auto_layout  # noqa: F401  (so does parallel="auto")
+from gpukit.planning.layout_search import plan_layout
+from gpukit.planning.plan_or_layout import plan
 from gpukit.runtime.runtime import Runtime
 
 __version__ = "0.1.0"
@@ -84,6 +86,7 @@ __all__ = [
     "on",
     "placement",
     "plan",
+    "plan_layout",
     "strategies",
     "to",
     "trace",

@@ -21,7 +21,7 @@ def _declared(fn: Callable[..., object]) -> list[tuple[str, object, object, obje
 def test_the_runtime_keywords_are_the_settings_declaration() -> None:
     runtime = _declared(gk.Runtime.__init__)
     assert runtime == _declared(Settings.__init__)
-    assert len(runtime) == 23
+    assert len(runtime) == 24
 
 
 def test_the_runtime_keeps_every_keyword_given() -> None:

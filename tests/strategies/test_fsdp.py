@@ -108,9 +108,9 @@ def test_good_settings_are_kept() -> None:
     assert FSDPOptions().reshard_after_forward is None and FSDPOptions().mixed_policy() is None
 
 
-def test_tensor_parallel_needs_a_plan() -> None:
-    with pytest.raises(ConfigError, match=r"FSDP\(tp=2\) needs tp_plan"):
-        gk.strategies.FSDP(tp=2)
+def test_tensor_parallel_without_a_plan_reads_one_from_the_model() -> None:
+    assert gk.strategies.FSDP(tp=2).options.tp_plan is None  # tensor_plans.auto_plan's
+    assert gk.strategies.FSDP(tp=2, tp_plan="auto").options.tp_plan == "auto"
 
 
 def test_tensor_parallel_and_replicas_must_divide_the_ranks() -> None:

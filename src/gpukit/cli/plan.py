@@ -20,6 +20,16 @@ Example:
     # a meta-device 8B model, planned without materialising it:
     gpukit plan --workload gpukit.workloads.llama:llama3_8b --devices 8,128 --target h100 \
         --strategies ddp,fsdp --fsdp-mixed bf16
+
+Layouts of data, tensor, pipeline and context parallelism (a Llama-style decoder, closed
+form): --layout auto searches every valid dp_replicate x dp_shard x tp x pp x cp of one GPU
+count for the fastest that fits; any of --dp-shard, --dp-replicate, --tp, --pp, --cp plans
+that one layout (the sizes left out are 1). Activation checkpointing defaults to full there,
+and --target to h100.
+    gpukit plan --workload gpukit.workloads.llama:llama3_405b --devices 512 --batch-size 256 \
+        --layout auto --float8 tensorwise
+    gpukit plan --workload gpukit.workloads.llama:llama3_70b --devices 256 --batch-size 512 \
+        --tp 8 --dp-shard 32 --float8 tensorwise --async-tp
 """
 
 from __future__ import annotations
@@ -32,11 +42,20 @@ from gpukit.errors import ConfigError
 from gpukit.planning import registered
 from gpukit.planning.arguments import CHECKPOINTING, PRECISIONS
 from gpukit.planning.closed_form import MIXED
+from gpukit.planning.layout_search import plan_layout
+from gpukit.planning.layouts import DEGREES, FLOAT8, SCHEDULES
 from gpukit.planning.planner import plan
 from gpukit.planning.targets import parse_bytes, target
 from gpukit.strategies import STRATEGIES
 
 NAME = "plan"
+DEGREE_HELP = (
+    "replicas of the shards (HSDP)",
+    "FSDP shards",
+    "tensor parallel (within a node)",
+    "pipeline stages",
+    "context parallel (sequence)",
+)
 
 
 def register(sub: Any) -> None:
@@ -54,7 +73,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch size")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
-    parser.add_argument("--activation-checkpointing", default="off", choices=CHECKPOINTING)
+    parser.add_argument(
+        "--activation-checkpointing",
+        default=None,
+        choices=CHECKPOINTING,
+        help="default: off (full with a layout)",
+    )
     parser.add_argument(
         "--fsdp-mixed",
         default=None,
@@ -72,10 +96,46 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--calibrate", action="store_true", help="measure a few steps on this machine first"
     )
+    layouts = parser.add_argument_group("layouts (tensor, pipeline, context parallelism)")
+    layouts.add_argument("--layout", choices=("auto",), default=None, help="search every layout")
+    for degree, meaning in zip(DEGREES, DEGREE_HELP, strict=True):
+        flag = f"--{degree.replace('_', '-')}"
+        layouts.add_argument(flag, type=int, default=None, metavar="N", help=meaning)
+    layouts.add_argument(
+        "--pp-schedule",
+        default=None,
+        choices=tuple(SCHEDULES),
+        metavar="NAME",
+        help=f"{', '.join(SCHEDULES)} (default 1F1B)",
+    )
+    layouts.add_argument(
+        "--microbatches", type=int, default=None, metavar="N", help="per pipeline step (default pp)"
+    )
+    layouts.add_argument("--float8", default=None, choices=FLOAT8)
+    layouts.add_argument("--async-tp", action="store_true", help="overlap TP's collectives")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.layout or any(getattr(args, d) is not None for d in DEGREES):
+        return _run_layout(args)
+    alone = [
+        flag
+        for flag, value in (
+            ("--pp-schedule", args.pp_schedule),
+            ("--microbatches", args.microbatches),
+            ("--float8", args.float8),
+            ("--async-tp", args.async_tp),
+        )
+        if value
+    ]
+    if alone:
+        raise ConfigError(
+            f"{', '.join(alone)} plan layouts: add --layout auto, or the sizes (--tp, --pp, "
+            "--cp, --dp-shard, --dp-replicate)"
+        )
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = "off"
     calibration = None
     counts = _counts(args.devices)
     names = _names(args.strategies) if args.strategies is not None else None
@@ -112,6 +172,53 @@ def run(args: argparse.Namespace) -> int:
         method=args.method,
         calibration=calibration,
         fsdp_mixed=args.fsdp_mixed,
+    )
+    if args.json:
+        print_json(report.to_dict())
+        return 0
+    console().print(str(report), highlight=False, soft_wrap=True)
+    return 0
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    counts = _counts(args.devices)
+    if len(counts) != 1:
+        raise ConfigError(
+            f"--devices {args.devices!r} with a layout: give one GPU count (e.g. --devices 256)"
+        )
+    if args.strategies is not None or args.calibrate or args.fsdp_mixed:
+        raise ConfigError(
+            "--strategies, --calibrate and --fsdp-mixed plan strategies, not layouts: leave "
+            "them out with --layout or --tp/--pp/--cp/--dp-shard/--dp-replicate"
+        )
+    given = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
+    if args.layout and given:
+        raise ConfigError(
+            f"--layout auto searches every layout, but {', '.join(given)} fixes one: give "
+            "either --layout auto or the sizes"
+        )
+    if args.pp_schedule and (args.layout or (given.get("pp") or 1) == 1):
+        raise ConfigError(
+            f"--pp-schedule {args.pp_schedule} schedules a pipeline: give --pp above 1 with it "
+            "(--layout auto tries every schedule)"
+        )
+    layout: Any = "auto"
+    if not args.layout:
+        layout = {d: given.get(d, 1) for d in DEGREES}
+        if args.pp_schedule:
+            layout["pp_schedule"] = args.pp_schedule
+        if args.microbatches is not None:
+            layout["microbatches"] = args.microbatches
+    report = plan_layout(
+        args.workload,
+        devices=counts[0],
+        layout=layout,
+        batch=args.batch_size,
+        target=args.target if args.target is not None else "h100",
+        memory=parse_bytes(args.memory) if args.memory is not None else None,
+        activation_checkpointing=args.activation_checkpointing or "full",
+        float8=args.float8,
+        async_tp=args.async_tp,
     )
     if args.json:
         print_json(report.to_dict())

@@ -114,7 +114,7 @@ from gpukit.launch import _launched_script, run_job
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings_checks import resolve_devices
-from gpukit.strategies import FSDP
+from gpukit.strategies import FSDP, Parallel
 from gpukit.train import options
 from gpukit.train.fast import Compile, compile_choice
 from gpukit.train.loggers import train_loggers
@@ -195,7 +195,13 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     loggers = train_loggers(args.logger, args.out)
     asked = {f.name: getattr(args, f.name) for f in options.flags()}
     compiled = _compile_choice(args, TrainConfig(**asked, seed=args.seed))
-    chosen = {"strategy": _strategy(args), "checkpoints": checkpoints, "compile": compiled.setting}
+    parallel = _parallel(args)
+    chosen = {
+        "strategy": "auto" if parallel else _strategy(args),
+        "parallel": parallel,
+        "checkpoints": checkpoints,
+        "compile": compiled.setting,
+    }
     rt = Runtime(**{**values(args), **chosen}, loggers=loggers)
     config = TrainConfig(**asked, seed=args.seed, compile_why=compiled.why)
     oom: tuple[BaseException, dict[str, Any] | None] | None = None
@@ -314,6 +320,30 @@ def _out_of_memory(err: BaseException, settings: dict[str, Any] | None) -> OutOf
     if settings is None:
         return OutOfMemory(explanation)
     return OutOfMemory(with_figures(explanation, err, **settings))
+
+
+# gpukit train's flags that name a mesh (gk.Runtime(parallel=...)), by Parallel's keywords.
+_MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "float8")
+
+
+def _parallel(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``parallel=`` from ``--tp 2 --pp 2`` and the like (with fsdp's own flags, which the
+    mesh shards with); None when none of them is given."""
+    given = {k: getattr(args, k) for k in _MESH_FLAGS if getattr(args, k) is not None}
+    if not given and args.strategy != Parallel.name:
+        return None
+    if args.strategy not in ("auto", Parallel.name):
+        shown = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise ConfigError(
+            f"{shown} trains on one mesh of every parallelism dimension, which is its own "
+            f"strategy (parallel), and --strategy {args.strategy} was given too: drop "
+            f"--strategy (or drop {shown})"
+        )
+    if args.activation_checkpointing is not None:
+        given["activation_checkpointing"] = args.activation_checkpointing
+    if args.fsdp_mixed is not None:
+        given["mixed"] = args.fsdp_mixed
+    return given
 
 
 def _strategy(args: argparse.Namespace) -> Any:

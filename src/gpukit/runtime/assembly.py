@@ -16,6 +16,7 @@ from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.loggers.registry import make_loggers
 from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
 from gpukit.runtime.outputs.reporting import Reporting
+from gpukit.runtime.parallel_setting import parallel_strategy
 from gpukit.runtime.settings import Settings, record, run_folder
 from gpukit.runtime.settings_checks import check_device_count, resolve_devices
 from gpukit.runtime.state import TrainState
@@ -31,7 +32,7 @@ def strategy_and_precision(settings: Settings, launched: bool) -> tuple[Strategy
     """The strategy ``settings`` name for their devices (``launched``: this process is one
     rank of a launched job), with a meta model's init, and the precision it trains in."""
     devices = resolve_devices(settings.devices, launched)
-    strategy = choose(settings.strategy, devices, launched)
+    strategy = choose(parallel_strategy(settings.parallel) or settings.strategy, devices, launched)
     strategy.meta_init = MetaInit(settings.init, settings.seed)  # a meta model's init
     check_device_count(settings.devices, devices, strategy)
     precision = make_precision(settings.precision, strategy.device.torch)

@@ -181,6 +181,7 @@ class Checkpointing:
             folder, self.state, self.strategy, self.precision, self.settings.accumulate
         )
         self.stepper.sync_next_backward()  # the DDP sync flag must follow the restored step
+        self._weights_replaced()
         self.lifecycle.beat("load", self.state.global_step)  # where this attempt starts
         self.lifecycle.save_made(self.state.global_step, in_place=True)
         return progress
@@ -242,7 +243,9 @@ class Checkpointing:
         self.lifecycle.beat("load", self.state.global_step)
         self.settle("this load")  # a file may be read while a folder is written: one at a time
         self.strategy.check_every_rank_calls("rt.load")
-        return state_file.load(target, state, self._run())
+        found = state_file.load(target, state, self._run())
+        self._weights_replaced()
+        return found
 
     def _run(self) -> state_file.Run:
         return state_file.Run(self.state, self.strategy, self.precision)
@@ -274,9 +277,18 @@ class Checkpointing:
                     f"setup saw {len(self.state.modules)}: pass it, rt.load_weights(path, model)"
                 )
             model = self.state.modules[0]
-        return pretrained.load_weights(
+        loaded = pretrained.load_weights(
             user_model(model, self.strategy, self.precision), path, strict=strict
         )
+        self._weights_replaced()
+        return loaded
+
+    def _weights_replaced(self) -> None:
+        # What the strategy prepares from the weights after each optimizer step (fsdp's
+        # float8 scales) must follow loaded weights too, or the next forward would use the
+        # scales of the weights the load replaced.
+        for module in self.state.modules:
+            self.strategy.after_optimizer_step(module)
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The full weights of ``model`` (default: the one model ``setup`` saw) as plain CPU

@@ -103,6 +103,7 @@ class Runtime:
         data_order: DataOrderName = "torch",
         even_batches: bool | None = None,
         split_batches: bool | None = None,
+        parallel: dict[str, Any] | str | None = None,
     ) -> None:
         # Every keyword above by name (tests/runtime/test_runtime_keywords.py: as in Settings).
         arguments = {name: value for name, value in locals().items() if name != "self"}

@@ -37,6 +37,7 @@ from gpukit.lifecycle.checks import (
 from gpukit.loggers.registry import LoggersSpec, check_loggers
 from gpukit.runtime.compiling import GRAPH_MODES, check_compile, check_graph_mode
 from gpukit.runtime.data.dealing import DataOrderName
+from gpukit.runtime.parallel_setting import check_parallel, check_with_strategy
 from gpukit.runtime.schedulers import SchedulerSteps, check_scheduler_steps
 from gpukit.runtime.setting_fields import SAME, Option, setting
 from gpukit.runtime.settings_checks import (
@@ -331,6 +332,19 @@ class Settings:
         parse=parse_on_off,
         metavar="on|off",
     )
+    parallel: dict[str, Any] | str | None = setting(
+        None,
+        help="one mesh of every parallelism dimension: its sizes, or auto",
+        allowed='a dict of sizes (dp_replicate, dp_shard, tp, pp, cp), "auto", or None',
+        doc="one device mesh of every parallelism dimension (``gpukit.strategies.mesh``): a dict "
+        'such as ``{"tp": 2, "pp": 2}`` of the sizes of dp_replicate, dp_shard, tp, pp and cp '
+        "(one may be -1: what the others leave; dp_shard is -1 unless given), with the "
+        'strategy\'s other keywords (pp_schedule, float8...); or "auto" (the planner chooses '
+        "the layout for the model at rt.setup). None: ``strategy`` alone decides.",
+        check=check_parallel,
+        flag=False,
+        no_flag="--dp-replicate, --dp-shard, --tp, --pp, --cp, --pp-schedule, --float8",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -341,6 +355,7 @@ class Settings:
         check_loggers(self.loggers, run_folder(self.checkpoints))
         check_graph_mode(self.compile, self.accumulate, self.oom)
         check_dealing_options(self.data_order, self.even_batches, self.split_batches)
+        check_with_strategy(self.parallel, self.strategy)
 
     def recovers(self, distributed: bool) -> bool:
         """Whether out-of-memory errors are recovered for a run that is ``distributed`` or not:

@@ -5,8 +5,10 @@ few hooks, three of them required, and ``Recovery``, what runs when a device run
 ``traits`` (what each costs in memory and communication, which the planner reads),
 ``collectives`` (over any strategy, on what a training loop holds: tensors on any device and
 plain numbers), one module per strategy (``single``, ``dp`` with ``dp-balanced``, ``ddp``,
-``fsdp``), ``per_device`` (what a ``dp-balanced`` forward returns), and the private pieces of
-single-process data parallelism (``_parallel``: scatter, replicate, apply, gather;
+``fsdp``, with ``tensor_plans``: tensor-parallel plans read from the model), ``float8``
+(torchao's float8 Linear layers, a strategy's ``float8=`` setting), ``per_device`` (what a
+``dp-balanced`` forward returns), and the private pieces of single-process data parallelism
+(``_parallel``: scatter, replicate, apply, gather;
 ``_criterion``: the loss on every device).
 
 >>> from gpukit.strategies import make_strategy

@@ -15,6 +15,7 @@ from gpukit._util.text import described
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import fsdp2
 from gpukit.strategies._recompute import MODES
+from gpukit.strategies.float8 import check_float8_recipe
 
 ACCUMULATION = ("reduce-scatter", "no-sync")
 _MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,7 +30,12 @@ class FSDPOptions:
     weights stay in their dtype; the Runtime's precision applies), "bf16"/"fp16" (weights
     gathered and computed in that dtype, gradients reduced in float32), or a torch
     ``MixedPrecisionPolicy``. ``accumulation``: what the micro-batches before an optimizer
-    step do with their gradients (see ``gpukit.strategies.fsdp``)."""
+    step do with their gradients (see ``gpukit.strategies.fsdp``). ``float8``: None, or the
+    torchao recipe the Linear layers compute in ("tensorwise": weights all-gathered in
+    float8; "rowwise"; see ``gpukit.strategies.float8``). ``tp_plan``: None or "auto"
+    (read from the model, ``tensor_plans.auto_plan``), a dict, or a function of the model.
+    ``loss_parallel``: the output layer's logits stay split by vocabulary and
+    ``rt.setup_criterion``'s cross entropy runs under torch's ``loss_parallel``."""
 
     reshard: bool | int | str = "auto"
     mixed: Any = None
@@ -40,11 +46,14 @@ class FSDPOptions:
     replicas: int = 1
     accumulation: str = "reduce-scatter"
     tp_plan: Any = None
+    float8: str | None = None
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check_reshard(self.reshard)
+        check_float8_recipe(self.float8, "FSDP")
         _check_mixed(self.mixed)
-        for name in ("offload",):
+        for name in ("offload", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"FSDP({name}={described(getattr(self, name))}): give True or False"
@@ -74,19 +83,20 @@ class FSDPOptions:
                 "(gradients stay sharded; one reduce-scatter per micro-batch) or 'no-sync' "
                 "(one reduce-scatter per step; full-size gradients kept until then)"
             )
-        if self.tp == 1 and self.tp_plan is not None:
+        if self.tp == 1 and (self.tp_plan is not None or self.loss_parallel):
+            given = "tp_plan=..." if self.tp_plan is not None else "loss_parallel=True"
             raise ConfigError(
-                "FSDP(tp_plan=...) was given with tp=1, so nothing would be split: give the "
-                "number of tensor-parallel ranks too, e.g. FSDP(tp=2, tp_plan=...), or drop "
-                "tp_plan"
+                f"FSDP({given}) was given with tp=1, so nothing would be split: give the "
+                f"number of tensor-parallel ranks too, e.g. FSDP(tp=2, {given}), or drop it"
             )
-        if self.tp > 1 and self.tp_plan is None:
+        plan = self.tp_plan
+        if not (plan is None or plan == "auto" or isinstance(plan, dict) or callable(plan)):
             raise ConfigError(
-                f"FSDP(tp={self.tp}) needs tp_plan: which layers to split across the "
-                f"{self.tp} tensor-parallel ranks, as parallelize_module takes it, e.g. "
-                "tp_plan={'blocks.*.mlp.0': ColwiseParallel(), 'blocks.*.mlp.2': "
-                "RowwiseParallel()} (torch.distributed.tensor.parallel); or a function "
-                "model -> such a dict"
+                f"FSDP(tp_plan={described(plan)}): give None or 'auto' (a plan read from the "
+                "model: gpukit.strategies.tensor_plans.auto_plan), a dict of module names "
+                "(wildcards allowed) to torch's ParallelStyles, e.g. {'blocks.*.mlp.0': "
+                "ColwiseParallel(), 'blocks.*.mlp.2': RowwiseParallel()}, or a function model "
+                "-> such a dict"
             )
 
     def mixed_policy(self) -> Any:

@@ -143,6 +143,7 @@ def describe_plan(
             "activation checkpointing": o.activation_checkpointing,
             "compile": o.compile,
             "accumulation": o.accumulation,
+            **({"float8": o.float8} if o.float8 else {}),  # shown only where it is on
         },
         tied=tied_names(module),
         note=note,

@@ -24,6 +24,11 @@ from gpukit._util.checks import require_module
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies.float8 import (
+    check_float8_device,
+    check_float8_precision,
+    convert_float8,
+)
 from gpukit.strategies.meta_init import MetaInit, is_meta, user_model
 from gpukit.strategies.traits import Traits
 
@@ -99,6 +104,9 @@ class Strategy(abc.ABC):
     recovery_class: ClassVar[type[Recovery]] = Recovery
     # How a model built on the meta device is initialised (the Runtime sets the run's).
     meta_init: MetaInit = MetaInit()
+    # The torchao float8 recipe the Linear layers compute in, for strategies with a
+    # ``float8=`` setting (see gpukit.strategies.float8); None: no float8.
+    float8: str | None = None
     # Hooks with an empty body are optional (B027): doing nothing is right for one process.
 
     def __init__(self) -> None:
@@ -136,6 +144,8 @@ class Strategy(abc.ABC):
     def configure(self, devices: list[Device]) -> None:
         """Take the devices asked for; raise ConfigError if this strategy cannot use them.
         The base keeps them: call it once they are checked."""
+        for device in devices:
+            check_float8_device(self.float8, device)
         self.devices = devices
 
     @property
@@ -178,8 +188,10 @@ class Strategy(abc.ABC):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index)
 
-    def check_precision(self, precision: str) -> None:  # noqa: B027
+    def check_precision(self, precision: str) -> None:
         """Refuse a run ``precision`` (its name) this strategy's own settings cannot go with."""
+        if self.float8 is not None:
+            check_float8_precision(self.float8, self.device, precision, bf16=False)
 
     def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
         """The run compiles its model with ``torch.compile`` (``backend``: None for torch's
@@ -200,7 +212,10 @@ class Strategy(abc.ABC):
             self.meta_init.materialise(user_model(module), self.device.torch)
         else:
             self.meta_init.not_used(user_model(module))
-        return place(module, self.device.torch)
+        module = place(module, self.device.torch)
+        if self.float8 is not None:
+            convert_float8(user_model(module), self.float8, self.device, fsdp=False, rank=self.rank)
+        return module
 
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
@@ -236,6 +251,12 @@ class Strategy(abc.ABC):
         """The total norm of ``grads`` where this strategy must compute it itself (gradients
         on several device meshes); None: the plain norm of the tensors is right."""
         return None
+
+    def after_optimizer_step(self, module: nn.Module) -> None:  # noqa: B027
+        """Called after each optimizer step with each set-up ``module`` (stepped or not, on
+        every rank alike), and after a load replaced the weights: where a strategy prepares
+        what the next forward derives from the weights (the scales of weights gathered in
+        float8). Weights changed by hand in between are not seen."""
 
     def check_gradients(self, module: nn.Module) -> None:  # noqa: B027
         """Called once after the first backward, to catch setups that fail a step later."""

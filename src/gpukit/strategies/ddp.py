@@ -27,6 +27,7 @@ from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies._simulated_ddp import SimulatedDDP
 from gpukit.strategies._user_sharded import refuse_for_replicas
 from gpukit.strategies.base import Recovery, ReduceOp, Strategy
+from gpukit.strategies.float8 import check_float8_recipe
 from gpukit.strategies.traits import Collective, Traits
 
 _OPS = {
@@ -72,6 +73,8 @@ class DDPRecovery(Recovery):
 
 class DDP(Strategy):
     """Distributed data parallel over processes started by ``Runtime.launch`` or a launcher.
+    ``float8``: None, or a torchao recipe ("tensorwise", "rowwise") the Linear layers
+    compute in (see ``gpukit.strategies.float8``).
 
     >>> import gpukit as gk
     >>> strategy = gk.strategies.DDP(find_unused_parameters=True)
@@ -106,9 +109,11 @@ class DDP(Strategy):
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        float8: str | None = None,
     ) -> None:
         super().__init__()
         check_options(find_unused_parameters, static_graph, bucket_cap_mb, timeout)
+        self.float8 = check_float8_recipe(float8, type(self).__name__)
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb

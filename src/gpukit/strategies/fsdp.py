@@ -6,7 +6,8 @@ Without a wrapping policy: the model's repeated blocks (the blocks a model names
 holding the most parameters) are sharded one group each, then the root holds the rest;
 parameters tied across modules never span two groups (see ``_groups``). Each block may first
 be checkpointed (its activations recomputed in the backward, ``_recompute``), compiled
-(``torch.compile`` per block) and split across tensor-parallel ranks (``tp``, with a plan).
+(``torch.compile`` per block) and split across tensor-parallel ranks (``tp``: with the user's
+``tp_plan``, else one read from the model, ``tensor_plans``).
 ``replicas`` > 1 shards within groups of ranks and replicates across them (HSDP: all-gathers
 stay inside a group). A ``transformers`` model's ``save_pretrained`` writes its full weights
 (``_hf_export``).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +41,8 @@ from gpukit._util.checks import require_module
 from gpukit._util.fake import real_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
-from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies._fsdp_api import fsdp2, inside_wrappers, outermost
+from gpukit.strategies._fsdp_api import is_sharded as is_sharded  # the checkpoints ask here
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._fsdp_refusals import refuse_split_ties, shardable, split_tie
 from gpukit.strategies._groups import find_groups
@@ -55,8 +58,9 @@ from gpukit.strategies._user_sharded import (
 )
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
+from gpukit.strategies.float8 import check_float8_precision, convert_float8, precompute_scales
 from gpukit.strategies.meta_init import is_meta, move_buffers
-from gpukit.strategies.pipeline_split import StagesView
+from gpukit.strategies.tensor_plans import check_tp, loss_parallel_criterion, parallelize
 from gpukit.strategies.traits import STATES, Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -78,7 +82,7 @@ class FSDPRecovery(DDPRecovery):
     def reset_module(self, module: nn.Module) -> None:
         # A forward or backward that failed halfway leaves groups gathered and hooks armed.
         # The root resets every group under it (torch refuses the call on any other group).
-        for root in _outermost(module, fsdp2().FSDPModule):
+        for root in outermost(module, fsdp2().FSDPModule):
             root.reset_iter_state()
 
     def advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
@@ -145,7 +149,9 @@ class FSDP(DDP):
         replicas: int = 1,
         accumulation: str = "reduce-scatter",
         tp_plan: Any = None,
+        loss_parallel: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        float8: str | None = None,
     ) -> None:
         fsdp2()  # this torch has FSDP2, or a clear error now
         super().__init__(timeout=timeout)
@@ -159,7 +165,10 @@ class FSDP(DDP):
             replicas=replicas,
             accumulation=accumulation,
             tp_plan=tp_plan,
+            float8=float8,
+            loss_parallel=loss_parallel,
         )
+        self.float8 = self.options.float8
         self.compile_backend: str | None = None  # torch.compile's backend for the blocks
         self.mesh: Any = None
         self.plans: list[ShardPlan] = []
@@ -181,6 +190,7 @@ class FSDP(DDP):
 
     # -- processes ---------------------------------------------------------------------------
     def configure(self, devices: list[Device]) -> None:
+        self.float8 = self.options.float8  # the setting lives in the options
         super().configure(devices)
         o = self.options
         if self.world_size % (o.tp * o.replicas):
@@ -206,6 +216,9 @@ class FSDP(DDP):
     def check_precision(self, precision: str) -> None:
         self.precision_name = precision  # checked again against a user-sharded model's policy
         policy = self.options.mixed_policy()
+        if self.float8 is not None:
+            bf16 = policy is not None and policy.param_dtype == torch.bfloat16
+            check_float8_precision(self.float8, self.device, precision, bf16=bf16)
         if policy is not None and policy.param_dtype == torch.float16 and precision != "16-mixed":
             raise ConfigError(
                 f"FSDP(mixed='fp16') computes in float16, whose small gradients round to zero "
@@ -263,25 +276,25 @@ class FSDP(DDP):
         module = shardable(require_module(module, "rt.setup", meta=True))
         meta = is_meta(module)  # sharded first, then each rank's shards materialised
         if meta:
-            self.meta_init.check(_inside_wrappers(module))
+            self.meta_init.check(inside_wrappers(module))
         else:
-            self.meta_init.not_used(_inside_wrappers(module))
+            self.meta_init.not_used(inside_wrappers(module))
             module = place(module, self.device.torch)
+        o = self.options
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
         # before any broadcast (a DTensor has none) or grouping (see _user_sharded).
         already = user_groups(module)
         if already or is_user_sharded(module):
-            check_user_sharded(
-                module, already, self.options, self.precision_name, self.device.torch
-            )
+            check_user_sharded(module, already, o, self.precision_name, self.device.torch)
+        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):  # before any collective
+            check_tp(inside_wrappers(module), o.tp)
         return module, meta, already
 
     def _sharded(self, module: nn.Module, meta: bool, already: list[Any]) -> nn.Module:
-        """``module`` (every rank's copy alike) checkpointed, split across tensor-parallel
-        ranks, compiled and sharded block by block, then at its root, over the data mesh; a
-        pipeline stage goes through here as a whole model does."""
-        api = fsdp2()
-        o = self.options
+        """``module`` (every rank's copy alike) converted to float8, checkpointed, split across
+        tensor-parallel ranks, compiled and sharded block by block, then at its root, over the
+        data mesh; a pipeline stage goes through here as a whole model does."""
+        api, o = fsdp2(), self.options
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
         if o.reshard_after_forward is not None:
@@ -293,11 +306,14 @@ class FSDP(DDP):
             settings["offload_policy"] = api.CPUOffloadPolicy()
         if already:
             refuse_split_ties(module)
+        if self.float8 is not None:  # first, as torchtitan: before tp, checkpointing, compile
+            self._convert_float8(module, already)
         groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
         if o.tp > 1:
-            self._parallelize(module)
+            tp_mesh, lp = self.mesh["tp"], o.loss_parallel
+            parallelize(inside_wrappers(module), tp_mesh, o.tp_plan, loss_parallel=lp)
         if o.compile:
             backend = {"backend": self.compile_backend} if self.compile_backend else {}
             for block in blocks:
@@ -305,7 +321,7 @@ class FSDP(DDP):
         for group in groups:
             target = group.modules[0] if len(group.modules) == 1 else group.modules
             self._shard(api, target, settings, group.names)
-        root = _inside_wrappers(module)
+        root = inside_wrappers(module)
         if not isinstance(root, api.FSDPModule):
             # The root keeps its gathered weights after the forward: its backward comes
             # first, so freeing them would only gather them again at once.
@@ -324,23 +340,33 @@ class FSDP(DDP):
             show_once(plan)
         return module
 
+    def _convert_float8(self, module: nn.Module, already: list[nn.Module]) -> None:
+        if already or is_user_sharded(module):
+            raise ConfigError(
+                f"FSDP(float8={self.float8!r}) converts the Linear layers before sharding, but "
+                "this model was already sharded with fully_shard: let gpukit shard it (do not "
+                "call fully_shard yourself), or convert it with torchao before you shard it "
+                "and drop float8="
+            )
+        assert self.float8 is not None
+        convert_float8(inside_wrappers(module), self.float8, self.device, fsdp=True, rank=self.rank)
+
+    def after_optimizer_step(self, module: nn.Module) -> None:
+        # Weights all-gathered in float8 ("tensorwise"): every weight's scale for the next
+        # forward, in one all-reduce, now that the optimizer has changed the weights.
+        if self.float8 == "tensorwise":
+            precompute_scales(module)
+
     def _data_mesh(self) -> Any:
         names = self.mesh.mesh_dim_names
         data = tuple(n for n in names if n != "tp")
         return self.mesh[data] if len(data) < len(names) else self.mesh
 
-    def _parallelize(self, module: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        plan = self.options.tp_plan
-        if callable(plan) and not isinstance(plan, dict):
-            plan = plan(module)
-        if not isinstance(plan, dict) or not plan:
-            raise ConfigError(
-                "FSDP(tp_plan=...): give a non-empty dict of module names (wildcards allowed) "
-                "to ParallelStyles, or a function returning one"
-            )
-        parallelize_module(module, self.mesh["tp"], plan)
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        fn = super().setup_criterion(fn, reduction)
+        return loss_parallel_criterion(fn) if self.options.loss_parallel else fn
 
     def _shard(self, api: Any, target: Any, settings: dict[str, Any], names: list[str]) -> None:
         try:
@@ -360,7 +386,7 @@ class FSDP(DDP):
             return  # reduce-scatter every micro-batch: nothing to switch
         roots = self._roots.get(id(module))
         if roots is None:  # looked up once per model: this runs before every backward
-            roots = self._roots[id(module)] = _outermost(module, fsdp2().FSDPModule)
+            roots = self._roots[id(module)] = outermost(module, fsdp2().FSDPModule)
         for root in roots:
             if no_sync:
                 root.set_requires_gradient_sync(enabled)
@@ -385,30 +411,3 @@ class FSDP(DDP):
         self.mesh = None
         self._roots.clear()
         super().teardown()
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` (or a module inside it) was sharded by fsdp."""
-    try:
-        cls = fsdp2().FSDPModule
-    except ConfigError:
-        return False
-    if isinstance(module, StagesView):  # pipeline stages on one rank, each an fsdp root
-        return any(is_sharded(stage) for stage in module.stages)
-    return any(isinstance(m, cls) for m in module.modules())
-
-
-def _inside_wrappers(module: nn.Module) -> nn.Module:
-    """The user's model inside gpukit's own thin wrappers (mixed precision's autocast module).
-    It is the root that fsdp shards, so that calling it directly (a sample, an evaluation
-    through ``rt.unwrap(model)``) gathers the root's weights too."""
-    while getattr(module, "gpukit_thin_wrapper", False):
-        module = next(module.children())
-    return module
-
-
-def _outermost(module: nn.Module, cls: type) -> list[Any]:
-    """The modules of class ``cls`` in ``module`` that no other one of them contains."""
-    if isinstance(module, cls):
-        return [module]
-    return [found for child in module.children() for found in _outermost(child, cls)]

@@ -20,7 +20,9 @@ the data is sharded over ``dp_replicate x dp_shard`` only.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,11 +30,12 @@ import torch
 from torch import nn
 
 from gpukit._util.fake import real_tensors
+from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies._criterion import reduction_of
+from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._norms import scale, total_norm
-from gpukit.strategies.base import check_criterion
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
@@ -45,15 +48,28 @@ from gpukit.strategies.pipeline import (
 from gpukit.strategies.pipeline_stages import staged
 from gpukit.strategies.traits import Collective, Traits
 
+log = logging.getLogger("gpukit")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions(FSDPOptions):
+    """fsdp's options, with the sizes of the layout's dimensions as the run took them."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    cp: int = 1
+
 
 class Parallel(FSDP):
     """Training over one mesh of every dimension; see the module docstring.
 
     ``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``cp``: the layout's sizes (one may be -1:
-    what the others leave). ``tp_plan``: the user's tensor-parallel plan (default: read off
-    the model). ``pp_schedule``, ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split``:
-    the pipeline's (``gpukit.strategies.pipeline``). The other keywords are fsdp's
-    (``gpukit.strategies.FSDP``).
+    what the others leave); or ``layout="auto"``: the planner chooses them for the model at
+    ``rt.setup`` (every rank shards until then). ``tp_plan``: the user's tensor-parallel
+    plan (default: read off the model). ``pp_schedule``, ``pp_microbatches``,
+    ``pp_stages_per_rank``, ``pp_split``: the pipeline's (``gpukit.strategies.pipeline``). The
+    other keywords are fsdp's (``gpukit.strategies.FSDP``).
     """
 
     name: ClassVar[str] = "parallel"
@@ -76,6 +92,7 @@ class Parallel(FSDP):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        layout: str | None = None,
         tp_plan: Any = None,
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
@@ -86,6 +103,8 @@ class Parallel(FSDP):
         activation_checkpointing: str = "off",
         compile: bool | str = False,
         accumulation: str = "reduce-scatter",
+        float8: str | None = None,
+        loss_parallel: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         if tp == -1 or dp_replicate == -1:
@@ -93,6 +112,9 @@ class Parallel(FSDP):
                 "parallel: tp and dp_replicate take a size, not -1 (each decides how a layer "
                 "or the data is split); give -1 to dp_shard, pp or cp"
             )
+        if layout is not None:
+            check_auto(layout, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
+        self.auto = layout == "auto"
         self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
         split = tuple(pp_split) if isinstance(pp_split, (list, tuple)) else pp_split
         self.pipeline_options = PipelineOptions(
@@ -110,6 +132,8 @@ class Parallel(FSDP):
             tp=tp,
             replicas=dp_replicate,
             accumulation=accumulation,
+            float8=float8,
+            loss_parallel=loss_parallel,
             tp_plan=tp_plan if tp_plan is not None or tp == 1 else "auto",
             timeout=timeout,
         )
@@ -123,7 +147,7 @@ class Parallel(FSDP):
     # -- processes ---------------------------------------------------------------------------
     def configure(self, devices: list[Device]) -> None:
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
-        self.layout = self.requested.resolved(self.world_size)
+        self._take_layout(self.requested.resolved(self.world_size))
         if self.layout.pp == 1 and self.pipeline_options != PipelineOptions():
             raise ConfigError(
                 f"parallel: pp_* settings were given with pp=1, so there is no pipeline to "
@@ -145,6 +169,23 @@ class Parallel(FSDP):
     @property
     def splits_model(self) -> bool:
         return self.layout.pp > 1
+
+    def _take_layout(self, layout: Layout) -> None:
+        """Train over ``layout``: fsdp's options follow it, and say it (a run's config.toml
+        reads the sizes there)."""
+        self.layout = layout
+        plan = self.options.tp_plan if layout.tp > 1 else None
+        fields = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(FSDPOptions)}
+        fields.update(tp=layout.tp, replicas=layout.dp_replicate, tp_plan=plan)
+        if layout.tp > 1 and plan is None:
+            fields["tp_plan"] = "auto"
+        self.options = ParallelOptions(
+            **fields,
+            dp_replicate=layout.dp_replicate,
+            dp_shard=layout.dp_shard,
+            pp=layout.pp,
+            cp=layout.cp,
+        )
 
     @property
     def shard_size(self) -> int:
@@ -181,6 +222,8 @@ class Parallel(FSDP):
 
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.auto:
+            _choose_layout(self, module)
         if self.layout.cp > 1:
             raise ConfigError(
                 f"parallel cp={self.layout.cp}: context parallel is not available yet"
@@ -197,15 +240,15 @@ class Parallel(FSDP):
     def setup_criterion(
         self, fn: Callable[..., torch.Tensor], reduction: str | None
     ) -> Callable[..., torch.Tensor]:
-        check_criterion(fn, reduction)
+        computed = super().setup_criterion(fn, reduction)  # under loss_parallel, if asked
         if self.layout.pp == 1:
-            return fn
+            return computed
         if reduction_of(fn, reduction) != "mean":
             raise ConfigError(
                 "pipeline parallel averages the micro-batches' losses: give a criterion that "
                 "takes the mean over its samples (reduction='mean')"
             )
-        return PipelineCriterion(fn)
+        return PipelineCriterion(computed)
 
     def loss_weight(self, weight: float) -> None:
         for pipeline in self._pipelines:
@@ -244,10 +287,57 @@ class Parallel(FSDP):
         super().teardown()
 
 
+def _choose_layout(self: Parallel, module: nn.Module) -> None:
+    """``layout="auto"``: the planner's layout for ``module`` over this job's ranks, taken at
+    the first model's set-up (the mesh made again where it differs)."""
+    if not _CHOOSER:
+        raise ConfigError(
+            'parallel layout="auto" needs gpukit\'s planner: import gpukit (not only '
+            "gpukit.strategies), or give the sizes"
+        )
+    sizes, reason = _CHOOSER[0](module, self.world_size, self.device)
+    self.auto = False
+    chosen = Layout.of(sizes).resolved(self.world_size)
+    if self.rank == 0:
+        log.warning("gpukit: parallel layout %s: %s", chosen.described(), reason)
+    if chosen == self.layout:
+        return
+    self._take_layout(chosen)
+    self.mesh = None
+    self.setup_environment()
+
+
+Chooser = Callable[[nn.Module, int, Device], tuple[dict[str, int], str]]
+_CHOOSER: list[Chooser] = []
+
+
+def use_layout_chooser(chooser: Chooser) -> None:
+    """Install the function that answers ``layout="auto"`` (the planner's): given the model,
+    the number of ranks and this rank's device, the sizes of each dimension and one line
+    saying why."""
+    _CHOOSER[:] = [chooser]
+
+
+def check_auto(layout: object, **sizes: int) -> None:
+    """``layout`` is "auto" (or None), and then no size is given beside it."""
+    if not (isinstance(layout, str) and layout == "auto"):
+        raise ConfigError(
+            f"Parallel(layout={described(layout)}): give 'auto' (the planner chooses the "
+            "sizes at rt.setup), or leave it out and give the sizes"
+        )
+    given = {k: v for k, v in sizes.items() if v != Layout.__dataclass_fields__[k].default}
+    if given:
+        shown = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ConfigError(
+            f"Parallel(layout='auto', {shown}): 'auto' chooses every size; drop {shown}, or "
+            "drop layout='auto' to use them"
+        )
+
+
 def _flattened(mesh: Any) -> dict[str, Any]:
     """The dimensions flattened on ``mesh``'s root so far (torch keeps them there)."""
     root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
     return getattr(root, "_flatten_mapping", {})
 
 
-__all__ = ["Parallel"]
+__all__ = ["Parallel", "use_layout_chooser"]

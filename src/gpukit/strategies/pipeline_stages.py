@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import inside_wrappers
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import Layout
 from gpukit.strategies.pipeline import Pipeline, PipelineOptions, PipelineRun
@@ -28,7 +29,7 @@ def staged(strategy: FSDP, module: nn.Module, options: PipelineOptions, layout: 
             f"pipeline parallel cuts a whole model into stages, and this one was {what}: "
             "give the model with its weights, unsharded"
         )
-    inner = _inner(module)
+    inner = inside_wrappers(module)
     # Every rank cuts its own copy: rank 0's weights first, so that the stages are pieces of
     # one model (and tied copies start equal).
     strategy.broadcast_state(inner, sharded=False)
@@ -70,12 +71,6 @@ def _viewed(cuts: list[nn.Module]) -> nn.Module:
         view.register_state_dict_pre_hook(reshard)
         view.register_load_state_dict_pre_hook(reshard)
     return view
-
-
-def _inner(module: nn.Module) -> nn.Module:
-    while getattr(module, "gpukit_thin_wrapper", False):
-        module = next(module.children())
-    return module
 
 
 def _rewrapped(outer: nn.Module, inner: nn.Module) -> nn.Module:

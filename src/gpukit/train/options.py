@@ -91,6 +91,64 @@ class TrainConfig:
         strategy_option="mixed",
         help="fsdp only: FSDP2's mixed precision, bf16 parameters and compute, fp32 reduction",
     )
+    # One mesh of every parallelism dimension (gk.Runtime(parallel=...)): given any of these,
+    # the run trains with gk.strategies.Parallel over the sizes given (dp_shard: what is left).
+    dp_replicate: int | None = train_option(
+        None,
+        reader="runtime",
+        parse=int,
+        metavar="N",
+        strategy_option="dp_replicate",
+        help="replicas of the sharded model (HSDP), on one mesh with the other dimensions",
+    )
+    dp_shard: int | None = train_option(
+        None,
+        reader="runtime",
+        parse=int,
+        metavar="N",
+        strategy_option="dp_shard",
+        help="ranks that shard weights, gradients and optimizer state (default: what --tp, "
+        "--pp, --cp and --dp-replicate leave)",
+    )
+    tp: int | None = train_option(
+        None,
+        reader="runtime",
+        parse=int,
+        metavar="N",
+        strategy_option="tp",
+        help="tensor parallel: ranks that split each layer (a plan read off the model)",
+    )
+    pp: int | None = train_option(
+        None,
+        reader="runtime",
+        parse=int,
+        metavar="N",
+        strategy_option="pp",
+        help="pipeline parallel: stages the model's blocks are split into",
+    )
+    cp: int | None = train_option(
+        None,
+        reader="runtime",
+        parse=int,
+        metavar="N",
+        strategy_option="cp",
+        help="context parallel: ranks that split each sequence",
+    )
+    pp_schedule: str | None = train_option(
+        None,
+        reader="runtime",
+        metavar="NAME",
+        strategy_option="pp_schedule",
+        help="the pipeline's schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, "
+        "InterleavedZeroBubble, ZBVZeroBubble",
+    )
+    float8: str | None = train_option(
+        None,
+        reader="runtime",
+        choices=("tensorwise", "rowwise"),
+        strategy_option="float8",
+        help="float8 matrix products (torchao) on top of bf16-mixed, with this scaling",
+    )
     compile: str = train_option(
         "auto",
         reader="runtime",

@@ -118,18 +118,21 @@ class CausalSelfAttention(nn.Module):
         if config.d_model % config.n_head:
             raise ValueError(f"d_model={config.d_model} is not a multiple of n_head")
         self.n_head = config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        # Heads counted from the projection's width, not n_head: split across tensor-parallel
+        # ranks, each rank's qkv holds whole heads of q, k and v, fewer than n_head.
+        batch, time, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(out.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(out.transpose(1, 2).reshape(batch, time, -1))
 
 
 class Block(nn.Module):

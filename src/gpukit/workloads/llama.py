@@ -167,6 +167,39 @@ def llama3_8b(
     return llama(shape, seq_len=seq_len, batch_size=batch_size, name="llama3-8b")
 
 
+def llama3_70b(
+    seq_len: int = 8192, batch_size: int = 16, sizes: Mapping[str, Any] | None = None
+) -> Workload:
+    """Llama 3.1 70B's shape (80 blocks of width 8192, 64 query and 8 key/value heads, a
+    feed-forward of 28672, the 128256-token vocabulary, untied: 7.06e10 parameters) on the meta
+    device, at ``seq_len`` tokens per sample, global ``batch_size``; for planning (``gpukit plan
+    --workload gpukit.workloads.llama:llama3_70b --layout auto``).
+
+    >>> round(sum(p.numel() for p in llama3_70b().model.parameters()) / 1e9, 1)
+    70.6
+    """
+    shape = LlamaShape(dim=8192, layers=80, heads=64, kv_heads=8, hidden=28672)
+    return llama(
+        replaced(shape, sizes or {}), seq_len=seq_len, batch_size=batch_size, name="llama3.1-70b"
+    )
+
+
+def llama3_405b(
+    seq_len: int = 8192, batch_size: int = 16, sizes: Mapping[str, Any] | None = None
+) -> Workload:
+    """Llama 3.1 405B's shape (126 blocks of width 16384, 128 query and 8 key/value heads, a
+    feed-forward of 53248, the 128256-token vocabulary, untied: 4.06e11 parameters) on the meta
+    device, at ``seq_len`` tokens per sample, global ``batch_size``; for planning.
+
+    >>> round(sum(p.numel() for p in llama3_405b(sizes={"layers": 1}).model.parameters()) / 1e9, 2)
+    7.39
+    """
+    shape = LlamaShape(dim=16384, layers=126, heads=128, kv_heads=8, hidden=53248)
+    return llama(
+        replaced(shape, sizes or {}), seq_len=seq_len, batch_size=batch_size, name="llama3.1-405b"
+    )
+
+
 def llama3_2_1b(
     seq_len: int = 2048, batch_size: int = 4, sizes: Mapping[str, Any] | None = None
 ) -> Workload:

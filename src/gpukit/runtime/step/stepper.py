@@ -169,6 +169,8 @@ class Stepper:
                 raise self.out_of_memory(err) from err
             reraise_readable(err)
         optimizer.zero_grad(set_to_none=True)
+        for module in self.state.modules:  # on every rank alike, stepped or not: may talk
+            self.strategy.after_optimizer_step(module)
         self.state.optimizer_stepped(optimizer, stepped, flag if skipping else None)
         self.state.global_step += 1
         self.sync_next_backward()
@@ -202,10 +204,7 @@ class Stepper:
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        if self.guard is None:
-            return 0
-        self.guard.read(self.strategy.rank)
-        return self.guard.skipped
+        return 0 if self.guard is None else self.guard.read(self.strategy.rank)
 
     def sync_next_backward(self) -> None:
         """Tell the strategy whether the coming backward ends an accumulation window (only

@@ -1,0 +1,56 @@
+"""``parallel="auto"``: the planner's layout for the model, asked at its first ``rt.setup``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gpukit as gk
+from gpukit.errors import ConfigError
+from gpukit.planning import auto_layout
+from gpukit.workloads.llama import llama3_70b
+
+
+def _gpu() -> SimpleNamespace:
+    return SimpleNamespace(type="cuda", index=0)
+
+
+def test_on_gpus_the_layout_planner_chooses_for_a_model_it_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    model = llama3_70b().model
+    sizes, why = auto_layout.choose(model, 64, _gpu())  # type: ignore[arg-type]
+    assert sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["pp"] == 64
+    assert sizes["tp"] > 1 or sizes["pp"] > 1  # 70B does not fit 64 GPUs by sharding alone
+    assert "fits in" in why
+
+
+def test_on_gpus_a_model_the_planner_cannot_read_is_sharded_and_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    sizes, why = auto_layout.choose(torch.nn.Linear(4, 4), 8, _gpu())  # type: ignore[arg-type]
+    assert sizes == {"dp_shard": 8}
+    assert "reads Llama-style decoders, not Linear" in why
+
+
+def test_a_model_that_fits_no_layout_is_the_planners_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(ConfigError, match="parallel='auto'"):
+        auto_layout.choose(llama3_70b().model, 1, _gpu())  # type: ignore[arg-type]
+
+
+def test_on_the_cpu_auto_shards_over_every_rank_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt = gk.Runtime(parallel="auto", devices="cpu")
+    with caplog.at_level("WARNING", logger="gpukit"):
+        rt.setup(torch.nn.Linear(4, 4))
+    assert rt.strategy.layout.described() == "dp_shard 1"
+    assert "parallel layout dp_shard 1: every rank shards the model (fsdp)" in caplog.text
+    rt.teardown()
