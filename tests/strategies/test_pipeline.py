@@ -320,3 +320,14 @@ def test_bf16_mixed_runs_each_stage_under_autocast_as_the_whole_model() -> None:
     want = _train(gk.Runtime(devices="cpu", seed=0, precision="bf16-mixed"), "gpt", 3)
     assert torch.equal(got["losses"], want["losses"])
     assert_bit_identical(got["weights"], want["weights"])
+
+
+@pytest.mark.slow
+def test_two_stages_times_tensor_parallel_match_one_process() -> None:
+    # gpukit train --workload gpt --devices 4 --tp 2 --pp 2, on the small model: each stage
+    # split by the plan read off the model, the tied head's copies summed across the stages.
+    rt = gk.Runtime(strategy=_pp(tp=2), devices=["cpu"] * 4)
+    got, want = rt.launch(_train, "gpt64", 4), _train(gk.Runtime(devices="cpu", seed=0), "gpt64", 4)
+    torch.testing.assert_close(got["losses"], want["losses"], **CLOSE)
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, **CLOSE)

@@ -191,8 +191,10 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
         memory = with_peak_tensors(rt, memory, peaks.result())
     # Every rank writes the sample: under fsdp each forward gathers the weights from all of
     # them, so rank 0 alone would wait forever. Same weights, same generator: the same text.
+    # Pipeline stages: no rank holds the whole model; the set-up one runs every stage.
+    sampled = model if rt.strategy.splits_model else rt.unwrap(model)
     sample = (
-        workload.sample(rt.unwrap(model), rt.device)
+        workload.sample(sampled, rt.device)
         if workload.sample is not None and config.sample
         else None
     )

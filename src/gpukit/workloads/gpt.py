@@ -247,6 +247,7 @@ class Sampler:
         prompt: str | None = None,
         temperature: float = 0.8,
         seed: int = 0,
+        context: int | None = None,
     ) -> None:
         if prompt is None:  # start of a line, as the text's own lines start
             prompt = "\n" if "\n" in vocab else vocab[0]
@@ -258,13 +259,14 @@ class Sampler:
         self.prompt = prompt
         self.temperature = temperature
         self.seed = seed
+        self.context = context  # the model's window (default: read off a GPT)
 
     def __call__(self, model: nn.Module, device: torch.device, length: int | None = None) -> str:
         # A torch.compile'd model is sampled through the module it wraps: that one has the
         # config, and running the wrapper in eval mode would cost a recompile for a few hundred
         # small forwards. No other wrapper is looked through: fit passes rt.unwrap(model).
         net: nn.Module = getattr(model, "_orig_mod", model)
-        context = net.config.context if isinstance(net, GPT) else None
+        context = self.context or (net.config.context if isinstance(net, GPT) else None)
         was_training = net.training
         net.eval()
         try:
@@ -329,6 +331,6 @@ def build(seed: int = 0, config: GPTConfig | None = None) -> Workload:
         lr=3e-3,
         epochs=8,
         flops_per_sample=flops_per_sample(model),
-        sample=Sampler(dataset.vocab),
+        sample=Sampler(dataset.vocab, context=config.context),
         validation=held_out,
     )
