@@ -331,3 +331,29 @@ def test_two_stages_times_tensor_parallel_match_one_process() -> None:
     torch.testing.assert_close(got["losses"], want["losses"], **CLOSE)
     for name, value in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], value, **CLOSE)
+
+
+def _skipping(rt: gk.Runtime) -> dict[str, Any]:
+    """The plain stack with a NaN target at step 3, under nonfinite="skip"."""
+    model = _stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = rt.setup(model, opt)
+    criterion = rt.setup_criterion(nn.MSELoss())
+    for step, (x, y) in enumerate(_batches("stack")[:5]):
+        if step == 2:
+            y = torch.full_like(y, float("nan"))
+        rt.backward(criterion(model(x), y))
+        rt.step(opt)
+    return {
+        "weights": rt.full_state_dict(),
+        "skipped": rt.all_gather(torch.tensor([rt.skipped_steps()])),
+    }
+
+
+def test_a_non_finite_step_is_skipped_on_every_stage_alike() -> None:
+    rt = gk.Runtime(strategy=_pp(), devices=["cpu"] * 2, nonfinite="skip")
+    got = rt.launch(_skipping)
+    want = _skipping(gk.Runtime(devices="cpu", seed=0, nonfinite="skip"))
+    assert got["skipped"].flatten().tolist() == [1, 1]
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, **CLOSE)
