@@ -276,8 +276,10 @@ class PipelineRun:
         """Each tied parameter's copies get the sum of their gradients (see the module doc)."""
         for copies, group in self.ties:
             grads = [_local(p.grad) for p in copies if p.grad is not None]
-            if not grads:
-                continue
+            if not grads:  # still in the group's all-reduce: the other ranks wait for it
+                if group is None or not copies:
+                    continue
+                grads = [torch.zeros_like(_local(copies[0]))]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if group is not None:
                 total = total.clone() if len(grads) == 1 else total
