@@ -357,3 +357,18 @@ def test_a_non_finite_step_is_skipped_on_every_stage_alike() -> None:
     assert got["skipped"].flatten().tolist() == [1, 1]
     for name, value in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], value, **CLOSE)
+
+
+def _checkpointed(rt: gk.Runtime) -> dict[str, Any]:
+    out = _train(rt, "gpt64", 3)
+    out["groups"] = [g.name for g in rt.strategy.plans[-1].groups]  # type: ignore[attr-defined]
+    return out
+
+
+def test_a_stage_of_one_block_still_shards_and_checkpoints_it_as_a_block() -> None:
+    strategy = _pp(activation_checkpointing="full")
+    got = gk.Runtime(strategy=strategy, devices=["cpu"] * 2).launch(_checkpointed)
+    want = _train(gk.Runtime(devices="cpu", seed=0), "gpt64", 3)
+    assert got["groups"][0] == "blocks.0"  # rank 0's stage: its block, then the root
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, **CLOSE)

@@ -45,7 +45,7 @@ from gpukit.strategies._fsdp_api import fsdp2, inside_wrappers, outermost
 from gpukit.strategies._fsdp_api import is_sharded as is_sharded  # the checkpoints ask here
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._fsdp_refusals import refuse_split_ties, shardable, split_tie
-from gpukit.strategies._groups import find_groups
+from gpukit.strategies._groups import Group, find_groups
 from gpukit.strategies._hf_export import gather_on_save
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks
@@ -290,10 +290,12 @@ class FSDP(DDP):
             check_tp(inside_wrappers(module), o.tp)
         return module, meta, already
 
-    def _sharded(self, module: nn.Module, meta: bool, already: list[Any]) -> nn.Module:
+    def _sharded(
+        self, module: nn.Module, meta: bool, already: list[Any], groups: list[Group] | None = None
+    ) -> nn.Module:
         """``module`` (every rank's copy alike) converted to float8, checkpointed, split across
-        tensor-parallel ranks, compiled and sharded block by block, then at its root, over the
-        data mesh; a pipeline stage goes through here as a whole model does."""
+        tensor-parallel ranks, compiled and sharded block by block (``groups``, default: found),
+        then at its root, over the data mesh; a pipeline stage goes through here too."""
         api, o = fsdp2(), self.options
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
@@ -308,7 +310,8 @@ class FSDP(DDP):
             refuse_split_ties(module)
         if self.float8 is not None:  # first, as torchtitan: before tp, checkpointing, compile
             self._convert_float8(module, already)
-        groups = [] if already else find_groups(module)
+        if groups is None:
+            groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
         if o.tp > 1:

@@ -13,6 +13,7 @@ from torch import nn
 
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import inside_wrappers
+from gpukit.strategies._groups import Group, find_groups
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import Layout
 from gpukit.strategies.pipeline import Pipeline, PipelineOptions, PipelineRun
@@ -44,7 +45,10 @@ def staged(strategy: FSDP, module: nn.Module, options: PipelineOptions, layout: 
         for names in tied_names(inner)
     ]
     cuts = [stage_module(inner, cut, s) for s in ids]
-    stages = [strategy._sharded(_rewrapped(module, c), False, []) for c in cuts]
+    stages = [
+        strategy._sharded(_rewrapped(module, c), False, [], _blocks(c, cut, s))
+        for c, s in zip(cuts, ids, strict=True)
+    ]
     group = strategy.mesh["pp"].get_group()
     tie_groups, skip = _tie_groups(strategy, ties, cuts, ids, holders, pp, group)
     run = PipelineRun(
@@ -71,6 +75,26 @@ def _viewed(cuts: list[nn.Module]) -> nn.Module:
         view.register_state_dict_pre_hook(reshard)
         view.register_load_state_dict_pre_hook(reshard)
     return view
+
+
+def _blocks(stage: nn.Module, cut: Cut, index: int) -> list[Group]:
+    """The blocks fsdp shards (checkpoints, compiles) one by one in ``stage``: those found as
+    in a whole model, or where a stage holds a single one (no list of two to find), that one,
+    unless it shares a parameter with the rest of the stage (then the root holds it)."""
+    found = find_groups(stage)
+    if found:
+        return found
+    lo, hi = cut.bounds[index]
+    names = [f"{cut.prefix}.{k}" if cut.prefix else k for k in cut.keys[lo:hi]]
+    held = [(n, stage.get_submodule(n)) for n in names]
+    held = [(n, m) for n, m in held if any(True for _ in m.parameters())]
+    if len(held) != 1:
+        return []
+    name, block = held[0]
+    mine = {id(p) for p in block.parameters()}
+    named = stage.named_parameters(remove_duplicate=False)
+    others = {id(p) for n, p in named if not n.startswith(name + ".")}
+    return [] if mine & others else [Group([name], [block])]
 
 
 def _rewrapped(outer: nn.Module, inner: nn.Module) -> nn.Module:
