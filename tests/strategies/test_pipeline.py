@@ -126,6 +126,7 @@ def test_gpt_over_two_stages_is_the_one_process_run_bit_for_bit() -> None:
     assert got["history"] == want["history"]
 
 
+@pytest.mark.slow
 def test_gpt_in_micro_batches_with_1f1b_matches_in_float64() -> None:
     rt = gk.Runtime(strategy=_pp(), devices=["cpu"] * 2, log_every=5)
     got, want = rt.launch(_train, "gpt64"), _reference("gpt64", log_every=5)
@@ -137,6 +138,7 @@ def test_gpt_in_micro_batches_with_1f1b_matches_in_float64() -> None:
     assert got["history"] == pytest.approx(want["history"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_plain_stack_cut_where_the_user_says_with_accumulation_and_clipping() -> None:
     settings = {"accumulate": 2, "clip": 0.05}
     strategy = _pp(pp_split=["3"], pp_microbatches=2)
@@ -151,6 +153,7 @@ def _train_step(rt: gk.Runtime) -> dict[str, Any]:
     return _train(rt, "stack", manual=False)
 
 
+@pytest.mark.slow
 def test_train_step_cuts_micro_batches_as_one_process_does() -> None:
     rt = gk.Runtime(strategy=_pp(), devices=["cpu"] * 2, accumulate=2)
     got = rt.launch(_train_step)
@@ -214,6 +217,7 @@ def _load(rt: gk.Runtime, folder: str) -> dict[str, torch.Tensor]:
     return rt.full_state_dict()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_two_stages_and_one(tmp_path: Path) -> None:
     staged = gk.strategies.Parallel(dp_shard=1, pp=2)
     flat = gk.strategies.Parallel(dp_shard=2)
@@ -253,6 +257,7 @@ def _setup_only(rt: gk.Runtime) -> None:
     rt.setup(_stack())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "said"),
     [
@@ -313,6 +318,7 @@ def test_a_step_adds_one_loss_broadcast_and_one_tied_sum() -> None:
     assert counts == {"reads": 2, "broadcast": 4, "all_reduce": 4}
 
 
+@pytest.mark.slow
 def test_bf16_mixed_runs_each_stage_under_autocast_as_the_whole_model() -> None:
     strategy = _pp(pp_schedule="GPipe", pp_microbatches=1)
     rt = gk.Runtime(strategy=strategy, devices=["cpu"] * 2, precision="bf16-mixed")
@@ -350,6 +356,7 @@ def _skipping(rt: gk.Runtime) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_is_skipped_on_every_stage_alike() -> None:
     rt = gk.Runtime(strategy=_pp(), devices=["cpu"] * 2, nonfinite="skip")
     got = rt.launch(_skipping)
@@ -365,6 +372,7 @@ def _checkpointed(rt: gk.Runtime) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_a_stage_of_one_block_still_shards_and_checkpoints_it_as_a_block() -> None:
     strategy = _pp(activation_checkpointing="full")
     got = gk.Runtime(strategy=strategy, devices=["cpu"] * 2).launch(_checkpointed)
