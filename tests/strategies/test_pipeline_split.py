@@ -92,6 +92,12 @@ def test_bad_pipeline_settings_are_refused_at_once(options: dict[str, Any], said
     assert said in str(caught.value)
 
 
+def test_zero_bubble_schedules_refuse_checkpointing_and_compiled_blocks() -> None:
+    for options in ({"activation_checkpointing": "full"}, {"compile": True}):
+        with pytest.raises(ConfigError, match="splits each backward in two"):
+            gk.strategies.Parallel(pp=2, pp_schedule="InterleavedZeroBubble", **options)
+
+
 def test_pipeline_settings_without_a_pipeline_are_refused() -> None:
     strategy = gk.strategies.Parallel(dp_shard=2, pp_schedule="GPipe")
     with pytest.raises(ConfigError, match="with pp=1"):

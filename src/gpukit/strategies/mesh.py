@@ -138,6 +138,22 @@ class Parallel(FSDP):
             timeout=timeout,
         )
         self.layout = self.requested
+        self._check_zero_bubble()
+
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
+        compiles = super().enable_compile(backend, mode)
+        self._check_zero_bubble()
+        return compiles
+
+    def _check_zero_bubble(self) -> None:
+        o, schedule = self.options, self.pipeline_options.schedule
+        if "ZeroBubble" in schedule and (o.activation_checkpointing != "off" or o.compile):
+            raise ConfigError(
+                f"pp_schedule={schedule!r} splits each backward in two (the inputs' "
+                "gradients, then the weights'), which fsdp's per-block groups, activation "
+                "checkpointing and compiled blocks do not follow: each stage is sharded whole, "
+                "so drop activation_checkpointing and compile, or use 'Interleaved1F1B'"
+            )
 
     def described(self) -> dict[str, object]:
         fields = super().described()

@@ -45,8 +45,12 @@ def staged(strategy: FSDP, module: nn.Module, options: PipelineOptions, layout: 
         for names in tied_names(inner)
     ]
     cuts = [stage_module(inner, cut, s) for s in ids]
+    # Zero-bubble schedules split each backward in two (inputs' gradients, then weights'):
+    # fsdp's groups inside a stage would reduce their gradients after the first half. Each
+    # such stage is one group (Parallel refuses checkpointing and compile with them).
+    whole = "ZeroBubble" in options.schedule
     stages = [
-        strategy._sharded(_rewrapped(module, c), False, [], _blocks(c, cut, s))
+        strategy._sharded(_rewrapped(module, c), False, [], [] if whole else _blocks(c, cut, s))
         for c, s in zip(cuts, ids, strict=True)
     ]
     group = strategy.mesh["pp"].get_group()
