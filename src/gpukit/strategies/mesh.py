@@ -158,6 +158,11 @@ class Parallel(FSDP):
     def described(self) -> dict[str, object]:
         fields = super().described()
         fields["layout"] = self.layout.described()
+        if self.layout.pp > 1:
+            o = self.pipeline_options
+            fields["pipeline"] = (
+                f"{o.schedule} x {o.microbatches_for(self.layout.pp)} micro-batches"
+            )
         return fields
 
     # -- processes ---------------------------------------------------------------------------
