@@ -42,6 +42,7 @@ from gpukit.planning import auto_layout as _auto_layout  # noqa: F401  (so does 
 from gpukit.planning.layout_search import plan_layout
 from gpukit.planning.plan_or_layout import plan
 from gpukit.runtime.runtime import Runtime
+from gpukit.strategies.sequence_batches import sequence_positions, whole_sequences
 
 __version__ = "0.1.0"
 
@@ -87,7 +88,9 @@ __all__ = [
     "placement",
     "plan",
     "plan_layout",
+    "sequence_positions",
     "strategies",
     "to",
     "trace",
+    "whole_sequences",
 ]

@@ -7,7 +7,8 @@ import pytest
 
 import gpukit as gk
 from gpukit.cli.__main__ import build_parser, main
-from gpukit.cli.train import _parallel, _worker_command
+from gpukit.cli._parallel_flags import parallel_setting as _parallel
+from gpukit.cli.train import _worker_command
 from gpukit.errors import ConfigError
 
 
@@ -68,3 +69,14 @@ def test_mesh_flags_with_another_strategy_are_a_usage_error(
     assert main(["train", "--max-steps", "1", "--strategy", "ddp", "--tp", "2"]) == 2
     said = capsys.readouterr().err
     assert "--tp 2 trains on one mesh" in said and "drop --strategy" in said
+
+
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # gpt has 4 heads: 8 tensor-parallel ranks cannot split them. Said by the command itself,
+    # from the model built on the meta device, not by 8 ranks each.
+    assert main(["train", "--devices", "8", "--tp", "8", "--max-steps", "1"]) == 2
+    said = capsys.readouterr().err
+    assert "blocks.0.attn of GPT has 4, not a multiple of 8" in said
+    assert said.count("gpukit train: error") == 1

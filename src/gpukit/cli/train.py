@@ -105,6 +105,7 @@ from gpukit._util import placement
 from gpukit._util.text import format_bytes, make_table
 from gpukit.checkpoint.files import resumable, step_of
 from gpukit.cli._common import add_command, console
+from gpukit.cli._parallel_flags import parallel_setting
 from gpukit.cli._settings import add_setting_flags, command_line, values
 from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
@@ -114,13 +115,14 @@ from gpukit.launch import _launched_script, run_job
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings_checks import resolve_devices
-from gpukit.strategies import FSDP, Parallel
+from gpukit.strategies import FSDP
 from gpukit.train import options
 from gpukit.train.fast import Compile, compile_choice
 from gpukit.train.loggers import train_loggers
 from gpukit.train.loop import check, fit, planned
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import check_out, claim_out
+from gpukit.workloads.base import load_workload
 
 NAME = "train"
 
@@ -195,7 +197,7 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
     loggers = train_loggers(args.logger, args.out)
     asked = {f.name: getattr(args, f.name) for f in options.flags()}
     compiled = _compile_choice(args, TrainConfig(**asked, seed=args.seed))
-    parallel = _parallel(args)
+    parallel = parallel_setting(args)
     chosen = {
         "strategy": "auto" if parallel else _strategy(args),
         "parallel": parallel,
@@ -218,6 +220,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 "which cannot run there: use --strategy ddp (one process per device), or drop "
                 "--max-restarts and --hang-timeout"
             )
+        if not worker and parallel:
+            # A layout the model cannot take (heads, blocks or sequence that do not divide) is
+            # said here, before any rank starts: the workload is built on the meta device.
+            rt.strategy.check_model(load_workload(args.workload, seed=args.seed, meta=True).model)
         if not worker and (rt.strategy.needs_launch or watched):
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
             # each runs this command again as one rank of the job.
@@ -320,30 +326,6 @@ def _out_of_memory(err: BaseException, settings: dict[str, Any] | None) -> OutOf
     if settings is None:
         return OutOfMemory(explanation)
     return OutOfMemory(with_figures(explanation, err, **settings))
-
-
-# gpukit train's flags that name a mesh (gk.Runtime(parallel=...)), by Parallel's keywords.
-_MESH_FLAGS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "pp_schedule", "float8")
-
-
-def _parallel(args: argparse.Namespace) -> dict[str, Any] | None:
-    """``parallel=`` from ``--tp 2 --pp 2`` and the like (with fsdp's own flags, which the
-    mesh shards with); None when none of them is given."""
-    given = {k: getattr(args, k) for k in _MESH_FLAGS if getattr(args, k) is not None}
-    if not given and args.strategy != Parallel.name:
-        return None
-    if args.strategy not in ("auto", Parallel.name):
-        shown = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
-        raise ConfigError(
-            f"{shown} trains on one mesh of every parallelism dimension, which is its own "
-            f"strategy (parallel), and --strategy {args.strategy} was given too: drop "
-            f"--strategy (or drop {shown})"
-        )
-    if args.activation_checkpointing is not None:
-        given["activation_checkpointing"] = args.activation_checkpointing
-    if args.fsdp_mixed is not None:
-        given["mixed"] = args.fsdp_mixed
-    return given
 
 
 def _strategy(args: argparse.Namespace) -> Any:

@@ -300,6 +300,7 @@ class Runtime:
             on_batch=self.lifecycle.at_boundary,
             on_handed=self._evaluation.batch_handed,
             wait=self._data_wait,
+            local=self.strategy.local_batch,
         )
         self.state.loaders.append(wrapped)
         return wrapped

@@ -13,13 +13,16 @@ its gradients).
 The block's ``forward`` is replaced on the instance, not the module wrapped, so the model's
 structure, parameter names and state-dict keys stay as the user wrote them. Recomputing
 replays the random generators' states, so dropout draws what it drew the first time: the
-result is the same, bit for bit, as without checkpointing.
+result is the same, bit for bit, as without checkpointing. Under context parallelism the
+recomputation runs under the forward's sequence-parallel attention again
+(:func:`~gpukit.strategies.sequence_parallel.recomputation`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +30,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 from gpukit.errors import ConfigError
+from gpukit.strategies.sequence_parallel import recomputation
 
 MODES = ("off", "full", "selective")
 
@@ -82,9 +86,33 @@ def _recomputed(
     forward: Callable[..., Any], context: Callable[[], Any] | None, *args: Any, **kwargs: Any
 ) -> Any:
     options: dict[str, Any] = {"use_reentrant": False}
-    if context is not None:
+    # A context-parallel forward's attention goes through a mode its hooks leave before the
+    # backward: the recomputation enters it again.
+    again = recomputation()
+    if again is not None:
+        options["context_fn"] = functools.partial(_recomputed_in, context, again)
+    elif context is not None:
         options["context_fn"] = context
     return torch_checkpoint.checkpoint(forward, *args, **options, **kwargs)
+
+
+def _recomputed_in(
+    context: Callable[[], Any] | None, again: contextlib.AbstractContextManager[None]
+) -> tuple[Any, Any]:
+    """``context``'s pair of contexts (the forward's, the recomputation's), the second also
+    entering ``again``."""
+    forward, recompute = (
+        context() if context is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
+    return forward, _both(again, recompute)
+
+
+@contextlib.contextmanager
+def _both(
+    outer: contextlib.AbstractContextManager[Any], inner: contextlib.AbstractContextManager[Any]
+) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def _selective_context() -> Any:

@@ -258,6 +258,11 @@ class Strategy(abc.ABC):
         what the next forward derives from the weights (the scales of weights gathered in
         float8). Weights changed by hand in between are not seen."""
 
+    def check_model(self, module: nn.Module) -> None:  # noqa: B027
+        """Refuse a ``module`` this strategy cannot split as configured (heads, layers or a
+        sequence that does not divide by its ranks), before any process or collective: a
+        launcher asks it of the model (on the meta device) before it starts the ranks."""
+
     def check_gradients(self, module: nn.Module) -> None:  # noqa: B027
         """Called once after the first backward, to catch setups that fail a step later."""
 
@@ -302,6 +307,19 @@ class Strategy(abc.ABC):
     def sampler_placement(self) -> tuple[int, int]:
         """(number of data shards, this rank's shard) for the data loader."""
         return self.world_size, self.rank
+
+    def local_batch(self, batch: Any) -> Any:
+        """The part of ``batch`` (on the device, from the data loader) this rank computes on:
+        the batch itself, except where ranks split each sample (context parallel: this
+        rank's chunks of every sequence)."""
+        return batch
+
+    def whole_samples(self, data: Any) -> Any:
+        """``data``, what this rank computed from its part of a batch, with each sample made
+        whole again where ranks split samples (context parallel: every tensor of two or more
+        dimensions gathered along the sequence from the other ranks of its group); ``data``
+        itself by default. Collective where it gathers: every rank calls it."""
+        return data
 
     def teardown(self) -> None:  # noqa: B027
         """Release what ``setup_environment`` took."""

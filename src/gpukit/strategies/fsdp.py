@@ -286,8 +286,7 @@ class FSDP(DDP):
         already = user_groups(module)
         if already or is_user_sharded(module):
             check_user_sharded(module, already, o, self.precision_name, self.device.torch)
-        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):  # before any collective
-            check_tp(inside_wrappers(module), o.tp)
+        self.check_model(module)  # before any collective
         return module, meta, already
 
     def _sharded(
@@ -359,6 +358,11 @@ class FSDP(DDP):
         # forward, in one all-reduce, now that the optimizer has changed the weights.
         if self.float8 == "tensorwise":
             precompute_scales(module)
+
+    def check_model(self, module: nn.Module) -> None:
+        o = self.options
+        if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):
+            check_tp(inside_wrappers(module), o.tp)
 
     def _data_mesh(self) -> Any:
         names = self.mesh.mesh_dim_names

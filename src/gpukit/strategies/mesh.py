@@ -31,6 +31,7 @@ from torch import nn
 
 from gpukit._util.fake import real_tensors
 from gpukit._util.text import described
+from gpukit._util.tree import map_tensors, tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
 from gpukit.strategies._criterion import reduction_of
@@ -39,6 +40,7 @@ from gpukit.strategies._norms import scale, total_norm
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
+from gpukit.strategies.meta_init import user_model
 from gpukit.strategies.pipeline import (
     Pipeline,
     PipelineCriterion,
@@ -46,6 +48,15 @@ from gpukit.strategies.pipeline import (
     combined_norm,
 )
 from gpukit.strategies.pipeline_stages import staged
+from gpukit.strategies.sequence_batches import SequenceShards
+from gpukit.strategies.sequence_parallel import (
+    CP_ATTENTION,
+    CpAttention,
+    Ring,
+    SequenceParallel,
+    Ulysses,
+    check_ring,
+)
 from gpukit.strategies.traits import Collective, Traits
 
 log = logging.getLogger("gpukit")
@@ -67,9 +78,11 @@ class Parallel(FSDP):
     ``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``cp``: the layout's sizes (one may be -1:
     what the others leave); or ``layout="auto"``: the planner chooses them for the model at
     ``rt.setup`` (every rank shards until then). ``tp_plan``: the user's tensor-parallel
-    plan (default: read off the model). ``pp_schedule``, ``pp_microbatches``,
-    ``pp_stages_per_rank``, ``pp_split``: the pipeline's (``gpukit.strategies.pipeline``). The
-    other keywords are fsdp's (``gpukit.strategies.FSDP``).
+    plan (default: read off the model). ``cp_attention``: how attention sees the whole
+    sequence under ``cp`` > 1, ``"ulysses"`` (any attention kernel) or ``"ring"`` (torch's,
+    CUDA only; see ``gpukit.strategies.sequence_parallel``). ``pp_schedule``,
+    ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split``: the pipeline's
+    (``gpukit.strategies.pipeline``). The other keywords are fsdp's (``gpukit.strategies.FSDP``).
     """
 
     name: ClassVar[str] = "parallel"
@@ -94,6 +107,7 @@ class Parallel(FSDP):
         cp: int = 1,
         layout: str | None = None,
         tp_plan: Any = None,
+        cp_attention: CpAttention = "ulysses",
         pp_schedule: str = "1F1B",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int | None = None,
@@ -115,6 +129,12 @@ class Parallel(FSDP):
         if layout is not None:
             check_auto(layout, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
         self.auto = layout == "auto"
+        if cp_attention not in CP_ATTENTION:
+            raise ConfigError(
+                f"Parallel(cp_attention={cp_attention!r}): give one of "
+                f"{', '.join(map(repr, CP_ATTENTION))}"
+            )
+        self.cp_attention = cp_attention
         self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
         split = tuple(pp_split) if isinstance(pp_split, (list, tuple)) else pp_split
         self.pipeline_options = PipelineOptions(
@@ -138,12 +158,8 @@ class Parallel(FSDP):
             timeout=timeout,
         )
         self.layout = self.requested
+        self._cut: set[int] = set()  # the sequence lengths local_batch has cut batches to
         self._check_zero_bubble()
-
-    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
-        compiles = super().enable_compile(backend, mode)
-        self._check_zero_bubble()
-        return compiles
 
     def _check_zero_bubble(self) -> None:
         o, schedule = self.options, self.pipeline_options.schedule
@@ -163,6 +179,8 @@ class Parallel(FSDP):
             fields["pipeline"] = (
                 f"{o.schedule} x {o.microbatches_for(self.layout.pp)} micro-batches"
             )
+        if self.layout.cp > 1:
+            fields["cp_attention"] = self.cp_attention
         return fields
 
     # -- processes ---------------------------------------------------------------------------
@@ -175,6 +193,23 @@ class Parallel(FSDP):
                 f"schedule ({self.pipeline_options}): set pp=2 or more, or leave them out"
             )
         super().configure(devices)
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """Refuse what context parallel cannot go with, before any collective (again at
+        ``rt.setup`` for the layout ``layout="auto"`` chose there)."""
+        cp = self.layout.cp
+        if cp > 1 and self.options.compile:
+            raise _compiled_blocks(cp)
+        if cp > 1 and self.cp_attention == "ring":
+            check_ring(self.device.torch)
+
+    def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
+        if self.requested.cp != 1:
+            raise _compiled_blocks(self.requested.cp)
+        compiles = super().enable_compile(backend, mode)
+        self._check_zero_bubble()
+        return compiles
 
     def check_precision(self, precision: str) -> None:
         if self.layout.pp > 1 and precision == "16-mixed":
@@ -229,6 +264,28 @@ class Parallel(FSDP):
         at = self.layout.coordinates(self.rank)
         return self.layout.data_parallel, at["dp_replicate"] * self.layout.dp_shard + at["dp_shard"]
 
+    @property
+    def sequence_shards(self) -> SequenceShards | None:
+        """This rank's part of every sequence under context parallelism (None without)."""
+        if self.layout.cp == 1:
+            return None
+        return SequenceShards(self.layout.cp, self.layout.coordinates(self.rank)["cp"])
+
+    def local_batch(self, batch: Any) -> Any:
+        shards = self.sequence_shards
+        if shards is None:
+            return batch
+        local = shards.batch(batch)
+        self._cut.update(t.shape[1] for t in tensors(local) if t.dim() > 1)
+        return local
+
+    def whole_samples(self, data: Any) -> Any:
+        shards = self.sequence_shards
+        if shards is None:
+            return data
+        group = self.mesh["cp"].get_group()
+        return map_tensors(data, lambda t: shards.whole(t, group) if t.dim() > 1 else t)
+
     def _data_mesh(self) -> Any:
         # fully_shard's mesh: shards over dp_shard x cp (flattened into one dimension), and
         # across dp_replicate as HSDP's 2-D (replicas, shards) mesh.
@@ -245,15 +302,29 @@ class Parallel(FSDP):
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.auto:
             _choose_layout(self, module)
-        if self.layout.cp > 1:
-            raise ConfigError(
-                f"parallel cp={self.layout.cp}: context parallel is not available yet"
-            )
-        if self.layout.pp == 1:
+            self._check_context_parallel()
+        if self.layout.pp > 1:
+            if self.layout.cp > 1:
+                raise ConfigError(
+                    f"parallel pp={self.layout.pp} with cp={self.layout.cp}: pipeline stages "
+                    "are not context-parallel yet; use one of the two"
+                )
+            pipeline = staged(self, module, self.pipeline_options, self.layout)
+            self._pipelines.append(pipeline)
+            return pipeline
+        shards = self.sequence_shards
+        if shards is None:
             return super().setup_module(module)
-        pipeline = staged(self, module, self.pipeline_options, self.layout)
-        self._pipelines.append(pipeline)
-        return pipeline
+        module = super().setup_module(module)
+        attention = (
+            Ring(self.mesh["cp"])
+            if self.cp_attention == "ring"
+            else Ulysses(shards, self.mesh["cp"].get_group())
+        )
+        # On the user's model, inside gpukit's wrappers: a call through rt.unwrap(model) is
+        # context-parallel too (its weights are sharded over the cp ranks alike).
+        SequenceParallel(user_model(module), shards, attention, self._cut)
+        return module
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.view if isinstance(module, Pipeline) else module
@@ -306,6 +377,13 @@ class Parallel(FSDP):
     def teardown(self) -> None:
         self._pipelines.clear()
         super().teardown()
+
+
+def _compiled_blocks(cp: int) -> ConfigError:
+    return ConfigError(
+        f"parallel cp={cp} with compile: compiled blocks are not context-parallel yet; drop "
+        "compile, or use cp=1"
+    )
 
 
 def _choose_layout(self: Parallel, module: nn.Module) -> None:

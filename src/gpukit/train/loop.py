@@ -42,6 +42,7 @@ from gpukit.errors import ConfigError, RunComplete
 from gpukit.runtime.outputs.progress_displays import Bar, ProgressLines, Quiet
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings import record, train_defaults
+from gpukit.strategies.sequence_batches import whole_sequences
 from gpukit.train import fast, options
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import complete_message
@@ -82,7 +83,9 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
     started = time.perf_counter()
     workload = load_workload(config.workload, seed=config.seed, meta=True)
     epochs = config.epochs or workload.epochs
-    per_rank = micro_batch(config.batch_size or workload.batch_size, rt.world_size, rt.accumulate)
+    # Split over the ranks that read different samples: tensor and context ranks share theirs.
+    shards = rt.strategy.sampler_placement()[0]
+    per_rank = micro_batch(config.batch_size or workload.batch_size, shards, rt.accumulate)
     model = workload.model
     lr = config.lr if config.lr is not None else workload.lr
     # fused: one kernel per update on CUDA (gpukit.train.fast), and the only AdamW that can
@@ -121,7 +124,7 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
         raise RunComplete(
             complete_message(config.out, rt.global_step, total, epochs, config.max_steps)
         )
-    global_batch = per_rank * rt.world_size * rt.accumulate
+    global_batch = per_rank * shards * rt.accumulate
     recorded = _recorded(
         rt, config, epochs=epochs, batch_size=global_batch, lr=lr, compile=config.compile
     )
@@ -191,13 +194,15 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
         memory = with_peak_tensors(rt, memory, peaks.result())
     # Every rank writes the sample: under fsdp each forward gathers the weights from all of
     # them, so rank 0 alone would wait forever. Same weights, same generator: the same text.
+    # Its windows are whole sequences, also where ranks split each sequence (context parallel).
     # Pipeline stages: no rank holds the whole model; the set-up one runs every stage.
     sampled = model if rt.strategy.splits_model else rt.unwrap(model)
-    sample = (
-        workload.sample(sampled, rt.device)
-        if workload.sample is not None and config.sample
-        else None
-    )
+    with whole_sequences():
+        sample = (
+            workload.sample(sampled, rt.device)
+            if workload.sample is not None and config.sample
+            else None
+        )
     if not rt.is_global_zero:
         return {}
     history = rt.history

@@ -66,7 +66,10 @@ def evaluate(
         with torch.no_grad():
             for part in batches:
                 counted = len(part)
-                x, y = to(default_collate([dataset[i] for i in part or [0]]), rt.device)
+                batch = to(default_collate([dataset[i] for i in part or [0]]), rt.device)
+                # This rank's part, as the training loader hands it (context parallel: its
+                # chunks of every sequence; each rank's loss is the mean over its tokens).
+                x, y = rt.strategy.local_batch(batch)
                 out = model(x)
                 if not counted:  # the forward other ranks need; nothing of it counts
                     continue

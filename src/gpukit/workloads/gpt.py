@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from gpukit.errors import ConfigError
+from gpukit.strategies.sequence_batches import sequence_positions
 from gpukit.workloads.base import Workload
 
 STRIDE = 8  # characters between window starts: windows overlap, so an epoch sees each ~8 times
@@ -192,7 +193,9 @@ class GPT(nn.Module):
         # given the hidden states instead of ids, an earlier one hands its hidden states on.
         x = ids
         if self.token_embedding is not None:
-            positions = torch.arange(ids.shape[1], device=ids.device)
+            # The tokens' places in the whole sequence: under context parallelism this rank
+            # holds only some of them (arange otherwise).
+            positions = sequence_positions(ids.shape[1], ids.device)
             x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
         x = self.blocks(x)
         return x if self.head is None else self.head(self.ln_f(x))

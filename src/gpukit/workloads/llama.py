@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpukit.strategies.sequence_batches import sequence_rows
 from gpukit.workloads.base import Workload, replaced
 from gpukit.workloads.tokens import RandomTokens
 
@@ -52,9 +53,11 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        # Heads counted from the projections' widths: under tensor parallelism a rank holds
+        # some of them (the same ratio of query to key/value heads).
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         repeat = self.heads // self.kv_heads
         k, v = (z.repeat_interleave(repeat, dim=2) for z in (k, v))
@@ -65,9 +68,10 @@ class _Attention(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # cos and sin: the angles of x's tokens, (tokens, pairs).
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
-    c, s = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((a * c - b * s, a * s + b * c), dim=-1).type_as(x)
 
 
@@ -126,8 +130,13 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds only some of these (the others None): see gpt's GPT.
         x = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        # The tokens' places in the whole sequence: under context parallelism this rank holds
+        # only some of them (arange otherwise).
+        length = tokens.shape[1]
+        cos = sequence_rows(cast(torch.Tensor, self.rope.cos), length)
+        sin = sequence_rows(cast(torch.Tensor, self.rope.sin), length)
         for layer in self.layers:
-            x = layer(x, self.rope.cos, self.rope.sin)
+            x = layer(x, cos, sin)
         return x if self.output is None else self.output(self.norm(x))
 
 

@@ -94,7 +94,9 @@ class DeviceLoader:
     the pass trained (a backward pass ran during it) or evaluated. ``wait`` (the Runtime's
     meter, :class:`~gpukit.runtime.data.wait.DataWait`) is told how long each batch was
     waited for. ``order`` says how the ranks share the batches (its seed replaces ``seed``):
-    gpukit's default, or Accelerate's (:mod:`gpukit.runtime.data.dealing`).
+    gpukit's default, or Accelerate's (:mod:`gpukit.runtime.data.dealing`). ``local`` makes
+    each batch on the device this rank's part of it (the strategy's ``local_batch``: under
+    context parallelism, this rank's chunks of every sequence).
     """
 
     def __init__(
@@ -111,8 +113,10 @@ class DeviceLoader:
         on_handed: Callable[[DeviceLoader, int, Any], None] | None = None,
         wait: DataWait | None = None,
         order: DataOrder | None = None,
+        local: Callable[[Any], Any] | None = None,
     ) -> None:
         self.device = device
+        self._local = local
         self._order = order if order is not None else DataOrder(seed=seed)
         self._wait = wait
         self._on_batch = on_batch
@@ -300,9 +304,12 @@ class DeviceLoader:
         events the device records on its own stream: nothing read back here)."""
         ahead = self._order.reads_ahead
         if self._wait is None:
-            return on_device(batches, self.device, read_ahead=ahead)
-        marks = functools.partial(self._wait.device_marks, self.device)
-        return on_device(self._wait.timed(batches, self), self.device, marks, read_ahead=ahead)
+            moved = on_device(batches, self.device, read_ahead=ahead)
+        else:
+            marks = functools.partial(self._wait.device_marks, self.device)
+            moved = on_device(self._wait.timed(batches, self), self.device, marks, read_ahead=ahead)
+        # Cut on the device, after the copy: the whole batch's copy stays one pinned transfer.
+        return moved if self._local is None else map(self._local, moved)
 
     def _start(self, skip: int) -> Iterator[Any]:
         if self._sampler is None:  # an iterable dataset: skip a resumed pass's batches by reading

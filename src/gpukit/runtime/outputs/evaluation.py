@@ -112,6 +112,9 @@ class Evaluation:
         metas = strategy.all_gather_object(mine) if strategy.distributed else [mine]
         # Every verdict below is drawn from what all ranks sent: they raise together.
         _check_leaves(metas)
+        # Ranks that split samples (context parallel) make them whole first: the rank kept
+        # for each shard below then holds every token of its samples.
+        found = leaves(strategy.whole_samples(data), _LEAVES)
         keep = _first_of_each_shard(metas)
         rows_of = [BatchRows(*m["batch"]) if m["batch"] is not None else None for m in metas]
         repeats = [r.padding if r is not None else 0 for r in rows_of]
