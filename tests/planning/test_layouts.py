@@ -101,7 +101,8 @@ def test_auto_picks_the_fastest_that_fits_and_says_why() -> None:
     assert report.reason.startswith(best.layout.describe() + ": fits in")
     assert "fastest of" in report.reason
     assert "as fast (within 1%), needing" in report.reason or "would fit too" in report.reason
-    assert "layout(s) of 64 H100 GPUs" in str(report)
+    assert f"{len(report.plans)} layout(s) of 64 H100 GPUs (10 shown, the fastest" in str(report)
+    assert len(str(report).splitlines()) == 1 + 10 + 1  # the title, 10 layouts, the plan
 
 
 def test_a_slower_runner_up_is_named_with_its_main_cost() -> None:
@@ -151,6 +152,18 @@ def test_shape_from_a_workload_a_shape_and_bad_models() -> None:
         ({"activation_checkpointing": "some"}, "activation_checkpointing='some'"),
         ({"target": "cpu"}, "layouts are planned for GPUs"),
         ({"devices": 7, "batch": 2}, "no layout of 7 GPUs"),
+        (
+            {"layout": Layout(dp_shard=8), "float8": "tensorwise"},
+            "float8='tensorwise' and a layout whose float8 is None",
+        ),
+        (
+            {"layout": {"dp_shard": 8, "float8": "rowwise"}, "float8": "tensorwise"},
+            "a layout whose float8 is 'rowwise': give it once",
+        ),
+        (
+            {"layout": Layout(dp_shard=2, tp=4), "async_tp": True},
+            "async_tp=True and a layout whose async_tp is False",
+        ),
     ],
 )
 def test_bad_plan_layout_arguments(kwargs: dict[str, object], says: str) -> None:
@@ -181,6 +194,17 @@ def test_cli_plans_one_layout_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert out["reason"].startswith("tp 2 x dp_shard 4, float8 tensorwise")
 
 
+def test_cli_shards_over_what_the_other_sizes_leave(capsys: pytest.CaptureFixture[str]) -> None:
+    """As gpukit train takes --tp 2 --pp 2 on 8 GPUs: dp_shard is the 2 they leave."""
+    args = ["--devices", "8", "--tp", "2", "--pp", "2", "--batch-size", "16", "--json"]
+    assert main(["plan", "--workload", "gpukit.workloads.llama:llama3_8b", *args]) == 0
+    layout = json.loads(capsys.readouterr().out)["plans"][0]["layout"]
+    assert (layout["dp_shard"], layout["tp"], layout["pp"], layout["dp_replicate"]) == (2, 2, 2, 1)
+    given = ["--devices", "8", "--tp", "2", "--dp-shard", "2"]  # given: kept, and refused
+    assert main(["plan", "--workload", "gpukit.workloads.llama:llama3_8b", *given]) != 0
+    assert "is 4 GPUs, not the 8 planned" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -190,6 +214,12 @@ def test_cli_plans_one_layout_as_json(capsys: pytest.CaptureFixture[str]) -> Non
         (["--devices", "8", "--float8", "rowwise"], "--float8 plan layouts: add --layout auto"),
         (["--devices", "8", "--async-tp", "--pp-schedule", "GPipe"], "--pp-schedule, --async-tp"),
         (["--devices", "8", "--tp", "8", "--pp-schedule", "GPipe"], "give --pp above 1 with it"),
+        (["--layout", "auto"], "one GPU count, and --devices was not given"),
+        (["--devices", "8", "--tp", "2", "--accumulate", "2"], "--accumulate plan strategies"),
+        (["--devices", "8", "--layout", "auto", "--precision", "32"], "--precision plan strat"),
+        (["--devices", "8", "--layout", "auto", "--method", "closed-form"], "--method plan"),
+        (["--devices", "8", "--layout", "auto", "--microbatches", "4"], "--microbatches 4 splits"),
+        (["--devices", "8", "--microbatches", "0"], "--microbatches plan layouts"),
     ],
 )
 def test_cli_refuses_mixed_layout_flags(

@@ -246,6 +246,83 @@ def test_a_load_gives_the_next_step_the_loaded_weights_scales(
     assert again == after
 
 
+def _full_weights(rt: gk.Runtime, folder: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Two steps; the full weights, those of the export, and whether the first stayed as
+    they were through one more step."""
+    from safetensors.torch import load_file
+
+    net = _net()
+    model, optimizer = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    data = _data()
+    for x, y in data[:2]:
+        rt.backward(nn.functional.mse_loss(model(x), y))
+        rt.step(optimizer)
+    full = rt.full_state_dict(model)
+    kept = {k: v.clone() for k, v in full.items()}
+    exported = load_file(str(rt.save(folder, export=True) / "model.safetensors"))
+    x, y = data[3]
+    rt.backward(nn.functional.mse_loss(model(x), y))
+    rt.step(optimizer)
+    return full, exported, all(torch.equal(full[k], kept[k]) for k in kept)
+
+
+def test_full_weights_of_float8_weights_are_plain_and_load_into_a_plain_model(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """Under fsdp's tensorwise recipe each weight is wrapped by torchao (its all-gather casts
+    to float8): the full weights the user gets are plain tensors, named as the plain model's,
+    and they do not follow the training on."""
+    full, exported, unchanged = one_rank(_full_weights, str(tmp_path / "ckpt"), float8="tensorwise")
+    assert {type(v) for v in full.values()} == {torch.Tensor}
+    plain = _net()
+    plain.load_state_dict(full)  # strict: the same names as without float8
+    assert list(full) == list(plain.state_dict()) and sorted(exported) == sorted(full)
+    assert all(torch.equal(exported[k], full[k]) for k in full)
+    assert unchanged
+
+
+def _load_full(rt: gk.Runtime, folder: str) -> dict[str, torch.Tensor]:
+    net = _net()
+    model, _ = rt.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    rt.load(folder)
+    return rt.full_state_dict(model)
+
+
+def test_a_float8_checkpoint_loads_into_a_run_without_float8_and_back(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """The weights saved after two float8 steps, the same after a load with float8 or without."""
+    folder = str(tmp_path / "ckpt")
+    full, _, _ = one_rank(_full_weights, folder, float8="tensorwise")
+    saved = sorted((tmp_path / "ckpt").glob("step-*"))[0]
+    for float8 in (None, "tensorwise"):
+        loaded = one_rank(_load_full, str(saved), float8=float8)
+        assert list(loaded) == list(full)
+        assert all(torch.equal(loaded[k], full[k]) for k in full)
+
+
+def _save_pretrained(rt: gk.Runtime, folder: str) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = LlamaConfig(vocab_size=64, num_attention_heads=2, num_key_value_heads=2, **sizes)
+    model = rt.setup(LlamaForCausalLM(config))
+    rt.unwrap(model).save_pretrained(folder)
+    return rt.full_state_dict(model)
+
+
+def test_save_pretrained_writes_float8_weights_as_plain_ones(
+    one_rank: Callable[..., Any], tmp_path: Any
+) -> None:
+    """transformers' save_pretrained under fsdp with weights gathered in float8: safetensors
+    gets plain tensors, which load back into the plain model."""
+    transformers = pytest.importorskip("transformers")
+    full = one_rank(_save_pretrained, str(tmp_path), float8="tensorwise")
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).state_dict()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
 # -- host reads --------------------------------------------------------------------------------
 LOG_EVERY = 5
 
@@ -302,15 +379,21 @@ def one_rank() -> Any:
 
 # -- refusals ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "make",
+    ("make", "owner"),
     [
-        lambda: gk.strategies.FSDP(float8="fp8"),
-        lambda: gk.strategies.DDP(float8="mxfp8"),
-        lambda: gk.strategies.SingleDevice(float8=True),  # type: ignore[arg-type]
+        (lambda: gk.strategies.FSDP(float8="fp8"), "FSDP"),
+        (lambda: gk.strategies.DDP(float8="mxfp8"), "DDP"),
+        (lambda: gk.strategies.SingleDevice(float8=True), "SingleDevice"),  # type: ignore[arg-type]
+        (lambda: gk.strategies.Parallel(float8="fp8"), "Parallel"),
+        (lambda: gk.Runtime(parallel={"float8": "fp8"}, devices=["cpu"] * 2), "Parallel"),
     ],
 )
-def test_an_unknown_recipe_is_refused_with_the_known_ones(make: Callable[[], Any]) -> None:
-    with pytest.raises(ConfigError, match=r"\(float8=.*give None.*'tensorwise'.*'rowwise'"):
+def test_an_unknown_recipe_is_refused_with_the_known_ones(
+    make: Callable[[], Any], owner: str
+) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^{owner}\(float8=.*give None.*'tensorwise'.*'rowwise'"
+    ):
         make()
 
 

@@ -36,6 +36,7 @@ from gpukit.checkpoint.live import Precision, RunState, user_model
 from gpukit.errors import ConfigError
 from gpukit.strategies import Strategy
 from gpukit.strategies._fsdp_api import is_dtensor
+from gpukit.strategies.float8 import plain_weight
 from gpukit.strategies.fsdp import is_sharded
 
 SHARDED = "sharded"  # the folder of the shards inside a checkpoint
@@ -92,7 +93,7 @@ def _snapshot(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, t
     copies, but on the CPU ``.cpu()`` (and one rank's gather) returns the live tensor."""
     live = set()
     for tensor in (*model.parameters(), *model.buffers()):
-        local = cast(Any, tensor).to_local() if is_dtensor(tensor) else tensor
+        local = plain_weight(cast(Any, tensor).to_local() if is_dtensor(tensor) else tensor)
         if local.device.type == "cpu":
             live.add(local.untyped_storage().data_ptr())
     return {
@@ -129,7 +130,7 @@ def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor
         options = StateDictOptions(full_state_dict=True, cpu_offload=not staged)
         full = {
             # A view of several stages is no fsdp root: its shards are gathered here.
-            k: (cast(Any, v).full_tensor() if is_dtensor(v) else v).cpu()
+            k: plain_weight(cast(Any, v).full_tensor() if is_dtensor(v) else v).cpu()
             for k, v in get_model_state_dict(model, options=options).items()
             if isinstance(v, torch.Tensor)
         }

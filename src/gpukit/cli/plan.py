@@ -24,7 +24,8 @@ Example:
 Layouts of data, tensor, pipeline and context parallelism (a Llama-style decoder, closed
 form): --layout auto searches every valid dp_replicate x dp_shard x tp x pp x cp of one GPU
 count for the fastest that fits; any of --dp-shard, --dp-replicate, --tp, --pp, --cp plans
-that one layout (the sizes left out are 1). Activation checkpointing defaults to full there,
+that one layout (the sizes left out are 1, and --dp-shard what the others leave of
+--devices, as gpukit train takes them). Activation checkpointing defaults to full there,
 and --target to h100.
     gpukit plan --workload gpukit.workloads.llama:llama3_405b --devices 512 --batch-size 256 \
         --layout auto --float8 tensorwise
@@ -35,6 +36,7 @@ and --target to h100.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from gpukit.cli._common import add_command, add_json_flag, console, print_json
@@ -64,7 +66,9 @@ def register(sub: Any) -> None:
     )
     add_json_flag(parser)
     parser.add_argument("--workload", default="gpt", help="mlp, cnn, gpt, gpt2 or module:function")
-    parser.add_argument("--devices", default="1,2", help="device counts, comma-separated")
+    parser.add_argument(
+        "--devices", default=None, help="device counts, comma-separated (default: 1,2)"
+    )
     parser.add_argument(
         "--strategies",
         default=None,
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             ("--float8", args.float8),
             ("--async-tp", args.async_tp),
         )
-        if value
+        if value is not None and value is not False
     ]
     if alone:
         raise ConfigError(
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.activation_checkpointing is None:
         args.activation_checkpointing = "off"
     calibration = None
-    counts = _counts(args.devices)
+    counts = _counts(args.devices if args.devices is not None else "1,2")
     names = _names(args.strategies) if args.strategies is not None else None
     if args.calibrate:
         from gpukit.planning.calibrate_runs import calibrate_plan
@@ -181,15 +185,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_layout(args: argparse.Namespace) -> int:
+    if args.devices is None:
+        raise ConfigError(
+            "a layout is planned for one GPU count, and --devices was not given: add it "
+            "(e.g. --devices 256)"
+        )
     counts = _counts(args.devices)
     if len(counts) != 1:
         raise ConfigError(
             f"--devices {args.devices!r} with a layout: give one GPU count (e.g. --devices 256)"
         )
-    if args.strategies is not None or args.calibrate or args.fsdp_mixed:
+    strays = [
+        flag
+        for flag, set_ in (
+            ("--strategies", args.strategies is not None),
+            ("--calibrate", args.calibrate),
+            ("--fsdp-mixed", args.fsdp_mixed is not None),
+            ("--precision", args.precision != "auto"),
+            ("--accumulate", args.accumulate != 1),
+            ("--method", args.method != "auto"),
+        )
+        if set_
+    ]
+    if strays:
         raise ConfigError(
-            "--strategies, --calibrate and --fsdp-mixed plan strategies, not layouts: leave "
-            "them out with --layout or --tp/--pp/--cp/--dp-shard/--dp-replicate"
+            f"{', '.join(strays)} plan strategies, not layouts (a layout is planned with bf16 "
+            "FSDP2 and AdamW, in closed form, without accumulation): leave them out with "
+            "--layout or --tp/--pp/--cp/--dp-shard/--dp-replicate"
         )
     given = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
     if args.layout and given:
@@ -202,9 +224,19 @@ def _run_layout(args: argparse.Namespace) -> int:
             f"--pp-schedule {args.pp_schedule} schedules a pipeline: give --pp above 1 with it "
             "(--layout auto tries every schedule)"
         )
+    if args.microbatches is not None and args.layout:
+        raise ConfigError(
+            f"--microbatches {args.microbatches} splits one pipeline's step, but --layout auto "
+            "searches pipelines with micro-batches of one sample: give the sizes with --pp "
+            "instead of --layout auto, or leave --microbatches out"
+        )
     layout: Any = "auto"
     if not args.layout:
         layout = {d: given.get(d, 1) for d in DEGREES}
+        if "dp_shard" not in given:  # as gpukit train: the shards are what the others leave
+            others = math.prod(layout.values())
+            if counts[0] % others == 0:
+                layout["dp_shard"] = counts[0] // others
         if args.pp_schedule:
             layout["pp_schedule"] = args.pp_schedule
         if args.microbatches is not None:

@@ -25,9 +25,13 @@ from gpukit.strategies.mesh import use_layout_chooser
 __all__ = ["choose"]
 
 
-def choose(model: nn.Module, world_size: int, device: Device) -> tuple[dict[str, int], str]:
+def choose(
+    model: nn.Module, world_size: int, device: Device, float8: str | None = None
+) -> tuple[dict[str, int], str]:
     """The sizes of each dimension for ``model`` over ``world_size`` ranks of ``device``'s
-    kind, and one line saying why (see the module docstring)."""
+    kind (``float8``: the run's recipe, which the plan counts), and one line saying why (see
+    the module docstring). The batch is not known when the model is set up: the planner
+    plans one sample per data-parallel rank, so no pipeline is chosen."""
     shard = {"dp_shard": world_size}
     if device.type != "cuda":
         return shard, (
@@ -38,7 +42,7 @@ def choose(model: nn.Module, world_size: int, device: Device) -> tuple[dict[str,
 
     name = torch.cuda.get_device_name(device.index)
     try:
-        return choose_layout(model, world_size, name)
+        return choose_layout(model, world_size, name, float8=float8)
     except ConfigError as err:
         if "plans a Llama-style decoder" not in str(err):
             raise  # it read the model, and nothing fits: said as the planner says it

@@ -30,6 +30,8 @@ from gpukit.planning.targets import Target
 
 # Layouts whose planned speeds differ by less than this are as fast as the plan can tell.
 AS_FAST = 0.01
+# Layouts a report prints (of hundreds searched): the fastest that fit first.
+SHOWN = 10
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,12 @@ class LayoutReport:
         }
 
     def __str__(self) -> str:
-        shown = sorted(self.plans, key=lambda p: (p.fits is False, -_speed(p)))[:10]
-        lines = [f"{len(self.plans)} layout(s) of {self.gpus} {self.target.name} GPUs:"]
+        shown = sorted(self.plans, key=lambda p: (p.fits is False, -_speed(p)))[:SHOWN]
+        more = len(self.plans) > SHOWN
+        lines = [
+            f"{len(self.plans)} layout(s) of {self.gpus} {self.target.name} GPUs"
+            + (f" ({SHOWN} shown, the fastest that fit first; --json lists all):" if more else ":")
+        ]
         for p in shown:
             mark = "fits" if p.fits is not False else "over"
             lines.append(
@@ -175,7 +181,8 @@ def plan_layout(
     the one
     ``layout`` (a :class:`~gpukit.planning.layouts.Layout` or a dict of its fields), or with
     ``"auto"`` every valid layout (see :func:`gpukit.planning.layouts.candidates`) with
-    ``float8`` and ``async_tp`` as given. ``batch``: global, in samples of ``seq_len`` tokens
+    ``float8`` and ``async_tp`` as given (a layout given says its own: another beside it is
+    refused). ``batch``: global, in samples of ``seq_len`` tokens
     (default: one per data-parallel rank). ``target`` and ``memory`` as in ``gk.plan``.
 
     >>> report = plan_layout("gpukit.workloads.llama:llama3_70b", devices=256, batch=512)
@@ -286,6 +293,15 @@ def choose_layout(
 
 
 def _given(layout: Layout | dict[str, Any], float8: str | None, async_tp: bool) -> Layout:
+    if isinstance(layout, (Layout, dict)):
+        # The layout's own float8 and async_tp would win: refuse another given beside it.
+        own = vars(layout) if isinstance(layout, Layout) else layout
+        for name, value, unset in (("float8", float8, None), ("async_tp", async_tp, False)):
+            if value != unset and name in own and own[name] != value:
+                raise ConfigError(
+                    f"{name}={value!r} and a layout whose {name} is {own[name]!r}: give it "
+                    "once, in the layout or beside it"
+                )
     if isinstance(layout, Layout):
         return layout
     if not isinstance(layout, dict):

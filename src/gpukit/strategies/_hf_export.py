@@ -28,6 +28,7 @@ from torch import nn
 from gpukit.errors import ConfigError
 from gpukit.strategies._fsdp_api import is_dtensor
 from gpukit.strategies._groups import tied_names
+from gpukit.strategies.float8 import plain_weight
 
 
 def is_transformers_model(module: nn.Module) -> bool:
@@ -86,8 +87,8 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = {
-        k: v
+    full = {  # plain tensors: safetensors cannot write torchao's float8 weight wrapper
+        k: plain_weight(v)
         for k, v in get_model_state_dict(module, options=options).items()
         if isinstance(v, torch.Tensor)
     }

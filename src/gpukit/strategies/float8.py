@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from gpukit._util.text import described
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies._fsdp_api import is_dtensor
 
 RECIPES = ("tensorwise", "rowwise")
 # Float8 tensor cores: Ada (8.9), Hopper (9.0) and later.
@@ -196,6 +198,19 @@ def precompute_scales(module: nn.Module) -> None:
     once (one all-reduce of their maxima, nothing read back), instead of one all-reduce per
     weight at its next all-gather. Nothing to do for a model without such weights."""
     torchao_float8().precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def plain_weight(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or the plain tensor inside torchao's float8 weight wrapper (under fsdp's
+    "tensorwise" each weight's data is wrapped so that its all-gather casts to float8): what
+    a state dict hands to the user, safetensors or a model without float8 must hold."""
+    # Without importing torchao: its wrapper is a tensor subclass around one plain tensor.
+    while is_traceable_wrapper_subclass(tensor) and not is_dtensor(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        tensor = getattr(tensor, inner[0])
+    return tensor
 
 
 def _choose(model: nn.Module, recipe: str) -> tuple[list[str], dict[str, str]]:

@@ -58,7 +58,12 @@ from gpukit.strategies._user_sharded import (
 )
 from gpukit.strategies.base import MemoryAdvice, Recovery, Strategy, place
 from gpukit.strategies.ddp import DDP, DDPRecovery
-from gpukit.strategies.float8 import check_float8_precision, convert_float8, precompute_scales
+from gpukit.strategies.float8 import (
+    check_float8_precision,
+    check_float8_recipe,
+    convert_float8,
+    precompute_scales,
+)
 from gpukit.strategies.meta_init import is_meta, move_buffers
 from gpukit.strategies.tensor_plans import check_tp, loss_parallel_criterion, parallelize
 from gpukit.strategies.traits import STATES, Collective, Traits
@@ -155,6 +160,7 @@ class FSDP(DDP):
     ) -> None:
         fsdp2()  # this torch has FSDP2, or a clear error now
         super().__init__(timeout=timeout)
+        check_float8_recipe(float8, type(self).__name__)  # named as given: FSDP or Parallel
         self.options = FSDPOptions(
             reshard=reshard,
             mixed=mixed,

@@ -394,7 +394,7 @@ def _choose_layout(self: Parallel, module: nn.Module) -> None:
             'parallel layout="auto" needs gpukit\'s planner: import gpukit (not only '
             "gpukit.strategies), or give the sizes"
         )
-    sizes, reason = _CHOOSER[0](module, self.world_size, self.device)
+    sizes, reason = _CHOOSER[0](module, self.world_size, self.device, self.options.float8)
     self.auto = False
     chosen = Layout.of(sizes).resolved(self.world_size)
     if self.rank == 0:
@@ -406,14 +406,14 @@ def _choose_layout(self: Parallel, module: nn.Module) -> None:
     self.setup_environment()
 
 
-Chooser = Callable[[nn.Module, int, Device], tuple[dict[str, int], str]]
+Chooser = Callable[[nn.Module, int, Device, str | None], tuple[dict[str, int], str]]
 _CHOOSER: list[Chooser] = []
 
 
 def use_layout_chooser(chooser: Chooser) -> None:
     """Install the function that answers ``layout="auto"`` (the planner's): given the model,
-    the number of ranks and this rank's device, the sizes of each dimension and one line
-    saying why."""
+    the number of ranks, this rank's device and the float8 recipe (or None), the sizes of each
+    dimension and one line saying why."""
     _CHOOSER[:] = [chooser]
 
 
