@@ -33,6 +33,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp x replicas": {"cp": 2, "dp_replicate": 2, "dp_shard": 1},
     "cp x tp": {"cp": 2, "tp": 2, "dp_shard": 1},
     "float8 x cp": {"cp": 2, "dp_shard": 2, "float8": "rowwise"},
+    "pp x shards": {"pp": 2, "dp_shard": 2},
+    "pp x replicas": {"pp": 2, "dp_replicate": 2, "dp_shard": 1},
+    "pp x tp": {"pp": 2, "tp": 2, "dp_shard": 1},
+    "float8 x pp": {"pp": 2, "dp_shard": 2, "float8": "rowwise"},
 }
 TOLERANCE = {"float8": 0.02}  # relative, per step's loss; float32 otherwise: 2e-5
 
