@@ -37,6 +37,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp x replicas": {"pp": 2, "dp_replicate": 2, "dp_shard": 1},
     "pp x tp": {"pp": 2, "tp": 2, "dp_shard": 1},
     "float8 x pp": {"pp": 2, "dp_shard": 2, "float8": "rowwise"},
+    "pp x cp": {"pp": 2, "cp": 2, "dp_shard": 1},
 }
 TOLERANCE = {"float8": 0.02}  # relative, per step's loss; float32 otherwise: 2e-5
 
@@ -88,8 +89,8 @@ def _train(rt: gk.Runtime, layout: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "reads": reads}
 
 
-def _all(rt: gk.Runtime) -> dict[str, Any]:
-    return {name: _train(rt, layout) for name, layout in LAYOUTS.items()}
+def _all(rt: gk.Runtime, names: list[str] | None = None) -> dict[str, Any]:
+    return {n: _train(rt, LAYOUTS[n]) for n in names or LAYOUTS}
 
 
 @pytest.fixture(scope="module")

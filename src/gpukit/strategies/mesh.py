@@ -303,28 +303,26 @@ class Parallel(FSDP):
         if self.auto:
             _choose_layout(self, module)
             self._check_context_parallel()
+        shards = self.sequence_shards
         if self.layout.pp > 1:
-            if self.layout.cp > 1:
-                raise ConfigError(
-                    f"parallel pp={self.layout.pp} with cp={self.layout.cp}: pipeline stages "
-                    "are not context-parallel yet; use one of the two"
-                )
             pipeline = staged(self, module, self.pipeline_options, self.layout)
             self._pipelines.append(pipeline)
+            if shards is not None:  # each stage's attention across the context ranks
+                for stage in pipeline.stages:
+                    SequenceParallel(stage, shards, self._attention(shards), self._cut)
             return pipeline
-        shards = self.sequence_shards
         if shards is None:
             return super().setup_module(module)
         module = super().setup_module(module)
-        attention = (
-            Ring(self.mesh["cp"])
-            if self.cp_attention == "ring"
-            else Ulysses(shards, self.mesh["cp"].get_group())
-        )
         # On the user's model, inside gpukit's wrappers: a call through rt.unwrap(model) is
         # context-parallel too (its weights are sharded over the cp ranks alike).
-        SequenceParallel(user_model(module), shards, attention, self._cut)
+        SequenceParallel(user_model(module), shards, self._attention(shards), self._cut)
         return module
+
+    def _attention(self, shards: SequenceShards) -> Callable[..., torch.Tensor]:
+        if self.cp_attention == "ring":
+            return Ring(self.mesh["cp"])
+        return Ulysses(shards, self.mesh["cp"].get_group())
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.view if isinstance(module, Pipeline) else module
