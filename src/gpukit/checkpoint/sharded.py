@@ -101,6 +101,21 @@ def _snapshot(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, t
     }
 
 
+def _from_every_stage(full: dict[str, torch.Tensor], strategy: Strategy) -> dict[str, torch.Tensor]:
+    """``full`` with the weights only other ranks hold (pipeline stages) added, on rank 0
+    (collective: every rank says which names it has, and sends those no lower rank has)."""
+    names = strategy.all_gather_object(sorted(full))
+    owner: dict[str, int] = {}
+    for rank, listed in enumerate(names):
+        for name in listed:
+            owner.setdefault(name, rank)
+    mine = {k: v for k, v in full.items() if owner[k] == strategy.rank and strategy.rank}
+    merged = dict(full)
+    for piece in strategy.all_gather_object(mine):
+        merged.update(piece)
+    return merged if strategy.rank == 0 else {}
+
+
 def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor]:
     """The full weights of ``model`` as plain CPU tensors on rank 0; {} on the other ranks.
     Collective for a sharded model (every rank gives its shards)."""
@@ -110,13 +125,18 @@ def full_weights(model: nn.Module, strategy: Strategy) -> dict[str, torch.Tensor
             get_model_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(model, options=options)
-        return (
-            {k: plain_weight(v) for k, v in full.items() if isinstance(v, torch.Tensor)}
-            if strategy.rank == 0
-            else {}
-        )
+        # Pipeline stages: each rank gathers its own stage's weights (not rank 0 alone).
+        staged = strategy.splits_model
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not staged)
+        full = {
+            # A view of several stages is no fsdp root: its shards are gathered here.
+            k: plain_weight(cast(Any, v).full_tensor() if is_dtensor(v) else v).cpu()
+            for k, v in get_model_state_dict(model, options=options).items()
+            if isinstance(v, torch.Tensor)
+        }
+        if staged:
+            return _from_every_stage(full, strategy)
+        return full if strategy.rank == 0 else {}
     if strategy.rank != 0:
         return {}
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -181,7 +201,11 @@ def prepare(
     stateless = [o for o in optimizers if not o.state]
     try:
         model, optim = _state_dicts(models, optimizers)
-        agreed(strategy, lambda: _check_layout(path, model))
+        # Pipeline stages: each rank holds some names; together they must be the checkpoint's.
+        held = set(model)
+        if strategy.splits_model:
+            held = {n for names in strategy.all_gather_object(sorted(model)) for n in names}
+        agreed(strategy, lambda: _check_layout(path, model, held))
         fresh = {"model": _fresh(model), "optim": _fresh(optim)}
         try:
             dcp.load(fresh, checkpoint_id=str(path / SHARDED))
@@ -256,9 +280,9 @@ def _root(models: list[nn.Module]) -> nn.Module:
     return models[0] if len(models) == 1 else nn.ModuleList(models)
 
 
-def _check_layout(path: Path, model: dict[str, Any]) -> None:
+def _check_layout(path: Path, model: dict[str, Any], held: set[str]) -> None:
     """The saved weights' names, shapes and dtypes against the live ones, from the metadata
-    DCP wrote (nothing large is read)."""
+    DCP wrote (nothing large is read); ``held``: the names the model has on any rank."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -283,7 +307,7 @@ def _check_layout(path: Path, model: dict[str, Any]) -> None:
     found += [
         f"{k}: checkpoint {_described(v)[0]}, not in the model"
         for k, v in saved.items()
-        if k not in model
+        if k not in held
     ]
     if found:
         more = f"; and {len(found) - 5} more" if len(found) > 5 else ""

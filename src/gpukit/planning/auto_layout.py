@@ -35,7 +35,9 @@ def choose(
 ) -> tuple[dict[str, int], str]:
     """The sizes of each dimension for ``model`` over ``world_size`` ranks of ``device``'s
     kind, and one line saying why (see the module docstring), planned with the run's
-    ``activation_checkpointing`` and ``float8`` (what fits depends on both)."""
+    ``activation_checkpointing`` and ``float8`` (what fits depends on both). The batch is not
+    known when the model is set up: the planner plans one sample per data-parallel rank, so
+    no pipeline is chosen."""
     shard = {"dp_shard": world_size}
     if device.type != "cuda":
         return shard, (

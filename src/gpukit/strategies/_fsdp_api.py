@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from gpukit.errors import ConfigError
+from gpukit.strategies.pipeline_split import StagesView
 
 
 def fsdp2() -> Any:
@@ -48,3 +50,30 @@ def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor (a sharded parameter, gradient or state)."""
     cls = dtensor_class()
     return cls is not None and isinstance(value, cls)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) was sharded by fsdp."""
+    try:
+        cls = fsdp2().FSDPModule
+    except ConfigError:
+        return False
+    if isinstance(module, StagesView):  # pipeline stages on one rank, each an fsdp root
+        return any(is_sharded(stage) for stage in module.stages)
+    return any(isinstance(m, cls) for m in module.modules())
+
+
+def inside_wrappers(module: nn.Module) -> nn.Module:
+    """The user's model inside gpukit's own thin wrappers (mixed precision's autocast module).
+    It is the root that fsdp shards, so that calling it directly (a sample, an evaluation
+    through ``rt.unwrap(model)``) gathers the root's weights too."""
+    while getattr(module, "gpukit_thin_wrapper", False):
+        module = next(module.children())
+    return module
+
+
+def outermost(module: nn.Module, cls: type) -> list[Any]:
+    """The modules of class ``cls`` in ``module`` that no other one of them contains."""
+    if isinstance(module, cls):
+        return [module]
+    return [found for child in module.children() for found in outermost(child, cls)]

@@ -43,8 +43,14 @@ def clip(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale ``grads`` in place to a total norm of at most ``max_norm`` (as torch's
     ``clip_grad_norm_`` does: by ``max_norm / (norm + 1e-6)``, never up); the norm before."""
     norm = total_norm(grads)
+    scale(grads, norm, max_norm)
+    return norm
+
+
+def scale(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / (norm + 1e-6)``, never up (``norm``: their
+    total norm, however it was found)."""
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     local = [g.to_local() if is_dtensor(g) else g for g in grads]  # type: ignore[attr-defined]
     if local:
         torch._foreach_mul_(local, factor.to(local[0].device))
-    return norm

@@ -160,6 +160,12 @@ class Strategy(abc.ABC):
         return self.world_size > 1
 
     @property
+    def splits_model(self) -> bool:
+        """True when ranks hold different parts of the model (pipeline stages): the whole
+        model's weights are then gathered from several ranks."""
+        return False
+
+    @property
     def recovery(self) -> Recovery:
         """Out-of-memory recovery under this strategy: holding collectives back, resetting a
         model after a failed pass, the strategy's own advice."""
@@ -218,6 +224,16 @@ class Strategy(abc.ABC):
         ``reduction`` says how ``fn`` reduces over samples ("mean" or "sum"), when known."""
         check_criterion(fn, reduction)
         return fn
+
+    def loss_weight(self, weight: float) -> None:  # noqa: B027
+        """The coming forward's loss is weighted by ``weight`` before its backward
+        (``1/accumulate``, or a micro-batch's share of ``rt.train_step``'s batch): a strategy
+        whose forward runs the backward itself (a pipeline schedule) weighs the loss there."""
+
+    def backward_done(self, loss: torch.Tensor) -> bool:
+        """True when ``loss``'s backward already ran with its forward (a pipeline schedule
+        runs both): the Runtime then runs none, and counts the micro-step as usual."""
+        return False
 
     @abc.abstractmethod
     def unwrap(self, module: nn.Module) -> nn.Module:

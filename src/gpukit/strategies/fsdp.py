@@ -41,10 +41,11 @@ from gpukit._util.checks import require_module
 from gpukit._util.fake import real_tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
-from gpukit.strategies._fsdp_api import fsdp2
+from gpukit.strategies._fsdp_api import fsdp2, inside_wrappers, outermost
+from gpukit.strategies._fsdp_api import is_sharded as is_sharded  # the checkpoints ask here
 from gpukit.strategies._fsdp_options import FSDPOptions
 from gpukit.strategies._fsdp_refusals import refuse_split_ties, shardable, split_tie
-from gpukit.strategies._groups import find_groups
+from gpukit.strategies._groups import Group, find_groups
 from gpukit.strategies._hf_export import gather_on_save
 from gpukit.strategies._norms import clip, total_norm
 from gpukit.strategies._recompute import checkpoint_blocks
@@ -86,7 +87,7 @@ class FSDPRecovery(DDPRecovery):
     def reset_module(self, module: nn.Module) -> None:
         # A forward or backward that failed halfway leaves groups gathered and hooks armed.
         # The root resets every group under it (torch refuses the call on any other group).
-        for root in _outermost(module, fsdp2().FSDPModule):
+        for root in outermost(module, fsdp2().FSDPModule):
             root.reset_iter_state()
 
     def advice(self, peak: int | None, imbalance: float | None) -> MemoryAdvice | None:
@@ -266,13 +267,24 @@ class FSDP(DDP):
 
     # -- the model ---------------------------------------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
-        api = fsdp2()
+        module, meta, already = self._placed(module)
+        if self.world_size > 1 and not meta:
+            # Every rank shards its own copy: rank 0's weights must be everyone's first, as
+            # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
+            # model would be made of shards of different models. Shards the user made are
+            # theirs to make consistent: only the plain tensors are broadcast.
+            self.broadcast_state(module, sharded=False)
+        return self._sharded(module, meta, already)
+
+    def _placed(self, module: nn.Module) -> tuple[nn.Module, bool, list[Any]]:
+        """``module`` checked and on this rank's device (a meta-device one left there), whether
+        it is on the meta device, and the groups the user sharded in it themselves."""
         module = shardable(require_module(module, "rt.setup", meta=True))
         meta = is_meta(module)  # sharded first, then each rank's shards materialised
         if meta:
-            self.meta_init.check(_inside_wrappers(module))
+            self.meta_init.check(inside_wrappers(module))
         else:
-            self.meta_init.not_used(_inside_wrappers(module))
+            self.meta_init.not_used(inside_wrappers(module))
             module = place(module, self.device.torch)
         o = self.options
         # A model the user sharded with fully_shard keeps its groups, mesh and mp_policy: seen
@@ -281,12 +293,15 @@ class FSDP(DDP):
         if already or is_user_sharded(module):
             check_user_sharded(module, already, o, self.precision_name, self.device.torch)
         self.check_model(module)  # before any collective
-        if self.world_size > 1 and not meta:
-            # Every rank shards its own copy: rank 0's weights must be everyone's first, as
-            # DDP makes them (a checkpoint loaded on rank 0 only, ranks seeded apart), or the
-            # model would be made of shards of different models. Shards the user made are
-            # theirs to make consistent: only the plain tensors are broadcast.
-            self.broadcast_state(module, sharded=False)
+        return module, meta, already
+
+    def _sharded(
+        self, module: nn.Module, meta: bool, already: list[Any], groups: list[Group] | None = None
+    ) -> nn.Module:
+        """``module`` (every rank's copy alike) converted to float8, checkpointed, split across
+        tensor-parallel ranks, compiled and sharded block by block (``groups``, default: found),
+        then at its root, over the data mesh; a pipeline stage goes through here too."""
+        api, o = fsdp2(), self.options
         data_mesh = self._data_mesh()
         settings: dict[str, Any] = {"mesh": data_mesh}
         if o.reshard_after_forward is not None:
@@ -300,12 +315,13 @@ class FSDP(DDP):
             refuse_split_ties(module)
         if self.float8 is not None:  # first, as torchtitan: before tp, checkpointing, compile
             self._convert_float8(module, already)
-        groups = [] if already else find_groups(module)
+        if groups is None:
+            groups = [] if already else find_groups(module)
         blocks = [b for g in groups for b in g.modules]
         checkpoint_blocks(blocks, o.activation_checkpointing)
         if o.tp > 1:
             tp_mesh, lp = self.mesh["tp"], o.loss_parallel
-            parallelize(_inside_wrappers(module), tp_mesh, o.tp_plan, loss_parallel=lp)
+            parallelize(inside_wrappers(module), tp_mesh, o.tp_plan, loss_parallel=lp)
         if o.compile:
             backend = {"backend": self.compile_backend} if self.compile_backend else {}
             for block in blocks:
@@ -313,7 +329,7 @@ class FSDP(DDP):
         for group in groups:
             target = group.modules[0] if len(group.modules) == 1 else group.modules
             self._shard(api, target, settings, group.names)
-        root = _inside_wrappers(module)
+        root = inside_wrappers(module)
         if not isinstance(root, api.FSDPModule):
             # The root keeps its gathered weights after the forward: its backward comes
             # first, so freeing them would only gather them again at once.
@@ -341,9 +357,7 @@ class FSDP(DDP):
                 "and drop float8="
             )
         assert self.float8 is not None
-        convert_float8(
-            _inside_wrappers(module), self.float8, self.device, fsdp=True, rank=self.rank
-        )
+        convert_float8(inside_wrappers(module), self.float8, self.device, fsdp=True, rank=self.rank)
 
     def after_optimizer_step(self, module: nn.Module) -> None:
         # Weights all-gathered in float8 ("tensorwise"): every weight's scale for the next
@@ -354,7 +368,7 @@ class FSDP(DDP):
     def check_model(self, module: nn.Module) -> None:
         o = self.options
         if o.tp > 1 and (o.tp_plan is None or o.tp_plan == "auto"):
-            check_tp(_inside_wrappers(module), o.tp)
+            check_tp(inside_wrappers(module), o.tp)
 
     def _data_mesh(self) -> Any:
         names = self.mesh.mesh_dim_names
@@ -385,7 +399,7 @@ class FSDP(DDP):
             return  # reduce-scatter every micro-batch: nothing to switch
         roots = self._roots.get(id(module))
         if roots is None:  # looked up once per model: this runs before every backward
-            roots = self._roots[id(module)] = _outermost(module, fsdp2().FSDPModule)
+            roots = self._roots[id(module)] = outermost(module, fsdp2().FSDPModule)
         for root in roots:
             if no_sync:
                 root.set_requires_gradient_sync(enabled)
@@ -410,28 +424,3 @@ class FSDP(DDP):
         self.mesh = None
         self._roots.clear()
         super().teardown()
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` (or a module inside it) was sharded by fsdp."""
-    try:
-        cls = fsdp2().FSDPModule
-    except ConfigError:
-        return False
-    return any(isinstance(m, cls) for m in module.modules())
-
-
-def _inside_wrappers(module: nn.Module) -> nn.Module:
-    """The user's model inside gpukit's own thin wrappers (mixed precision's autocast module).
-    It is the root that fsdp shards, so that calling it directly (a sample, an evaluation
-    through ``rt.unwrap(model)``) gathers the root's weights too."""
-    while getattr(module, "gpukit_thin_wrapper", False):
-        module = next(module.children())
-    return module
-
-
-def _outermost(module: nn.Module, cls: type) -> list[Any]:
-    """The modules of class ``cls`` in ``module`` that no other one of them contains."""
-    if isinstance(module, cls):
-        return [module]
-    return [found for child in module.children() for found in _outermost(child, cls)]

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from gpukit._util.fake import real_tensors
@@ -33,11 +34,20 @@ from gpukit._util.text import described
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
+from gpukit.strategies._criterion import reduction_of
 from gpukit.strategies._fsdp_options import FSDPOptions
+from gpukit.strategies._norms import scale, total_norm
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
 from gpukit.strategies.meta_init import user_model
+from gpukit.strategies.pipeline import (
+    Pipeline,
+    PipelineCriterion,
+    PipelineOptions,
+    combined_norm,
+)
+from gpukit.strategies.pipeline_stages import staged
 from gpukit.strategies.sequence_batches import SequenceShards
 from gpukit.strategies.sequence_parallel import (
     CP_ATTENTION,
@@ -71,8 +81,9 @@ class Parallel(FSDP):
     ``rt.setup`` (every rank shards until then). ``tp_plan``: the user's tensor-parallel
     plan (default: read off the model). ``cp_attention``: how attention sees the whole
     sequence under ``cp`` > 1, ``"ulysses"`` (any attention kernel) or ``"ring"`` (torch's,
-    CUDA only; see ``gpukit.strategies.sequence_parallel``). The other keywords are fsdp's
-    (``gpukit.strategies.FSDP``).
+    CUDA only; see ``gpukit.strategies.sequence_parallel``). ``pp_schedule``,
+    ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split``: the pipeline's
+    (``gpukit.strategies.pipeline``). The other keywords are fsdp's (``gpukit.strategies.FSDP``).
     """
 
     name: ClassVar[str] = "parallel"
@@ -98,6 +109,10 @@ class Parallel(FSDP):
         layout: str | None = None,
         tp_plan: Any = None,
         cp_attention: CpAttention = "ulysses",
+        pp_schedule: str = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        pp_split: list[str] | None = None,
         reshard: bool | int | str = "auto",
         mixed: Any = None,
         activation_checkpointing: str = "off",
@@ -122,6 +137,14 @@ class Parallel(FSDP):
             )
         self.cp_attention = cp_attention
         self.requested = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp)
+        split = tuple(pp_split) if isinstance(pp_split, (list, tuple)) else pp_split
+        self.pipeline_options = PipelineOptions(
+            pp_schedule,
+            pp_microbatches,
+            pp_stages_per_rank,
+            split,
+        )
+        self._pipelines: list[Pipeline] = []
         super().__init__(
             reshard=reshard,
             mixed=mixed,
@@ -137,10 +160,26 @@ class Parallel(FSDP):
         )
         self.layout = self.requested
         self._cut: set[int] = set()  # the sequence lengths local_batch has cut batches to
+        self._check_zero_bubble()
+
+    def _check_zero_bubble(self) -> None:
+        o, schedule = self.options, self.pipeline_options.schedule
+        if "ZeroBubble" in schedule and (o.activation_checkpointing != "off" or o.compile):
+            raise ConfigError(
+                f"pp_schedule={schedule!r} splits each backward in two (the inputs' "
+                "gradients, then the weights'), which fsdp's per-block groups, activation "
+                "checkpointing and compiled blocks do not follow: each stage is sharded whole, "
+                "so drop activation_checkpointing and compile, or use 'Interleaved1F1B'"
+            )
 
     def described(self) -> dict[str, object]:
         fields = super().described()
         fields["layout"] = self.layout.described()
+        if self.layout.pp > 1:
+            o = self.pipeline_options
+            fields["pipeline"] = (
+                f"{o.schedule} x {o.microbatches_for(self.layout.pp)} micro-batches"
+            )
         if self.layout.cp > 1:
             fields["cp_attention"] = self.cp_attention
         return fields
@@ -149,6 +188,11 @@ class Parallel(FSDP):
     def configure(self, devices: list[Device]) -> None:
         DDP.configure(self, devices)  # the ranks first: -1 takes what the others leave
         self._take_layout(self.requested.resolved(self.world_size))
+        if self.layout.pp == 1 and self.pipeline_options != PipelineOptions():
+            raise ConfigError(
+                f"parallel: pp_* settings were given with pp=1, so there is no pipeline to "
+                f"schedule ({self.pipeline_options}): set pp=2 or more, or leave them out"
+            )
         super().configure(devices)
         self._check_context_parallel()
 
@@ -164,7 +208,24 @@ class Parallel(FSDP):
     def enable_compile(self, backend: str | None, mode: str | None = None) -> bool:
         if self.layout.cp != 1:  # as resolved over the ranks (cp=-1 may be one)
             raise _compiled_blocks(self.layout.cp)
-        return super().enable_compile(backend, mode)
+        compiles = super().enable_compile(backend, mode)
+        self._check_zero_bubble()
+        return compiles
+
+    def check_precision(self, precision: str) -> None:
+        if self.layout.pp > 1 and precision == "16-mixed":
+            raise ConfigError(
+                "precision='16-mixed' cannot go with pipeline parallel: its gradient scaler "
+                "scales the loss in rt.backward, but the pipeline's schedule runs the backward "
+                "inside the forward, micro-batch by micro-batch, and the scaler's skipped "
+                "steps would have to agree across stages. Use precision='bf16-mixed' (no "
+                "scaler needed) or '32'"
+            )
+        super().check_precision(precision)
+
+    @property
+    def splits_model(self) -> bool:
+        return self.layout.pp > 1
 
     def _take_layout(self, layout: Layout) -> None:
         """Train over ``layout``: fsdp's options follow it, and say it (a run's config.toml
@@ -249,23 +310,78 @@ class Parallel(FSDP):
         if self.auto:
             _choose_layout(self, module)
             self._check_context_parallel()
-        if self.layout.pp > 1:
-            raise ConfigError(
-                f"parallel pp={self.layout.pp}: pipeline stages are not available yet"
-            )
         shards = self.sequence_shards
+        if self.layout.pp > 1:
+            pipeline = staged(self, module, self.pipeline_options, self.layout)
+            self._pipelines.append(pipeline)
+            if shards is not None:  # each stage's attention across the context ranks
+                for stage in pipeline.stages:
+                    SequenceParallel(stage, shards, self._attention(shards), self._cut)
+            return pipeline
         if shards is None:
             return super().setup_module(module)
         module = super().setup_module(module)
-        attention = (
-            Ring(self.mesh["cp"])
-            if self.cp_attention == "ring"
-            else Ulysses(shards, self.mesh["cp"].get_group())
-        )
         # On the user's model, inside gpukit's wrappers: a call through rt.unwrap(model) is
         # context-parallel too (its weights are sharded over the cp ranks alike).
-        SequenceParallel(user_model(module), shards, attention, self._cut)
+        SequenceParallel(user_model(module), shards, self._attention(shards), self._cut)
         return module
+
+    def _attention(self, shards: SequenceShards) -> Callable[..., torch.Tensor]:
+        if self.cp_attention == "ring":
+            return Ring(self.mesh["cp"])
+        return Ulysses(shards, self.mesh["cp"].get_group())
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.view if isinstance(module, Pipeline) else module
+
+    def setup_criterion(
+        self, fn: Callable[..., torch.Tensor], reduction: str | None
+    ) -> Callable[..., torch.Tensor]:
+        computed = super().setup_criterion(fn, reduction)  # under loss_parallel, if asked
+        if self.layout.pp == 1:
+            return computed
+        if reduction_of(fn, reduction) != "mean":
+            raise ConfigError(
+                "pipeline parallel averages the micro-batches' losses: give a criterion that "
+                "takes the mean over its samples (reduction='mean')"
+            )
+        return PipelineCriterion(computed)
+
+    def loss_weight(self, weight: float) -> None:
+        for pipeline in self._pipelines:
+            pipeline.run.weight = weight
+
+    def backward_done(self, loss: torch.Tensor) -> bool:
+        return any(p.run.backward_done(loss) for p in self._pipelines)
+
+    def set_backward_sync(self, module: nn.Module, enabled: bool) -> None:
+        if isinstance(module, Pipeline):
+            # The schedule reduces fsdp's gradients itself; tied copies are summed once,
+            # before the optimizer steps.
+            module.run.sync_ties = enabled
+            return
+        super().set_backward_sync(module, enabled)
+
+    def clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        if not self._pipelines:
+            return super().clip_gradients(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = self.gradient_norm(grads)
+        assert norm is not None  # a pipeline's norm is always its own
+        scale(grads, norm, max_norm)
+        return norm
+
+    def gradient_norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        if not self._pipelines:
+            return super().gradient_norm(grads)
+        # A tied parameter's copies on later stages hold the same gradient: counted once.
+        again = {id(p.grad) for pl in self._pipelines for p in pl.run.norm_skip}
+        counted = [g for g in grads if id(g) not in again]
+        return combined_norm(total_norm(counted).to(self.device.torch), self.mesh["pp"].get_group())
+
+    def teardown(self) -> None:
+        self._pipelines.clear()
+        super().teardown()
 
 
 def _compiled_blocks(cp: int) -> ConfigError:

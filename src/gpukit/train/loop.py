@@ -195,9 +195,11 @@ def _fit(rt: Runtime, config: TrainConfig, peaks: PeakTensors, tf32: bool) -> di
     # Every rank writes the sample: under fsdp each forward gathers the weights from all of
     # them, so rank 0 alone would wait forever. Same weights, same generator: the same text.
     # Its windows are whole sequences, also where ranks split each sequence (context parallel).
+    # Pipeline stages: no rank holds the whole model; the set-up one runs every stage.
+    sampled = model if rt.strategy.splits_model else rt.unwrap(model)
     with whole_sequences():
         sample = (
-            workload.sample(rt.unwrap(model), rt.device)
+            workload.sample(sampled, rt.device)
             if workload.sample is not None and config.sample
             else None
         )

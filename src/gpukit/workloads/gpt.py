@@ -189,11 +189,16 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # The tokens' places in the whole sequence: under context parallelism this rank
-        # holds only some of them (arange otherwise).
-        positions = sequence_positions(ids.shape[1], ids.device)
-        x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
-        return self.head(self.ln_f(self.blocks(x)))
+        # A pipeline stage holds only some of these (the others None): a later stage is
+        # given the hidden states instead of ids, an earlier one hands its hidden states on.
+        x = ids
+        if self.token_embedding is not None:
+            # The tokens' places in the whole sequence: under context parallelism this rank
+            # holds only some of them (arange otherwise).
+            positions = sequence_positions(ids.shape[1], ids.device)
+            x = self.drop(self.token_embedding(ids) + self.position_embedding(positions))
+        x = self.blocks(x)
+        return x if self.head is None else self.head(self.ln_f(x))
 
 
 class SequenceCrossEntropy(nn.Module):
@@ -245,6 +250,7 @@ class Sampler:
         prompt: str | None = None,
         temperature: float = 0.8,
         seed: int = 0,
+        context: int | None = None,
     ) -> None:
         if prompt is None:  # start of a line, as the text's own lines start
             prompt = "\n" if "\n" in vocab else vocab[0]
@@ -256,13 +262,14 @@ class Sampler:
         self.prompt = prompt
         self.temperature = temperature
         self.seed = seed
+        self.context = context  # the model's window (default: read off a GPT)
 
     def __call__(self, model: nn.Module, device: torch.device, length: int | None = None) -> str:
         # A torch.compile'd model is sampled through the module it wraps: that one has the
         # config, and running the wrapper in eval mode would cost a recompile for a few hundred
         # small forwards. No other wrapper is looked through: fit passes rt.unwrap(model).
         net: nn.Module = getattr(model, "_orig_mod", model)
-        context = net.config.context if isinstance(net, GPT) else None
+        context = self.context or (net.config.context if isinstance(net, GPT) else None)
         was_training = net.training
         net.eval()
         try:
@@ -327,6 +334,6 @@ def build(seed: int = 0, config: GPTConfig | None = None) -> Workload:
         lr=3e-3,
         epochs=8,
         flops_per_sample=flops_per_sample(model),
-        sample=Sampler(dataset.vocab),
+        sample=Sampler(dataset.vocab, context=config.context),
         validation=held_out,
     )

@@ -128,7 +128,8 @@ class Llama(nn.Module):
         self.rope = _Rotary(s, max_seq_len)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+        # A pipeline stage holds only some of these (the others None): see gpt's GPT.
+        x = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         # The tokens' places in the whole sequence: under context parallelism this rank holds
         # only some of them (arange otherwise).
         length = tokens.shape[1]
@@ -136,7 +137,7 @@ class Llama(nn.Module):
         sin = sequence_rows(cast(torch.Tensor, self.rope.sin), length)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.output(self.norm(x))
+        return x if self.output is None else self.output(self.norm(x))
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,12 @@ def check_loss(loss: Any, where: str = "rt.backward(loss)") -> torch.Tensor:
 
 def checked_loss_fn(
     compute_loss: Callable[[Any], Any],
+    done: Callable[[Any], bool] = lambda loss: False,
 ) -> Callable[[Any], torch.Tensor]:
     """``compute_loss`` with :func:`check_loss` applied to what it returns, for
-    ``rt.train_step``; a ``compute_loss`` that cannot be called is refused at once.
+    ``rt.train_step``, except to a loss whose backward is ``done`` already (the strategy's
+    ``backward_done``: a pipeline schedule's); a ``compute_loss`` that cannot be called is
+    refused at once.
 
     >>> import torch
     >>> w = torch.ones(2, requires_grad=True)
@@ -66,7 +69,8 @@ def checked_loss_fn(
         )
 
     def compute(batch: Any) -> torch.Tensor:
-        return check_loss(compute_loss(batch), "rt.train_step's compute_loss(batch)")
+        loss = compute_loss(batch)
+        return loss if done(loss) else check_loss(loss, "rt.train_step's compute_loss(batch)")
 
     return compute
 

@@ -149,14 +149,15 @@ class NonFiniteGuard:
         """Whether the end of step ``step`` closes a logging window: time to read back."""
         return self._counters is not None and step % self.log_every == 0
 
-    def read(self, rank: int) -> None:
-        """Read the counters back (one small read) and raise when the policy says so."""
+    def read(self, rank: int) -> int:
+        """Read the counters back (one small read) and raise when the policy says so; the
+        steps skipped so far."""
         if self._counters is None:
-            return
+            return self.skipped
         bad, first, _run, longest, mine = (int(v) for v in self._counters.tolist())
         self.skipped = bad
         if not bad:
-            return
+            return bad
         whose = (
             f"rank {rank}'s own loss was not finite"
             if mine
@@ -175,3 +176,4 @@ class NonFiniteGuard:
                 f"at step {first}; {whose}): skipping is not helping, the run diverges. Lower "
                 "the learning rate, clip gradients, or resume from an earlier checkpoint"
             )
+        return bad

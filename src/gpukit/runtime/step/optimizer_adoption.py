@@ -42,27 +42,47 @@ def adopt(
 ) -> list[torch.Tensor]:
     """Point ``optimizers`` from each parameter of ``before`` to the one of the same name in
     ``after`` (where setup replaced it); returns the replaced parameters."""
-    moved = {
-        id(old): after[name]
-        for name, old in before.items()
-        if name in after and after[name] is not old
-    }
-    if not moved:
+    # old -> its new parameters: one, or one per copy where setup split a tied parameter
+    # (pipeline stages on one rank each hold their own copy, kept equal by the strategy).
+    moved: dict[int, list[torch.Tensor]] = {}
+    for name, old in before.items():
+        new = after.get(name)
+        if new is not None and new is not old:
+            copies = moved.setdefault(id(old), [])
+            if all(new is not c for c in copies):
+                copies.append(new)
+    # A parameter under none of its names any more lives on another rank (a pipeline stage
+    # holds part of the model): this rank's optimizers leave it.
+    kept = {id(p) for p in after.values()}
+    gone = {id(old) for old in before.values() if id(old) not in moved and id(old) not in kept}
+    if not moved and not (gone and after):
         return []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             # In place: an optimizer may hold this very list (LBFGS keeps it as _params).
-            group["params"][:] = [moved.get(id(p), p) for p in group["params"]]
+            group["params"][:] = [
+                n for p in group["params"] if id(p) not in gone for n in moved.get(id(p), [p])
+            ]
         for param in list(optimizer.state):
-            new = moved.get(id(param))
-            if new is not None:
-                kept = optimizer.state.pop(param)
-                optimizer.state[new] = {k: _laid_out(v, param, new) for k, v in kept.items()}
+            if id(param) in gone:
+                del optimizer.state[param]
+                continue
+            if id(param) in moved:
+                state = optimizer.state.pop(param)
+                for i, new in enumerate(moved[id(param)]):
+                    laid = {k: _laid_out(v, param, new) for k, v in state.items()}
+                    if i:  # each copy steps its own moments
+                        laid = {k: _own(v) for k, v in laid.items()}
+                    optimizer.state[new] = laid
     olds: dict[int, torch.Tensor] = {}
     for _name, old in before.items():
         if id(old) in moved:
             olds.setdefault(id(old), old)
     return list(olds.values())
+
+
+def _own(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _laid_out(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:

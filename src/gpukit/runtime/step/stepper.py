@@ -102,7 +102,8 @@ class Stepper:
     # -- the manual loop: rt.backward, rt.step -------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward in the run's precision, averaged over accumulated micro-batches."""
-        loss = check_loss(loss)
+        # A pipeline's loss had its backward with its forward (``_backward`` runs none).
+        given = loss = loss if self.strategy.backward_done(loss) else check_loss(loss)
         boundaries = self.boundaries
         if self.state.micro_step == self.state.stepped_at:  # the first of a step's windows
             boundaries.step_begins(self.state.global_step)
@@ -114,7 +115,7 @@ class Stepper:
         if self.config.accumulate > 1:
             loss = loss / self.config.accumulate
         try:
-            self.precision.backward(loss)
+            self._backward(given, loss)
         except Exception as err:
             if is_oom(err):
                 raise self.out_of_memory(err) from err
@@ -203,15 +204,13 @@ class Stepper:
 
     def skipped_steps(self) -> int:
         """Steps the non-finite guard skipped so far (one read back; 0 without a guard)."""
-        if self.guard is None:
-            return 0
-        self.guard.read(self.strategy.rank)
-        return self.guard.skipped
+        return 0 if self.guard is None else self.guard.read(self.strategy.rank)
 
     def sync_next_backward(self) -> None:
         """Tell the strategy whether the coming backward ends an accumulation window (only
         then does DDP all-reduce; its forward must already know)."""
         sync = (self.state.micro_step + 1) % self.config.accumulate == 0
+        self.strategy.loss_weight(1 / self.config.accumulate)
         for module in self.state.modules:
             self.strategy.set_backward_sync(module, sync)
 
@@ -233,7 +232,7 @@ class Stepper:
         compute_loss: Callable[[Any], torch.Tensor],
     ) -> torch.Tensor:
         """See the module docstring; ``rt.train_step`` is the public entry."""
-        compute_loss = checked_loss_fn(compute_loss)
+        compute_loss = checked_loss_fn(compute_loss, self.strategy.backward_done)
         n = batch_size(batch)
         if n is None:
             raise ConfigError(
@@ -311,7 +310,7 @@ class Stepper:
             self.fault.check(n)
             loss = compute_loss(batch)
             self.boundaries.beat("backward", self.state.global_step)
-            self.precision.backward(loss)
+            self._backward(loss, loss)
             # The last step's loss, and with it its autograd graph, goes now, after this
             # step's forward, where a plain loop's `loss = ...` lets it go. Freed before the
             # optimizer step instead, it measurably slowed small steps on the CPU (allocator
@@ -365,7 +364,7 @@ class Stepper:
                 self.fault.check(size)
                 loss = compute_loss(batch)
                 self.boundaries.beat("backward", self.state.global_step)
-                self.precision.backward(loss)
+                self._backward(loss, loss)
                 self._previous_loss = loss  # freed after the next forward (_whole_batch_step)
                 return Attempt(loss=loss.detach())
             return Attempt(loss=self._micro_batches(batch, sizes, compute_loss))
@@ -397,9 +396,10 @@ class Stepper:
                     self.strategy.set_backward_sync(module, last)
             try:
                 self.fault.check(size)
-                weighted = compute_loss(chunk) * (size / total)
+                self.strategy.loss_weight(size / total)
+                weighted = (loss := compute_loss(chunk)) * (size / total)
                 self.boundaries.beat("backward", self.state.global_step)
-                self.precision.backward(weighted)
+                self._backward(loss, weighted)
             except Exception as err:
                 # The ignore: the error carries the micro-batch to the out-of-memory explanation.
                 err.gpukit_micro_batch = size  # type: ignore[attr-defined]
@@ -407,6 +407,10 @@ class Stepper:
             loss_sum = weighted.detach() if loss_sum is None else loss_sum + weighted.detach()
         assert loss_sum is not None  # sizes is never empty
         return loss_sum
+
+    def _backward(self, loss: torch.Tensor, weighted: torch.Tensor) -> None:
+        if not self.strategy.backward_done(loss):  # ``loss``: the criterion's, before weights
+            self.precision.backward(weighted)
 
     def close(self) -> None:
         """Let go of what holds the models: the last loss's graph, the clipping lists, etc."""
