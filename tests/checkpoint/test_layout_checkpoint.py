@@ -17,7 +17,8 @@ import gpukit as gk
 from tests.fsdp_models import assert_bit_identical
 from tests.strategies import test_fsdp_layouts as layouts
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+# One worker runs the module: its launch is made once, by a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.xdist_group("layout-checkpoint")]
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ import torch
 import gpukit as gk
 from gpukit.workloads.gpt import GPT, GPTConfig, SequenceCrossEntropy
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+# One worker runs the module: its launch is made once, by a module-scoped fixture.
+pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.xdist_group("parallel-pairs")]
 
 STEPS, BATCH, CONTEXT, LR = 20, 8, 16, 3e-3
 CONFIG = GPTConfig(vocab_size=32, context=CONTEXT, n_layer=2, n_head=4, d_model=32)

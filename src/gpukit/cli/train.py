@@ -223,8 +223,9 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 "--max-restarts and --hang-timeout"
             )
         if not worker and parallel is not None:
-            # A layout the model cannot take (heads, blocks or sequence that do not divide) is
-            # said here, before any rank starts: the workload is built on the meta device.
+            # A layout the model cannot take (heads or blocks that do not divide) is said here,
+            # before any rank starts: the workload is built on the meta device. A sequence
+            # the context ranks cannot split is said by the ranks, at their first batch.
             rt.strategy.check_model(load_workload(args.workload, seed=args.seed, meta=True).model)
         if not worker and (rt.strategy.needs_launch or watched):
             # gpukit's launcher runs the processes (and restarts them, watching for hangs);
