@@ -10,7 +10,7 @@ import torch
 import gpukit as gk
 from gpukit.errors import ConfigError
 from gpukit.planning import auto_layout
-from gpukit.strategies import mesh
+from gpukit.strategies import layout_choice
 from gpukit.workloads.llama import llama3_70b
 
 
@@ -89,7 +89,7 @@ def test_parallel_auto_asks_the_planner_with_its_own_settings(
         asked.append(settings)
         raise _Asked
 
-    monkeypatch.setattr(mesh, "_CHOOSER", [chooser])
+    monkeypatch.setattr(layout_choice, "_CHOOSER", [chooser])
     strategy = gk.strategies.Parallel(layout="auto", activation_checkpointing="selective")
     rt = gk.Runtime(strategy=strategy, devices="cpu")
     with pytest.raises(_Asked):

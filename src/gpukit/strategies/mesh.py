@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from gpukit._util.fake import real_tensors
-from gpukit._util.text import described
 from gpukit._util.tree import map_tensors, tensors
 from gpukit.devices.device import Device
 from gpukit.errors import ConfigError
@@ -40,6 +39,7 @@ from gpukit.strategies._norms import scale, total_norm
 from gpukit.strategies.ddp import DDP
 from gpukit.strategies.fsdp import FSDP
 from gpukit.strategies.layout import DIMS, Layout
+from gpukit.strategies.layout_choice import ask_chooser, check_auto, use_layout_chooser
 from gpukit.strategies.meta_init import user_model
 from gpukit.strategies.pipeline import (
     Pipeline,
@@ -394,13 +394,8 @@ def _compiled_blocks(cp: int) -> ConfigError:
 def _choose_layout(self: Parallel, module: nn.Module) -> None:
     """``layout="auto"``: the planner's layout for ``module`` over this job's ranks, taken at
     the first model's set-up (the mesh made again where it differs)."""
-    if not _CHOOSER:
-        raise ConfigError(
-            'parallel layout="auto" needs gpukit\'s planner: import gpukit (not only '
-            "gpukit.strategies), or give the sizes"
-        )
     # Planned with the run's own activation checkpointing and float8: what fits depends on them.
-    sizes, reason = _CHOOSER[0](
+    sizes, reason = ask_chooser(
         module,
         self.world_size,
         self.device,
@@ -418,38 +413,10 @@ def _choose_layout(self: Parallel, module: nn.Module) -> None:
     self.setup_environment()
 
 
-Chooser = Callable[..., tuple[dict[str, int], str]]
-_CHOOSER: list[Chooser] = []
-
-
-def use_layout_chooser(chooser: Chooser) -> None:
-    """Install the function that answers ``layout="auto"`` (the planner's): given the model,
-    the number of ranks and this rank's device (and, by keyword, the run's
-    ``activation_checkpointing`` and ``float8``), the sizes of each dimension and one line
-    saying why."""
-    _CHOOSER[:] = [chooser]
-
-
-def check_auto(layout: object, **sizes: int) -> None:
-    """``layout`` is "auto" (or None), and then no size is given beside it."""
-    if not (isinstance(layout, str) and layout == "auto"):
-        raise ConfigError(
-            f"Parallel(layout={described(layout)}): give 'auto' (the planner chooses the "
-            "sizes at rt.setup), or leave it out and give the sizes"
-        )
-    given = {k: v for k, v in sizes.items() if v != Layout.__dataclass_fields__[k].default}
-    if given:
-        shown = ", ".join(f"{k}={v}" for k, v in given.items())
-        raise ConfigError(
-            f"Parallel(layout='auto', {shown}): 'auto' chooses every size; drop {shown}, or "
-            "drop layout='auto' to use them"
-        )
-
-
 def _flattened(mesh: Any) -> dict[str, Any]:
     """The dimensions flattened on ``mesh``'s root so far (torch keeps them there)."""
     root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
     return getattr(root, "_flatten_mapping", {})
 
 
-__all__ = ["Parallel", "use_layout_chooser"]
+__all__ = ["Parallel", "ParallelOptions", "use_layout_chooser"]
