@@ -66,7 +66,7 @@ STEPS_PER_FAULT = 4
 SAVE_EVERY = 2
 MAX_RESTARTS = 60
 MOMENTS = ("import", "start", "setup", "load", "step", "save")
-_LOOP = ("loop", "forward", "backward", "optimizer", "collective")
+_LOOP = ("loop", "data", "forward", "backward", "optimizer", "collective")
 _POLL_S = 0.0005  # a save of this small model is over in milliseconds
 _WAIT_S = 120.0  # a guard: an attempt that never comes (the job ended) drops the fault
 

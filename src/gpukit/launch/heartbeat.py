@@ -7,6 +7,11 @@ line. The launcher (``gpukit.launch``) reads every rank's file; a rank whose las
 older than the hang timeout is stuck, and the one furthest behind (step, then phase) is the one
 to blame.
 
+The same record carries what ``gpukit top`` and the launcher's straggler watch read: the
+seconds spent in each phase so far (added up at each beat from the clock read the beat takes
+anyway), the last step's end and length, the samples a step takes, and, on a GPU, the
+allocator's counters (read at a step's end at most once a second; no device synchronisation).
+
 Without ``GPUKIT_JOB_DIR`` (no gpukit launcher watching) a beat does nothing.
 
 Each record is written under a sequence number (odd while a write is under way), so a reader
@@ -28,6 +33,7 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -44,7 +50,8 @@ PHASES: tuple[str, ...] = (
     "setup",
     "load",
     "loop",
-    "forward",
+    "data",  # a set-up loader fetches the next batch
+    "forward",  # from the batch handed (or the first backward) to the backward
     "backward",
     "optimizer",
     "collective",  # rt.barrier, rt.all_reduce, rt.all_gather, rt.broadcast
@@ -52,15 +59,18 @@ PHASES: tuple[str, ...] = (
     "end",
 )
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+MEMORY_EVERY_S = 1.0  # the device's memory is read at a step's end at most this often
 # The phases where ranks may meet in a collective, once per Runtime call that enters them:
 # ranks in step make as many of these calls, so a rank standing in another call than its
 # peers at the same count has left their sequence (gpukit.launch.failures.diverged).
 _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
 MEETING_PHASES = _MEETS  # for readers of the beats (the launcher)
 
-# seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where
+# seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where;
+# then what a watcher needs for its figures: the seconds spent in each phase so far, the last
+# step's end and length, the samples a step takes, the device's memory and which device.
 _WHERE_BYTES = 120
-_FORMAT = f"<QdqqiiiIQ{_WHERE_BYTES}s"
+_FORMAT = f"<QdqqiiiIQ{_WHERE_BYTES}s{len(PHASES)}dddqqqqi"
 _SIZE = struct.calcsize(_FORMAT)
 # Where a beat comes from: the Runtime's own modules (the step, the run's boundaries, the
 # checkpoints) are skipped to reach the caller's line.
@@ -84,6 +94,17 @@ class Beat:
     attempt: int
     calls: int = 0  # calls where ranks meet (backward, step, collectives, saves) so far
     where: str = ""  # "rt.all_reduce at train.py:20": the call and the line that made it
+    spent: tuple[float, ...] = ()  # seconds spent in each phase so far, indexed like PHASES
+    step_ended_at: float = 0.0  # time.time() of the last step's end, 0: none yet
+    last_step_s: float = 0.0  # seconds between the last two step ends, 0: fewer than two
+    samples_per_step: int = 0  # samples one optimizer step takes on this rank, 0: unknown
+    memory: tuple[int, int, int] = (-1, -1, -1)  # device bytes allocated, peak, reserved; -1
+    device: int = -1  # the CUDA device's index in the rank's own numbering, -1: not a GPU
+
+    def spent_in(self, phase: str) -> float:
+        """Seconds this rank has spent in ``phase`` so far (0 for a record without them)."""
+        index = _PHASE_INDEX[phase]
+        return self.spent[index] if index < len(self.spent) else 0.0
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -119,6 +140,19 @@ class Heartbeat:
         self.phase = "start"
         self.calls = 0
         self.where = b""
+        # The watcher's figures: accumulated at each beat from the time.time() it takes anyway.
+        self.spent = [0.0] * len(PHASES)
+        self._phase_index = _PHASE_INDEX["start"]
+        self._at = time.time()
+        self.step_ended_at = 0.0
+        self.last_step_s = 0.0
+        self.samples_per_step = 0
+        self.device = -1
+        self.memory = (-1, -1, -1)
+        # Reads the device's allocator counters (no device synchronisation): set on GPUs, and
+        # called at a step's end at most once a second.
+        self.memory_reader: Callable[[], tuple[int, int, int]] | None = None
+        self._memory_at = 0.0
 
     @classmethod
     def from_env(cls) -> Heartbeat | None:
@@ -137,7 +171,19 @@ class Heartbeat:
         if phase in _MEETS:
             self.calls += 1
         self.where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES]
-        self._write()
+        now = time.time()
+        index = _PHASE_INDEX[phase]
+        self.spent[self._phase_index] += now - self._at
+        self._phase_index, self._at = index, now
+        if phase == "loop":  # a step ended
+            if self.step_ended_at:
+                self.last_step_s = now - self.step_ended_at
+            self.step_ended_at = now
+            reader = self.memory_reader
+            if reader is not None and now - self._memory_at >= MEMORY_EVERY_S:
+                self._memory_at = now
+                self.memory = reader()
+        self._write(now)
 
     def saved(self, step: int) -> None:
         """A checkpoint at ``step`` is complete on this rank."""
@@ -149,7 +195,7 @@ class Heartbeat:
         self.stop_requested = True
         self._write()
 
-    def _write(self) -> None:
+    def _write(self, now: float | None = None) -> None:
         self._seq += 1  # odd: a write is under way
         struct.pack_into("<Q", self._map, 0, self._seq)
         struct.pack_into(
@@ -157,7 +203,7 @@ class Heartbeat:
             self._map,
             0,
             self._seq,
-            time.time(),
+            time.time() if now is None else now,
             self.step,
             self.saved_step,
             self._pid,
@@ -166,6 +212,12 @@ class Heartbeat:
             self._attempt,
             self.calls,
             self.where,
+            *self.spent,
+            self.step_ended_at,
+            self.last_step_s,
+            self.samples_per_step,
+            *self.memory,
+            self.device,
         )
         self._seq += 1  # even: the record is whole
         struct.pack_into("<Q", self._map, 0, self._seq)
@@ -181,13 +233,29 @@ def read(folder: str | Path, rank: int) -> Beat | None:
     for _ in range(100):
         if len(data) < _SIZE:
             return None
-        seq, when, step, saved, pid, phase, stop, attempt, calls, where = struct.unpack_from(
-            _FORMAT, data
-        )
+        fields = struct.unpack_from(_FORMAT, data)
+        seq, when, step, saved, pid, phase, stop, attempt, calls, where = fields[:10]
         if seq and seq % 2 == 0:
             text = where.rstrip(b"\0").decode(errors="replace")
+            spent = fields[10 : 10 + len(PHASES)]
+            ended, last, samples, allocated, peak, reserved, device = fields[10 + len(PHASES) :]
             return Beat(
-                rank, when, step, saved, pid, PHASES[phase], bool(stop), attempt, calls, text
+                rank,
+                when,
+                step,
+                saved,
+                pid,
+                PHASES[phase],
+                bool(stop),
+                attempt,
+                calls,
+                text,
+                spent,
+                ended,
+                last,
+                samples,
+                (allocated, peak, reserved),
+                device,
             )
         time.sleep(0.001)  # a write is under way: read again
         data = path.read_bytes()
