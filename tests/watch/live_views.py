@@ -83,7 +83,6 @@ def two_nodes(step: int = 40, *, updated: float | None = None, **fields: Any) ->
     ranks = [rank(0, step), rank(1, step, slow=True), rank(2, step - 3), rank(3, step - 3)]
     for stale in ranks[2:]:
         stale["gpu"] = None
-        stale["gpu_note"] = "NVML: not installed (pip install nvidia-ml-py): no GPU readings"
     view = {
         "version": 1,
         "name": "gpukit train",
@@ -123,7 +122,9 @@ def two_nodes(step: int = 40, *, updated: float | None = None, **fields: Any) ->
             },
             straggler(step),
         ],
-        "notes": ["node 1 (node-b): NVML not installed (pip install nvidia-ml-py)"],
+        "notes": [
+            "node 1 (node-b): NVML: not installed (pip install nvidia-ml-py): no GPU readings"
+        ],
     }
     view.update(fields)
     return view

@@ -41,6 +41,13 @@ def test_no_job_running_says_where_it_looked_and_what_to_do(tmp_path: Path) -> N
     assert str(tmp_path) in str(err.value) and "--job DIR or --out OUT" in str(err.value)
 
 
+def test_a_running_job_without_a_view_yet_is_said_apart_from_no_job(tmp_path: Path) -> None:
+    folder = job_folder(tmp_path)  # its launcher (this process) runs, and wrote no view yet
+    with pytest.raises(ConfigError, match="no gpukit job here publishes its view yet") as err:
+        find_job(where=str(tmp_path))
+    assert f"--job DIR ({folder})" in str(err.value)
+
+
 def test_several_jobs_are_listed_with_their_command_and_start_time(tmp_path: Path) -> None:
     first = running(tmp_path / "one")
     first = first.rename(tmp_path / "gpukit-job-1-a")

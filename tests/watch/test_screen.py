@@ -72,14 +72,22 @@ def test_the_straggler_row_is_red() -> None:
 def test_notes_stale_nodes_and_events_are_lines_under_the_table() -> None:
     lines = shown(two_nodes()).splitlines()
     below = lines[next(i for i, line in enumerate(lines) if line.split()[:2] == ["1", "3"]) + 1 :]
-    assert below[:3] == [
-        "node 1 (node-b): NVML not installed (pip install nvidia-ml-py)",
-        "ranks 2, 3: NVML: not installed (pip install nvidia-ml-py): no GPU readings",
+    assert below[:2] == [
+        "node 1 (node-b): NVML: not installed (pip install nvidia-ml-py): no GPU readings",
         "node 1 (node-b): no news for 12 s, its ranks show their last known state (no post)",
     ]
-    assert below[3] == "last events:"
-    assert below[4].endswith("  restart  restart 1 of 3: rank 3 exited with code 1")
-    assert "  straggler  rank 1 (node 0, host node-a) is 2.4x slower" in below[5]
+    assert below[2] == "last events:"
+    assert below[3].endswith("  restart  restart 1 of 3: rank 3 exited with code 1")
+    assert "  straggler  rank 1 (node 0, host node-a) is 2.4x slower" in below[4]
+
+
+def test_the_gpu_notes_of_ranks_are_said_once_for_the_ranks_that_share_them() -> None:
+    view = two_nodes()
+    for number, rank in enumerate(view["ranks"]):
+        rank["gpu_note"] = "NVML refused: Insufficient Permissions" if number != 1 else "odd"
+    lines = shown(view).splitlines()
+    assert "ranks 0, 2, 3: NVML refused: Insufficient Permissions" in lines
+    assert "rank 1: odd" in lines
 
 
 def test_ranks_on_cpu_show_their_resident_memory_and_no_gpu_columns() -> None:
@@ -135,3 +143,8 @@ def test_a_narrow_terminal_leaves_out_the_last_columns_and_says_which() -> None:
     assert rows(text)["0"][:2] == ["0", "0"] and len(rows(text)) == 4
     assert "(widen the terminal to see reserved, gpu, util, power, temp, SM MHz, throttle)" in text
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_a_view_not_rewritten_for_seconds_says_the_launcher_is_late() -> None:
+    second = shown(two_nodes(updated=STARTED + 30)).splitlines()[1]
+    assert second.endswith("  updated 10 s ago: the launcher is late")

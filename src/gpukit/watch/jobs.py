@@ -164,8 +164,17 @@ def _checked(folder: Path, given: str) -> Path:
 
 
 def _the_running_job(where: Path) -> Path:
-    running = [f for f in sorted(where.glob(f"{PREFIX}*")) if _runs(f)]
+    folders = sorted(where.glob(f"{PREFIX}*"))
+    running = [f for f in folders if _runs(f)]
     if not running:
+        silent = [f for f in folders if not (f / LIVE_FILE).exists() and _launcher_alive(f)]
+        if silent:  # a launcher that has not written its first view yet, or never will
+            raise ConfigError(
+                f"no gpukit job here publishes its view yet: {len(silent)} running job folder"
+                f"{'s' if len(silent) > 1 else ''} without a {LIVE_FILE} under {where} (a "
+                "launcher writes its first one a second after it starts): try again, or name "
+                f"the job with --job DIR ({silent[0]})"
+            )
         raise ConfigError(
             f"no gpukit job is running on this machine (no live {PREFIX}* folder with a "
             f"{LIVE_FILE} under {where}): {_FIND_HELP}"
@@ -186,6 +195,11 @@ def _runs(folder: Path) -> bool:
     view = read_view(folder)
     pid = _launcher_of(folder, view)
     return (pid is None or pid_alive(pid)) and stopped(folder, view) is None
+
+
+def _launcher_alive(folder: Path) -> bool:
+    pid = launcher_pid(folder)
+    return pid is not None and pid_alive(pid)
 
 
 def _described(folder: Path) -> str:

@@ -55,11 +55,16 @@ def watch(folder: Path, *, interval: float = 1.0, mode: Mode = "live") -> int:
         return _once(folder)
     if mode == "json":
         return _loop(folder, interval, _print_json, _wait)
-    console = Console(highlight=False)
+    console = _console()
     if not console.is_terminal:
-        plain = Console(highlight=False, width=PLAIN_WIDTH)
-        return _loop(folder, interval, lambda view: _print_screen(plain, view), _wait)
+        return _loop(folder, interval, lambda view: _print_screen(console, view), _wait)
     return _live(folder, interval, console)
+
+
+def _console() -> Console:
+    """A console on stdout, :data:`PLAIN_WIDTH` wide off a terminal."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=PLAIN_WIDTH)
 
 
 def _once(folder: Path) -> int:
@@ -76,10 +81,7 @@ def _once(folder: Path) -> int:
             else f"{folder / LIVE_FILE}: could not be read for {ONCE_WAIT_S:.0f} s (not "
             "written yet, or unreadable): try again, or run `gpukit top` without --once"
         )
-    out = Console(highlight=False)
-    if not out.is_terminal:
-        out = Console(highlight=False, width=PLAIN_WIDTH)
-    out.print(screen(view))
+    _console().print(screen(view))
     if why is not None:
         print(f"gpukit top: {why.line}", file=sys.stderr)
     return 0

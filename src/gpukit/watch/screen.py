@@ -33,6 +33,9 @@ from gpukit._util.text import format_bytes
 MISSING = "-"
 EVENTS_SHOWN = 5
 SLOW_STYLE = "bold red"
+# The launcher rewrites its view about once a second: one this old says the launcher is late
+# (stuck, or its machine overloaded), and the figures shown are that old.
+LATE_S = 5.0
 
 Rank = dict[str, Any]
 # One column of the rank table: its header, the cell of a rank, and whether any rank has it.
@@ -112,9 +115,15 @@ def _header(view: dict[str, Any], now: float, slow: set[int]) -> list[Text]:
         f"ETA {_eta(view.get('eta_s'))}",
         f"restarts {_whole(view.get('restarts'))}",
         f"checkpoint {_checkpoint(view.get('checkpoint'))}",
-        f"updated {_seconds(now - updated) + ' ago' if updated is not None else MISSING}",
     ]
-    lines = [first, Text("  ".join(figures))]
+    second = Text("  ".join(figures))
+    if updated is None:
+        second.append(f"  updated {MISSING}")
+    elif now - updated > LATE_S and not view.get("ended"):
+        second.append(f"  updated {_seconds(now - updated)} ago: the launcher is late", "yellow")
+    else:
+        second.append(f"  updated {_seconds(now - updated)} ago")
+    lines = [first, second]
     if view.get("ended"):
         lines.append(Text(f"ended: {_ended(view['ended'])}", style="bold"))
     stragglers = [e for e in _list(view.get("stragglers")) if isinstance(e, dict)]
