@@ -130,12 +130,22 @@ def test_a_view_of_nothing_shows_dashes() -> None:
         ("total_steps", 0),
         ("eta_s", -3),
         ("samples_per_s", True),
+        ("step", float("nan")),
+        ("eta_s", float("inf")),
+        ("ranks", [{"rank": float("nan"), "step_s": float("nan"), "phase": "[/oops]"}]),
+        ("name", "[/bold]"),
     ],
 )
 def test_a_field_of_the_wrong_type_shows_a_dash_never_an_error(field: str, value: Any) -> None:
     view = two_nodes()
     view[field] = value
     assert shown(view)
+
+
+def test_markup_in_the_view_is_shown_as_text() -> None:
+    view = two_nodes()
+    view["ranks"][0]["phase"] = "[red]x[/red]"
+    assert rows(shown(view))["0"][8] == "[red]x[/red]"
 
 
 def test_a_narrow_terminal_leaves_out_the_last_columns_and_says_which() -> None:

@@ -19,6 +19,7 @@ gpukit.errors.ConfigError: no gpukit job is running on this machine ...
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import tempfile
 import time
@@ -92,7 +93,7 @@ def stopped(folder: Path, view: dict[str, Any] | None, now: float | None = None)
     if ended:
         return Stop(f"the job ended{_how_it_ended(ended)}")
     pid = _launcher_of(folder, view)
-    updated = _number(view.get("updated"))
+    updated = number(view.get("updated"))
     age = (time.time() if now is None else now) - updated if updated is not None else None
     if pid is not None and not pid_alive(pid) and (age is None or age > STALE_S):
         since = f"{age:.0f} s ago" if age is not None else "at an unknown time"
@@ -205,7 +206,7 @@ def _launcher_alive(folder: Path) -> bool:
 def _described(folder: Path) -> str:
     """One line for a job in a list: its folder, start time and command."""
     view = read_view(folder) or {}
-    started = _number(view.get("started"))
+    started = number(view.get("started"))
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
     command = view.get("command")
     shown = shlex.join(map(str, command)) if isinstance(command, list) else "?"
@@ -219,7 +220,7 @@ def _how_it_ended(ended: Any) -> str:
     text = f": {ended.get('how') or 'ended'}"
     if ended.get("code") is not None:
         text += f" (exit code {ended['code']})"
-    at = _number(ended.get("time"))
+    at = number(ended.get("time"))
     if at is not None:
         text += f" at {time.strftime('%H:%M:%S', time.localtime(at))}"
     return text
@@ -232,7 +233,13 @@ def _launcher_of(folder: Path, view: dict[str, Any] | None) -> int | None:
     return launcher_pid(folder)
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+def number(value: Any) -> float | None:
+    """A field of the view as a finite number; None for anything else (a view is JSON from
+    another process, perhaps of another version: ``true``, ``"12"``, ``NaN`` are no numbers).
+
+    >>> number(3), number(True), number(float("nan")), number("12")
+    (3.0, None, None, None)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None

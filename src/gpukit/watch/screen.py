@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpukit._util.text import format_bytes
+from gpukit.watch.jobs import number
 
 MISSING = "-"
 EVENTS_SHOWN = 5
@@ -89,7 +90,8 @@ class RankTable:
             style = "dim" if _dead(rank) else None
             if rank.get("rank") in self.slow:
                 style, cells[1] = SLOW_STYLE, f"{cells[1]} slow"
-            table.add_row(*cells, style=style)
+            # As Text: a cell is the view's text, never markup ("[/]" in a phase would raise).
+            table.add_row(*map(Text, cells), style=style)
         return table
 
 
@@ -103,13 +105,13 @@ def _width(console: Console, options: ConsoleOptions, table: Table) -> int:
 def _header(view: dict[str, Any], now: float, slow: set[int]) -> list[Text]:
     nnodes, nproc = view.get("nnodes"), view.get("nproc")
     size = f"{_count(nnodes, 'node')} x {_count(nproc, 'rank')}"
-    step, total = _number(view.get("step")), _number(view.get("total_steps"))
+    step, total = number(view.get("step")), number(view.get("total_steps"))
     progress = f"step {_whole(step)}"
     if step is not None and total:
         progress += f"/{_whole(total)} ({100 * step / total:.0f}%)"
     first = Text(f"{view.get('name') or 'gpukit job'}", style="bold")
     first.append(f"  {size}  {progress}")
-    updated = _number(view.get("updated"))
+    updated = number(view.get("updated"))
     figures = [
         f"{_rate(view.get('samples_per_s'))} samples/s",
         f"ETA {_eta(view.get('eta_s'))}",
@@ -147,7 +149,7 @@ def _straggler(event: dict[str, Any]) -> str:
     text = f"rank {_whole(event.get('rank'))}"
     if event.get("host") or event.get("node") is not None:
         text += f" (node {_whole(event.get('node'))}, {event.get('host') or MISSING})"
-    slowdown = _number(event.get("slowdown"))
+    slowdown = number(event.get("slowdown"))
     if slowdown is not None:
         text += f" {slowdown:.1f}x slower"
     if event.get("phase"):
@@ -164,7 +166,7 @@ def _checkpoint(checkpoint: Any) -> str:
 def _ended(ended: Any) -> str:
     if not isinstance(ended, dict):
         return str(ended)
-    at = _number(ended.get("time"))
+    at = number(ended.get("time"))
     when = time.strftime("%H:%M:%S", time.localtime(at)) if at is not None else MISSING
     return f"{ended.get('how') or MISSING}, exit code {_whole(ended.get('code'))} at {when}"
 
@@ -196,7 +198,7 @@ def _stale_nodes(view: dict[str, Any]) -> list[str]:
 
 
 def _event_line(event: dict[str, Any]) -> str:
-    at = _number(event.get("time"))
+    at = number(event.get("time"))
     when = time.strftime("%H:%M:%S", time.localtime(at)) if at is not None else MISSING
     text = event.get("text") or f"rank {_whole(event.get('rank'))}"
     return f"{when}  {event.get('kind') or MISSING}  {text}"
@@ -221,7 +223,7 @@ def _phase(rank: Rank) -> str:
 def _share(name: str) -> Callable[[Rank], str]:
     def cell(rank: Rank) -> str:
         shares = rank.get("shares")
-        value = _number(shares.get(name)) if isinstance(shares, dict) else None
+        value = number(shares.get(name)) if isinstance(shares, dict) else None
         return MISSING if value is None else f"{100 * value:.0f}%"
 
     return cell
@@ -230,7 +232,7 @@ def _share(name: str) -> Callable[[Rank], str]:
 def _memory(name: str) -> tuple[Callable[[Rank], str], Callable[[Rank], bool]]:
     def value(rank: Rank) -> float | None:
         memory = rank.get("memory")
-        return _number(memory.get(name)) if isinstance(memory, dict) else None
+        return number(memory.get(name)) if isinstance(memory, dict) else None
 
     def cell(rank: Rank) -> str:
         found = value(rank)
@@ -252,24 +254,24 @@ def _gpu_index(gpu: dict[str, Any]) -> str:
 
 
 def _util(gpu: dict[str, Any]) -> str:
-    util = _number(gpu.get("util"))
+    util = number(gpu.get("util"))
     return MISSING if util is None else f"{util:.0f}%"
 
 
 def _power(gpu: dict[str, Any]) -> str:
-    used, limit = _number(gpu.get("power_w")), _number(gpu.get("power_limit_w"))
+    used, limit = number(gpu.get("power_w")), number(gpu.get("power_limit_w"))
     if used is None:
         return MISSING
     return f"{used:.0f}/{limit:.0f} W" if limit else f"{used:.0f} W"
 
 
 def _temperature(gpu: dict[str, Any]) -> str:
-    temp = _number(gpu.get("temp_c"))
+    temp = number(gpu.get("temp_c"))
     return MISSING if temp is None else f"{temp:.0f} °C"
 
 
 def _clock(gpu: dict[str, Any]) -> str:
-    clock, top = _number(gpu.get("sm_clock_mhz")), _number(gpu.get("max_sm_clock_mhz"))
+    clock, top = number(gpu.get("sm_clock_mhz")), number(gpu.get("max_sm_clock_mhz"))
     if clock is None:
         return MISSING
     return f"{clock:.0f}/{top:.0f}" if top else f"{clock:.0f}"
@@ -330,39 +332,33 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
 def _int(value: Any, default: int) -> int:
-    number = _number(value)
-    return int(number) if number is not None else default
+    found = number(value)
+    return int(found) if found is not None else default
 
 
 def _whole(value: Any) -> str:
-    number = _number(value)
-    return MISSING if number is None else str(int(number))
+    found = number(value)
+    return MISSING if found is None else str(int(found))
 
 
 def _count(value: Any, noun: str) -> str:
-    number = _number(value)
-    if number is None:
+    found = number(value)
+    if found is None:
         return f"{MISSING} {noun}s"
-    return f"{int(number)} {noun}{'' if int(number) == 1 else 's'}"
+    return f"{int(found)} {noun}{'' if int(found) == 1 else 's'}"
 
 
 def _rate(value: Any) -> str:
-    number = _number(value)
-    if number is None:
+    found = number(value)
+    if found is None:
         return MISSING
-    return f"{number:,.0f}" if number >= 100 else f"{number:.1f}"
+    return f"{found:,.0f}" if found >= 100 else f"{found:.1f}"
 
 
 def _seconds(value: Any) -> str:
     """A short span: ``52 ms``, ``1.25 s``, ``3 min 05 s``."""
-    s = _number(value)
+    s = number(value)
     if s is None or s < 0:
         return MISSING
     if s < 0.01:
@@ -376,7 +372,7 @@ def _seconds(value: Any) -> str:
 
 def _eta(value: Any) -> str:
     """Time left: ``45 s``, ``12 min 05 s``, ``3 h 12 min``."""
-    s = _number(value)
+    s = number(value)
     if s is None or s < 0:
         return MISSING
     whole = round(s)
