@@ -84,7 +84,7 @@ def test_top_follows_the_job_and_quits_leaving_the_terminal_as_it_was(
         screen = pane.screen()
         first = shown_step(screen)
         assert first is not None, screen
-        assert "node-b" in screen and "last events:" in screen
+        assert "node-b" in screen and "last events:" in screen and "q or Ctrl-C quits" in screen
         pane.wait_for("a later step", lambda: (shown_step(pane.screen()) or 0) > first)
         assert pane.command() != "bash"  # top runs in the pane
         pane.type(quit_key)

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, TextIO
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
@@ -127,8 +127,10 @@ def _print_screen(console: Console, view: dict[str, Any]) -> None:
 def _live(folder: Path, interval: float, console: Console) -> int:
     waiting = Text(f"waiting for {folder / LIVE_FILE} (q quits)")
 
+    keys = Text("q or Ctrl-C quits", style="dim")
+
     def draw(view: dict[str, Any]) -> None:
-        live.update(screen(view), refresh=True)
+        live.update(Group(screen(view), keys), refresh=True)
 
     with _keys(sys.stdin) as wait, Live(waiting, console=console, auto_refresh=False) as live:
         code = _loop(folder, interval, draw, wait)
