@@ -239,15 +239,18 @@ def test_killing_top_leaves_the_job_it_watched_running(tmp_path: Path) -> None:
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
             time.sleep(0.1)
         live = Path(pointer.read_text()) / LIVE_FILE
+        # Started cold (executable=), so that SIGKILL reaches gpukit top itself, not the
+        # warm-start client that would stand for it.
         top = subprocess.Popen(
             [*run, "top", "--out", str(tmp_path), "--json", "--interval", "0.1"],
+            executable=sys.executable,
             text=True,
             stdout=subprocess.PIPE,
         )
         seen = _steps_seen(top, 3)
         assert seen == sorted(seen) and seen[-1] > seen[0], seen
         top.send_signal(signal.SIGKILL)
-        top.wait(timeout=30)
+        assert top.wait(timeout=30) == -signal.SIGKILL
         before = json.loads(live.read_text())["step"]
         while json.loads(live.read_text())["step"] <= before:  # the job steps on
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
