@@ -3,7 +3,9 @@ launcher's view changes, quits on q and on Ctrl-C, and leaves the terminal as it
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -52,8 +54,8 @@ class Pane:
 
 
 @pytest.fixture
-def pane(tmp_path: Path) -> Iterator[Pane]:
-    socket = f"gpukit-top-{tmp_path.name}"
+def pane() -> Iterator[Pane]:
+    socket = f"gpukit-top-{os.getpid()}-{secrets.token_hex(4)}"  # one per test, across workers
     pane = Pane(socket)
     shell = "env PS1='$ ' bash --norc --noprofile"
     pane.tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50", shell)
