@@ -86,8 +86,8 @@ def swept(name: str) -> list[str]:
 
 def _left_over(folder: Path) -> bool:
     """Whether ``folder`` is a dead launcher's: its pid is gone and its lock is free."""
-    pid = _pid_of(folder)
-    if pid is None or _alive(pid):
+    pid = launcher_pid(folder)
+    if pid is None or pid_alive(pid):
         return False
     try:
         fd = os.open(folder / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
@@ -102,12 +102,15 @@ def _left_over(folder: Path) -> bool:
         os.close(fd)  # frees the lock again
 
 
-def _pid_of(folder: Path) -> int | None:
+def launcher_pid(folder: Path) -> int | None:
+    """The pid of the launcher that made ``folder``, from its name; None for another name."""
     head = folder.name[len(PREFIX) :].split("-", 1)[0]
     return int(head) if head.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (signal 0 is only a question: nothing reaches it); a
+    zombie does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
