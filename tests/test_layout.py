@@ -29,6 +29,7 @@ ROOMS = {
     "runtime",
     "strategies",
     "train",
+    "watch",
     "workloads",
 }
 
@@ -250,6 +251,7 @@ LAYERS = [
     {"runtime"},
     {"workloads"},
     {"planning"},
+    {"watch"},  # reads what launchers and runs write; a run may write its report at the end
     {"train"},
     {"(root)"},  # gpukit/__init__.py: the public API
     {"bench", "doctor", "migration"},

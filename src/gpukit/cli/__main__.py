@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import bench, check, devices, doctor, launch, plan, trace, train
+from gpukit.cli import bench, check, devices, doctor, launch, plan, report, trace, train
 from gpukit.cli._config_file import with_config_file
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
@@ -29,7 +29,7 @@ from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
 from gpukit.launch import _launched_script
 
-COMMANDS = (doctor, devices, train, launch, trace, bench, plan, check)
+COMMANDS = (doctor, devices, train, launch, trace, bench, plan, check, report)
 
 
 def build_parser() -> argparse.ArgumentParser:
