@@ -3,13 +3,18 @@ process, finished or failed."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from gpukit.cli.__main__ import main
 from gpukit.watch.report import REPORT
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 FAILING = """
 import torch
@@ -69,3 +74,30 @@ def test_a_request_refused_before_training_writes_no_page(tmp_path: Path) -> Non
     out = tmp_path / "run"
     assert main(["train", "--workload", "mlp", "--lr", "0", "--out", str(out)]) == 2
     assert not (out / REPORT).exists()
+
+
+def _launched(args: list[str], cwd: Path, fault: str = "") -> tuple[int, str]:
+    """``gpukit train`` as a user runs it, over two gloo ranks under gpukit's launcher."""
+    env = {**os.environ, "PYTHONPATH": SRC, "GPUKIT_FAULT": fault}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "gpukit", "train", "--workload", "mlp", "--devices", "2"]
+    done = subprocess.run(
+        [*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.processes
+def test_the_launcher_writes_the_page_of_the_whole_job_finished_or_failed(tmp_path: Path) -> None:
+    code, output = _launched(["--max-steps", "6", "--log-every", "2", "--out", "ok"], tmp_path)
+    assert code == 0, output
+    page = (tmp_path / "ok" / REPORT).read_text()
+    assert 'class="status-finished">finished<' in page
+    assert "<th>ranks</th><td>2</td>" in page and "<th>strategy</th><td>ddp</td>" in page
+    code, output = _launched(
+        ["--max-steps", "6", "--log-every", "2", "--out", "broke"], tmp_path, "raise:0:4"
+    )
+    assert code == 1, output
+    page = (tmp_path / "broke" / REPORT).read_text()
+    assert 'class="status-failed">failed<' in page
+    assert "failed or hung (exit code 1)" in page
