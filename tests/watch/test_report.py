@@ -4,6 +4,7 @@ where a record is missing, corrupt or the folder is no run."""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 from pathlib import Path
@@ -12,9 +13,10 @@ import pytest
 
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError, OutputWriteError
+from gpukit.watch.plan_check import plan_check
 from gpukit.watch.report import REPORT, write_report
 from gpukit.watch.run_records import Ended, read_run
-from tests.watch.run_folders import HANG_REPORT, two_rank_run
+from tests.watch.run_folders import HANG_REPORT, metrics, two_rank_run
 
 SVG_NAMESPACES = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
 
@@ -113,9 +115,12 @@ def test_profile_summaries_are_shown(tmp_path: Path) -> None:
     (folder / "profile").mkdir()
     (folder / "profile" / "gpukit_rank0.5.summary.txt").write_text("aten::addmm  41.0%\n")
     (folder / "profile" / "gpukit_rank0.5.pt.trace.json").write_text("{}")
+    trace = {"transfers": [{"count": 3}], "syncs": [{"count": 20}, {"count": 5}]}
+    (folder / "trace.json").write_text(json.dumps({**trace, "ops_per_device": {"cpu": 90}}))
     page = page_of(folder)
     assert "<pre>aten::addmm  41.0%\n</pre>" in page
     assert "gpukit_rank0.5.pt.trace.json" in page
+    assert "3 host-device copies (1 kind(s) and line(s)), 25 host reads" in page
 
 
 def test_the_command_writes_the_page_and_says_where(
@@ -169,3 +174,15 @@ def test_a_folder_standing_where_the_page_goes_is_said_with_the_fix(tmp_path: Pa
     (folder / REPORT).mkdir()
     with pytest.raises(OutputWriteError, match=r"a folder stands where the file goes.*Fix: move"):
         write_report(folder, plan_method="closed-form")
+
+
+def test_a_gpu_run_is_planned_for_its_gpu_by_the_name_it_recorded() -> None:
+    recorded = {**metrics(cpu=False), "device_name": "NVIDIA H100 80GB HBM3"}
+    checked = plan_check(recorded, method="closed-form")
+    assert checked.planned_for.startswith("ddp on 2 x H100"), checked.why
+    memory = checked.rows[0]
+    assert memory.comparable and memory.ratio is not None
+    # Without the name, on a machine without a GPU: said, not guessed.
+    checked = plan_check(metrics(cpu=False), method="closed-form")
+    if not checked.rows:
+        assert "does not record" in checked.why

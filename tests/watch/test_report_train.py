@@ -101,3 +101,12 @@ def test_the_launcher_writes_the_page_of_the_whole_job_finished_or_failed(tmp_pa
     page = (tmp_path / "broke" / REPORT).read_text()
     assert 'class="status-failed">failed<' in page
     assert "failed or hung (exit code 1)" in page
+
+
+def test_a_page_that_cannot_be_written_is_a_warning_not_a_failed_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    (out / REPORT).mkdir(parents=True)  # a folder where the page goes
+    args = ["train", "--workload", "mlp", "--max-steps", "4", "--out", str(out)]
+    with pytest.warns(UserWarning, match=r"no report\.html in .*a folder stands where the file"):
+        assert main([*args, "--log-every", "2"]) == 0
+    assert (out / "metrics.json").exists()

@@ -26,7 +26,11 @@ from gpukit.planning.targets import Target, target, with_memory
 
 @dataclass(frozen=True)
 class Comparison:
-    """One figure planned and measured (``None``: not known); ``unit`` "bytes" or "s"."""
+    """One figure planned and measured (``None``: not known); ``unit`` "bytes" or "s".
+
+    >>> Comparison("step time", 0.020, 0.025, "s").ratio
+    1.25
+    """
 
     what: str
     planned: float | None

@@ -16,11 +16,15 @@ import datetime
 import html
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from gpukit._util.text import format_bytes
 from gpukit.watch.plan_check import PlanCheck
 from gpukit.watch.run_records import RunRecords, newest_checkpoint
+
+# A trace JSON larger than this is named, not read (a long trace holds every op's record).
+TRACE_READ_LIMIT = 20 * 2**20
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 72em;
@@ -41,7 +45,11 @@ pre { background: #f6f6f6; padding: 0.6em; overflow-x: auto; font-size: 0.85em; 
 
 
 def e(value: object) -> str:
-    """``value`` as text safe inside HTML."""
+    """``value`` as text safe inside HTML.
+
+    >>> e("<b>loss & 'val'</b>")
+    '&lt;b&gt;loss &amp; &#x27;val&#x27;&lt;/b&gt;'
+    """
     return html.escape(str(value), quote=True)
 
 
@@ -293,8 +301,30 @@ def _profiles_section(run: RunRecords) -> str:
         if path.name.endswith("summary.txt"):
             text = path.read_text(errors="replace")[:20000]
             parts.append(f"<h3>{e(rel)}</h3><pre>{e(text)}</pre>")
-        else:
+        elif path.name.endswith(".pt.trace.json"):
             parts.append(
                 f"<p>{e(rel)} ({e(size)}): open it in ui.perfetto.dev or chrome://tracing</p>"
             )
+        else:
+            parts.append(f"<p>{e(rel)} ({e(size)}): {e(_trace_findings(path))}</p>")
     return "\n".join(parts)
+
+
+def _trace_findings(path: Path) -> str:
+    """What a ``gpukit trace --out FILE`` JSON holds, counted: its copies, its host reads
+    that wait for the device, its ops per device (``gpukit trace`` ranks them, with fixes)."""
+    if path.stat().st_size > TRACE_READ_LIMIT:
+        return "too large to read here: gpukit trace prints its findings"
+    try:
+        data = json.loads(path.read_text())
+        copies = sum(int(t["count"]) for t in data["transfers"])
+        reads = sum(int(s["count"]) for s in data["syncs"])
+        lines = len(data["transfers"]), len(data["syncs"])
+        ops = ", ".join(f"{d}: {n}" for d, n in data.get("ops_per_device", {}).items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "not a trace gpukit trace wrote"
+    return (
+        f"gpukit trace: {copies} host-device copies ({lines[0]} kind(s) and line(s)), "
+        f"{reads} host reads that wait for the device ({lines[1]} op(s) and line(s)); ops "
+        f"per device: {ops or '-'}"
+    )

@@ -103,7 +103,12 @@ def _number(record: dict[str, Any], *keys: str) -> float | None:
 
 
 def throughput(samples: list[dict[str, Any]]) -> str | None:
-    """Samples/s and step time per rank over the run (ranks.jsonl)."""
+    """Samples/s and step time per rank over the run (ranks.jsonl).
+
+    >>> ranks = [{"rank": 0, "samples_per_s": 900.0, "step_s_median": 0.07}]
+    >>> throughput([{"time": 1.0, "ranks": ranks}, {"time": 2.0, "ranks": ranks}])[:4]
+    '<svg'
+    """
     rates = _per_rank(samples, lambda r: _number(r, "samples_per_s"))
     steps = _per_rank(samples, lambda r: _number(r, "step_s_median") or _number(r, "step_s"))
     if not rates and not steps:
@@ -174,7 +179,11 @@ def data_wait(history: list[dict[str, float]], samples: list[dict[str, Any]]) ->
 
 def timeline(events: list[dict[str, Any]], start: float | None) -> str | None:
     """The job's events on one time axis, a row per rank (and one for the whole job): its
-    restarts, stragglers and their recoveries, hangs, nodes lost, its end."""
+    restarts, stragglers and their recoveries, hangs, nodes lost, its end.
+
+    >>> timeline([{"time": 5.0, "kind": "restart", "rank": 1}], start=0.0)[:4]
+    '<svg'
+    """
     timed = [e for e in events if isinstance(e.get("time"), (int, float))]
     if not timed:
         return None

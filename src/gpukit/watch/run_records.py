@@ -107,7 +107,11 @@ class RunRecords:
 
     @property
     def ranks(self) -> list[int]:
-        """Every rank ranks.jsonl has a sample of, sorted."""
+        """Every rank ranks.jsonl has a sample of, sorted.
+
+        >>> RunRecords(Path("."), samples=[{"ranks": [{"rank": 1}, {"rank": 0}]}]).ranks
+        [0, 1]
+        """
         return sorted({int(r["rank"]) for s in self.samples for r in s["ranks"]})
 
 
