@@ -16,7 +16,7 @@ from gpukit.errors import ConfigError, OutputWriteError
 from gpukit.watch.plan_check import plan_check
 from gpukit.watch.report import REPORT, write_report
 from gpukit.watch.run_records import Ended, read_run
-from tests.watch.run_folders import HANG_REPORT, metrics, two_rank_run
+from tests.watch.run_folders import HANG_REPORT, metrics, rank, two_rank_run
 
 SVG_NAMESPACES = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
 
@@ -186,3 +186,17 @@ def test_a_gpu_run_is_planned_for_its_gpu_by_the_name_it_recorded() -> None:
     checked = plan_check(metrics(cpu=False), method="closed-form")
     if not checked.rows:
         assert "does not record" in checked.why
+
+
+def test_a_long_run_of_many_ranks_stays_a_small_page(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    samples = [
+        {"time": 1e9 + 10 * i, "attempt": 0, "ranks": [rank(r, i) for r in range(16)]}
+        for i in range(2000)
+    ]
+    (folder / "ranks.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    page = page_of(folder)
+    assert {"throughput", "memory", "data-wait"} <= figure_ids(page)
+    assert "median of 16 ranks" in page  # one band for the ranks, not 16 lines
+    assert len(page) < 2_000_000

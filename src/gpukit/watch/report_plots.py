@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import re
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,12 @@ EVENT_STYLES = {
     "ended": ("D", "black"),
 }
 MiB = 2**20
+# Up to this many ranks each gets its line; beyond, the figures draw the median over the ranks
+# and the band from the lowest to the highest, which stays readable for 8 ranks or 1,024.
+LINES_UP_TO = 8
+# Points per line at most: a long run's samples are thinned to these, so that the page stays
+# small (each point is a few dozen bytes of SVG) whatever the run's length.
+MAX_POINTS = 400
 
 
 def _pyplot() -> Any:
@@ -63,9 +70,10 @@ def loss_curves(history: list[dict[str, float]], resumed_from: int | None) -> st
         return None
     fig, ax = _pyplot().subplots(figsize=(7, 3.4))
     if rows:
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], ".-", label="training")
+        steps, losses = _thin([r["step"] for r in rows], [r["loss"] for r in rows])
+        ax.plot(steps, losses, ".-", label="training")
     if checked:
-        steps, values = [r["step"] for r in checked], [r["val_loss"] for r in checked]
+        steps, values = _thin([r["step"] for r in checked], [r["val_loss"] for r in checked])
         ax.plot(steps, values, "o-", label="validation")
     if resumed_from is not None:
         ax.axvline(resumed_from, color="grey", linestyle=":", label="resumed")
@@ -95,6 +103,41 @@ def _per_rank(
     return series
 
 
+def _thin(xs: list[float], *columns: list[float]) -> list[list[float]]:
+    """``xs`` and ``columns`` with every k-th point kept (and the last), at most
+    :data:`MAX_POINTS`."""
+    k = max(1, -(-len(xs) // MAX_POINTS))
+    keep = sorted(set(range(0, len(xs), k)) | ({len(xs) - 1} if xs else set()))
+    return [[c[i] for i in keep] for c in (xs, *columns)]
+
+
+def _draw_ranks(
+    ax: Any,
+    series: dict[int, tuple[list[float], list[float]]],
+    style: str,
+    what: str = "",
+    scale: float = 1.0,
+) -> None:
+    """A line per rank, or the ranks' median and their lowest-to-highest band when there
+    are more than :data:`LINES_UP_TO` of them; ``what`` ends each label."""
+    suffix = f" {what}" if what else ""
+    if len(series) <= LINES_UP_TO:
+        for rank, (xs, ys) in sorted(series.items()):
+            xs, ys = _thin(xs, [y * scale for y in ys])
+            ax.plot(xs, ys, style, label=f"rank {rank}{suffix}")
+        return
+    at: dict[float, list[float]] = {}
+    for xs, ys in series.values():
+        for x, y in zip(xs, ys, strict=True):
+            at.setdefault(x, []).append(y * scale)
+    times = sorted(at)
+    middle = [statistics.median(at[t]) for t in times]
+    low, high = [min(at[t]) for t in times], [max(at[t]) for t in times]
+    times, middle, low, high = _thin(times, middle, low, high)
+    ax.plot(times, middle, style, label=f"median of {len(series)} ranks{suffix}")
+    ax.fill_between(times, low, high, alpha=0.25, label=f"lowest to highest rank{suffix}")
+
+
 def _number(record: dict[str, Any], *keys: str) -> float | None:
     value: Any = record
     for key in keys:
@@ -114,11 +157,9 @@ def throughput(samples: list[dict[str, Any]]) -> str | None:
     if not rates and not steps:
         return None
     fig, (top, bottom) = _pyplot().subplots(2, 1, figsize=(7, 5), sharex=True)
-    for rank, (xs, ys) in sorted(rates.items()):
-        top.plot(xs, ys, ".-", label=f"rank {rank}")
+    _draw_ranks(top, rates, ".-")
     top.set_ylabel("samples/s")
-    for rank, (xs, ys) in sorted(steps.items()):
-        bottom.plot(xs, [y * 1e3 for y in ys], ".-", label=f"rank {rank}")
+    _draw_ranks(bottom, steps, ".-", scale=1e3)
     bottom.set_ylabel("step time (ms)")
     bottom.set_xlabel("seconds since the first sample")
     for ax in (top, bottom):
@@ -140,8 +181,7 @@ def memory(samples: list[dict[str, Any]]) -> str | None:
     fig, ax = _pyplot().subplots(figsize=(7, 3.4))
     styles = {"allocated": "-", "peak": "--", "reserved": ":", "rss": "-."}
     for kind in kinds:
-        for rank, (xs, ys) in sorted(lines[kind].items()):
-            ax.plot(xs, [y / MiB for y in ys], styles[kind], label=f"rank {rank} {kind}")
+        _draw_ranks(ax, lines[kind], styles[kind], kind, scale=1 / MiB)
     ax.set_ylabel("MiB")
     ax.set_xlabel("seconds since the first sample")
     ax.legend(loc="upper left", fontsize="small", ncol=2)
@@ -161,15 +201,14 @@ def data_wait(history: list[dict[str, float]], samples: list[dict[str, Any]]) ->
     axes = list(axes) if panels > 1 else [axes]
     if rows:
         ax = axes.pop(0)
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [100 * r["data_wait_fraction"] for r in rows], ".-", label="rank 0")
+        steps, waited = _thin([r["step"] for r in rows], [r["data_wait_fraction"] for r in rows])
+        ax.plot(steps, [100 * w for w in waited], ".-", label="rank 0")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("waiting for data (%)")
         ax.grid(alpha=0.3)
     if shares:
         ax = axes.pop(0)
-        for rank, (xs, ys) in sorted(shares.items()):
-            ax.plot(xs, [100 * y for y in ys], ".-", label=f"rank {rank}")
+        _draw_ranks(ax, shares, ".-", scale=100)
         ax.set_xlabel("seconds since the first sample")
         ax.set_ylabel("data share of a step (%)")
         ax.legend(loc="upper right", fontsize="small")
