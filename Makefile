@@ -39,6 +39,12 @@ $(STAMP): pyproject.toml Makefile
 	@# The install works, and what every process imports is compiled once, before the
 	@# test workers would each compile it side by side.
 	$(BIN)/python -c "import gpukit, gpukit.cli.__main__, torch.distributed.fsdp"
+	@# The browser the report's test opens the page in (tests/watch/test_report_browser.py,
+	@# skipped without it); installed where this runs as root on Debian or Ubuntu.
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -qq \
+		--no-install-recommends chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null && \
+		apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; }; } || \
+		echo "chromium not installed (not root, or no apt-get): the report's browser test skips"
 	touch $@
 
 install: $(STAMP)

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from gpukit import __version__
-from gpukit.cli import bench, check, devices, doctor, launch, plan, top, trace, train
+from gpukit.cli import bench, check, devices, doctor, launch, plan, report, top, trace, train
 from gpukit.cli._config_file import with_config_file
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
@@ -29,7 +29,7 @@ from gpukit.diagnostics.readable import explain_error
 from gpukit.errors import GpukitError, OutOfMemory, Preempted
 from gpukit.launch import _launched_script
 
-COMMANDS = (doctor, devices, train, launch, top, trace, bench, plan, check)
+COMMANDS = (doctor, devices, train, launch, top, report, trace, bench, plan, check)
 
 
 def build_parser() -> argparse.ArgumentParser:

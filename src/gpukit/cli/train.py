@@ -29,16 +29,17 @@ With --out DIR: DIR/metrics.json (with final_val_loss and every value the run us
 DIR/metrics.csv (columns step, epoch, elapsed, lr, loss, val_accuracy, val_loss, data_wait,
 data_wait_fraction: a row per read-back, written as they come, and one per validation pass;
 data_wait: the seconds the steps of the row's window waited for their batches), DIR/loss.png
-(training and validation loss), DIR/config.toml (every flag as the run used it: --config
-DIR/config.toml trains the same run again) and DIR/checkpoints/ (one per epoch, and every
---save-every N steps or time such as 10m; the newest --keep kept; written in the background
-while training goes on, --async-save off waits for each). DIR is checked before anything
-starts: a folder that already holds checkpoints is refused unless --resume (continue) or
---overwrite (start over; the old checkpoints are moved aside, not deleted). --resume continues from
-the newest good checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for
-steps after that checkpoint, which a run that died had logged) and draws loss.png from the whole
-run. A run already complete (its checkpoint at the last step asked for) says so and exits 0,
-changing nothing: raise --max-steps or --epochs to train further, or --overwrite to start over.
+(training and validation loss), DIR/report.html (the whole run on one page, written at the end of
+every run, failed or stopped too: see gpukit report), DIR/config.toml (every flag as the run used
+it: --config DIR/config.toml trains the same run again) and DIR/checkpoints/ (one per epoch, and
+every --save-every N steps or time such as 10m; the newest --keep kept; written in the background
+while training goes on, --async-save off waits for each). DIR is checked before anything starts: a
+folder that already holds checkpoints is refused unless --resume (continue) or --overwrite (start
+over; the old checkpoints are moved aside, not deleted). --resume continues from the newest good
+checkpoint exactly where it stopped, appends to metrics.csv (dropping rows for steps after that
+checkpoint, which a run that died had logged) and draws loss.png from the whole run. A run already
+complete (its checkpoint at the last step asked for) says so and exits 0, changing nothing: raise
+--max-steps or --epochs to train further, or --overwrite to start over.
 --logger tensorboard,wandb,mlflow also writes DIR/tensorboard/, DIR/wandb/ (offline without
 WANDB_API_KEY), DIR/mlruns/ (csv: DIR/metrics.csv itself; see docs/loggers.md).
 
@@ -122,6 +123,8 @@ from gpukit.train.loggers import train_loggers
 from gpukit.train.loop import check, fit, planned
 from gpukit.train.options import TrainConfig
 from gpukit.train.outdir import check_out, claim_out
+from gpukit.watch.report import RunEnd, write_quietly
+from gpukit.watch.run_records import Ended
 from gpukit.workloads.base import load_workload
 
 NAME = "train"
@@ -161,14 +164,24 @@ def run(args: argparse.Namespace) -> int:
     # process (the launcher, when it starts the ranks; the ranks then hold its checkpoints).
     worker = _env.job_dir() is not None  # one process of a job gpukit's launcher started
     lock = None if worker else claim_out(args.out)
+    outcome = RunEnd()
     try:
-        return _run(args, worker)
+        code = _run(args, worker, outcome)
+        outcome.ended = Ended.of_code(code)
+        return code
+    except BaseException as err:
+        outcome.ended = Ended.of_error(err)
+        raise
     finally:
+        # The run's page: by this process (the launcher, which has the whole job's records),
+        # never by a rank; a request refused before training leaves the folder as it was.
+        if args.out and outcome.began and not worker:
+            write_quietly(args.out, outcome.ended)
         if lock is not None:
             lock.release()
 
 
-def _run(args: argparse.Namespace, worker: bool) -> int:
+def _run(args: argparse.Namespace, worker: bool, outcome: RunEnd) -> int:
     counts = [(f.name, options.option(f).at_least) for f in options.flags()]
     for name, least in [*counts, ("keep", 1)]:  # --keep: the Runtime's, checked here too
         value = getattr(args, name)
@@ -234,6 +247,7 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
             if args.strategy == "auto" and strategy == "ddp":
                 strategy = "auto"  # each rank may still take fsdp for a model ddp cannot fit
             rt.teardown()
+            outcome.began = True
             return run_job(
                 _worker_command(args, strategy),
                 nproc,
@@ -242,8 +256,10 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 startup_timeout=args.startup_timeout,
                 name="gpukit train",
             )
+        outcome.began = True
         metrics = rt.launch(fit, config)
     except RunComplete as done:  # --resume with nothing left to train: said, not an error
+        outcome.began = False  # nothing trained: the folder is left as it was
         if rt.rank == 0:
             console().print(str(done), markup=False, highlight=False)
         return 0

@@ -94,6 +94,8 @@ def metrics(
         "strategy": rt.strategy.name,
         "precision": rt.precision.name,
         "devices": [str(d) for d in rt.strategy.devices],
+        # The device's model (a GPU's name): what gpukit report plans the run for.
+        "device_name": rt.device_info.name,
         "mfu": utilisation,
         "peak_memory": {_row_name(row): row.peak for row in memory.rows},
         "memory": memory.to_dict(),
