@@ -264,6 +264,8 @@ def read(folder: str | Path, rank: int) -> Beat | None:
 
 _IN_RUNTIME: dict[Any, bool] = {}  # code object -> whether it is the Runtime's own
 _NAMES: dict[str, str] = {}  # a code object's file -> its name alone
+# Calls the program makes without naming a Runtime method: a set-up loader's next batch.
+_CALLS = {"__next__": "next(loader)"}
 
 
 def _caller(frame: FrameType | None) -> str:
@@ -283,4 +285,6 @@ def _caller(frame: FrameType | None) -> str:
     name = _NAMES.get(path)
     if name is None:
         name = _NAMES[path] = os.path.basename(path)
-    return f"rt.{inside.f_code.co_name} at {name}:{frame.f_lineno}"
+    call = inside.f_code.co_name
+    call = _CALLS.get(call) or f"rt.{call}"
+    return f"{call} at {name}:{frame.f_lineno}"

@@ -92,6 +92,7 @@ def make_lifecycle(
         deferrable=lambda: any(loader.in_pass for loader in state.loaders),
         settle=lambda: checkpoints.settle("the end of the run"),
     )
+    lifecycle.watch(strategy.device.torch, settings.accumulate)
     stepper = make_stepper(settings, state, strategy, precision, lifecycle)
     checkpoints = Checkpointing(settings, state, strategy, precision, lifecycle, stepper, runtime)
     return lifecycle, stepper, checkpoints
