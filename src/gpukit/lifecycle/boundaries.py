@@ -117,10 +117,16 @@ class Lifecycle:
         if self.heartbeat is not None:
             self.heartbeat.beat(phase, step)
 
-    def watch(self, device: torch.device, accumulate: int) -> None:
+    def watch(
+        self, device: torch.device, accumulate: int, heartbeat: Heartbeat | None = None
+    ) -> None:
         """When a launcher watches this rank: its heartbeat carries ``device``'s memory and,
         from the set-up loaders (:meth:`loader_hooks`), its data phase and the samples a step
-        takes (``accumulate`` batches). Nothing otherwise."""
+        takes (``accumulate`` batches). Nothing otherwise. ``heartbeat``: one to write in
+        place of the launcher's (``gpukit bench overhead`` times the beats without a job);
+        given before the first loader is set up."""
+        if heartbeat is not None:
+            self.heartbeat = heartbeat
         if self.heartbeat is not None:
             self.watched = WatchedRank(self.heartbeat, device, accumulate)
 
