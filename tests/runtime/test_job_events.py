@@ -8,6 +8,8 @@ import csv
 import json
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +133,49 @@ def test_only_rank_zero_with_loggers_maps_the_counter(job: Launcher) -> None:
     rt = gk.Runtime(strategy="single", devices="cpu", loggers=[gk.loggers.CsvLogger(job.folder)])
     assert rt._reporting.events is not None
     rt.teardown()
+
+
+JOB = """
+import os, sys
+from pathlib import Path
+import torch
+from torch import nn
+import gpukit as gk
+
+job, rank = Path(os.environ["GPUKIT_JOB_DIR"]), int(os.environ["RANK"])
+if rank == 0:  # as gpukit's launcher does before it starts the ranks
+    (job / "events.count").write_bytes(bytes(8))
+torch.manual_seed(0)
+csv_logger = gk.loggers.CsvLogger(sys.argv[1])
+rt = gk.Runtime(strategy="ddp", devices="cpu", log_every=2, loggers=[csv_logger])
+net = nn.Linear(3, 1)
+model, opt = rt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for step in range(1, 7):
+    loss = model(torch.randn(4, 3)).pow(2).mean()
+    rt.backward(loss)
+    rt.step(opt)
+    rt.log(loss=loss)
+    if step == 3:  # rank 1 writes the launcher's event: the job names it a straggler
+        rt.barrier()
+        if rank == 1:
+            with (job / "events.jsonl").open("a") as file:
+                file.write('{"kind": "straggler", "rank": 1, "slowdown": 1.8, "step": 3}\\n')
+            with (job / "events.count").open("r+b") as file:
+                file.write((1).to_bytes(8, "little"))
+        rt.barrier()
+rt.teardown()
+"""
+
+
+@pytest.mark.processes
+def test_rank_zero_of_a_launched_job_tells_its_loggers(tmp_path: Path) -> None:
+    script, out = tmp_path / "job.py", tmp_path / "csv"
+    script.write_text(JOB)
+    command = [sys.executable, "-m", "gpukit", "launch", "--nproc", "2", str(script), str(out)]
+    done = subprocess.run(
+        command, text=True, capture_output=True, timeout=120, cwd=tmp_path, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    told = [(row["step"], row["straggler/rank"], row["straggler/slowdown"]) for row in rows]
+    assert ("4", "1", "1.8") in told and len([t for t in told if t[1]]) == 1
