@@ -116,6 +116,10 @@ def test_the_cuda_reader_takes_the_allocator_counters(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: {})
     assert reader() == (-1, -1, -1)
     assert memory_reader(torch.device("cpu")) is None
+    asked.clear()
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
+    bare = memory_reader(torch.device("cuda"))  # made without starting CUDA
+    assert bare is not None and bare() == (100, 300, 512) and asked == [0]
 
 
 def test_a_rank_on_a_gpu_tells_its_device_and_memory(

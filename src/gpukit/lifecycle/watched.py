@@ -34,7 +34,7 @@ def memory_reader(device: torch.device) -> MemoryReader | None:
     the allocator has not got: CUDA not started yet), or None when it is not a CUDA device."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
 
     def read() -> tuple[int, int, int]:
         # One call for the three counters, nested as the allocator keeps them (the flat
@@ -48,6 +48,12 @@ def memory_reader(device: torch.device) -> MemoryReader | None:
         )
 
     return read
+
+
+def cuda_index(device: torch.device) -> int:
+    """``device``'s index; a bare "cuda" is device 0, the current device until a program sets
+    another (asking torch would start CUDA, which a reader must not do)."""
+    return device.index if device.index is not None else 0
 
 
 def _counter(stats: dict[str, Any], name: str, which: str) -> int:
@@ -66,7 +72,7 @@ class WatchedRank:
         self.accumulate = accumulate
         self._batch_size = 0  # of the loader that handed the last batch, 0: unknown
         if device.type == "cuda":
-            heartbeat.device = device.index if device.index is not None else 0
+            heartbeat.device = cuda_index(device)
             heartbeat.memory_reader = memory_reader(device)
 
     def loader_hooks(
