@@ -186,9 +186,7 @@ class Peeking(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return torch.full((4,), float(i)), torch.ones(1)
 
 
-def test_a_set_up_loader_beats_the_data_phase(
-    launched: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_set_up_loader_beats_the_data_phase(launched: Path, clock: Clock) -> None:
     clock.tick = 0.5  # every beat lasts half a second
     rt = gk.Runtime(strategy="single", devices="cpu", accumulate=2)
     assert rt.lifecycle.watched is not None
