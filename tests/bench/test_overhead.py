@@ -23,13 +23,23 @@ from gpukit.bench.overhead_result import as_result
 from gpukit.bench.timing import torch_threads
 from gpukit.cli import bench
 from gpukit.errors import ConfigError
+from gpukit.launch import heartbeat
+from gpukit.launch.heartbeat import Heartbeat
 from gpukit.runtime.runtime import Runtime
 
 Builder = Callable[[nn.Module, Optimizer], loops.Loop]
 FRAMEWORK_MODULES = ("accelerate", "lightning", "lightning.fabric", "lightning_fabric")
 GPUKIT_VARIANTS = ("gpukit", "gpukit-train-step", "gpukit-train-default")
 LOGGER_VARIANTS = ("gpukit+csv", "gpukit+tensorboard")
-ALL_VARIANTS = ["plain", "plain-logged", *GPUKIT_VARIANTS, *LOGGER_VARIANTS, "accelerate", "fabric"]
+ALL_VARIANTS = [
+    "plain",
+    "plain-logged",
+    *GPUKIT_VARIANTS,
+    *LOGGER_VARIANTS,
+    "gpukit+heartbeat",
+    "accelerate",
+    "fabric",
+]
 
 
 @pytest.fixture
@@ -112,6 +122,36 @@ def test_each_variant_records_what_its_wrapper_was_built_with(no_frameworks: Non
     assert f"oom={default['oom']}" in text and "log_every=10" in text
 
 
+def test_the_heartbeat_is_timed_against_the_same_loop_without_it(
+    no_frameworks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[Path] = []
+    real = loops.Heartbeat
+
+    def noted(folder: str, rank: int) -> Heartbeat:
+        written.append(Path(folder))
+        return real(folder, rank)
+
+    monkeypatch.setattr(loops, "Heartbeat", noted)
+    result = run_overhead(steps=5, rounds=2)
+    v = result.variant("gpukit+heartbeat")
+    assert v.available and v.baseline == "gpukit-train-default" and len(v.baseline_ratios) == 2
+    assert v.settings == loops.train_default()
+    assert as_result(result).summary["heartbeat x gpukit-train-default"] == v.baseline_ratio
+    # Beats were written, as under the launcher: each copy's own record, the step's phases.
+    assert written and not any(folder.exists() for folder in written)  # removed with the loop
+
+
+def test_the_heartbeat_loop_beats_every_step() -> None:
+    model, optimizer = make_model_and_optimizer()
+    train = loops.heartbeat_loop(model, optimizer)
+    train(make_batches(3))
+    folder = train.__defaults__[0].name  # type: ignore[attr-defined]
+    beat = heartbeat.read(folder, 0)
+    assert beat is not None and beat.step == 3 and beat.phase == "loop"
+    assert beat.spent_in("forward") > 0 and beat.step_ended_at > 0
+
+
 def test_an_installed_framework_is_timed_beside_the_others(
     no_frameworks: None, fake_accelerate: types.ModuleType
 ) -> None:
@@ -175,6 +215,7 @@ def test_json_has_the_settings_the_machine_and_every_round(no_frameworks: None) 
         loops.train_default_loop,
         loops.plain_logged_loop,
         loops.logger_loop("csv"),
+        loops.heartbeat_loop,
     ],
 )
 def test_gpukit_loops_do_exactly_the_same_arithmetic_as_plain(build: Builder) -> None:

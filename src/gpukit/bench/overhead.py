@@ -14,6 +14,12 @@ cross-entropy, float32; see :mod:`gpukit.bench.overhead_loops`) runs as
   read from its argument parser), on the CPU; compared with ``plain-logged`` too;
 - ``gpukit+csv``, ``gpukit+tensorboard``: ``gpukit-train-default`` with ``loggers=["csv"]`` or
   ``["tensorboard"]`` (where installed), writing into a temporary folder at every read-back;
+- ``gpukit+heartbeat``: ``gpukit-train-default`` on a rank gpukit's launcher watches: its
+  heartbeat (:mod:`gpukit.launch.heartbeat`: the phase, the seconds spent in each, the step's
+  end, memory writes only) written at each boundary of the step into a file in a temporary
+  folder, as under ``gpukit launch``; compared with ``gpukit-train-default`` (the goal: within
+  1.02x). No loader is set up here, so its beats are the step's own (forward, backward,
+  optimizer, the step's end); a set-up loader adds two per batch (data, forward);
 - ``accelerate``: through Hugging Face Accelerate (``Accelerator(cpu=True)``), where installed;
 - ``fabric``: through Lightning Fabric (``Fabric(accelerator="cpu", devices=1)``), where installed.
 
@@ -109,6 +115,13 @@ VARIANTS = (
         lambda: {**loops.train_default(), "loggers": "tensorboard"},
         ("tensorboard",),
         baseline="plain-logged",
+    ),
+    _Variant(
+        "gpukit+heartbeat",
+        loops.heartbeat_loop,
+        loops.train_default,
+        version=__version__,
+        baseline="gpukit-train-default",
     ),
     _Variant("accelerate", loops.accelerate_loop, lambda: dict(loops.ACCELERATE), ("accelerate",)),
     _Variant("fabric", loops.fabric_loop, lambda: dict(loops.FABRIC), loops.FABRIC_MODULES),

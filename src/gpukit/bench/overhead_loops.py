@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpukit.bench.train_defaults import runtime_settings
+from gpukit.launch.heartbeat import Heartbeat
 from gpukit.loggers.registry import make_loggers
 from gpukit.runtime.runtime import Runtime
 from gpukit.workloads import mlp
@@ -169,6 +170,26 @@ def logger_loop(name: str) -> Callable[[nn.Module, Optimizer], Loop]:
         return train
 
     return build
+
+
+def heartbeat_loop(model: nn.Module, optimizer: Optimizer) -> Loop:
+    """``gpukit train``'s default loop on a rank gpukit's launcher watches: its heartbeat
+    written, at every boundary the Runtime beats, into a file in a temporary folder (removed
+    with the loop), as into the job's folder under the launcher. Nothing reads it: the cost is
+    the rank's alone.
+
+    >>> model, optimizer = make_model_and_optimizer()
+    >>> heartbeat_loop(model, optimizer)(make_batches(2))
+    """
+    folder = tempfile.TemporaryDirectory(prefix="gpukit-bench-")
+    rt = Runtime(**train_default())
+    rt.lifecycle.watch(rt.device, rt.accumulate, Heartbeat(folder.name, rank=0))
+    inner = _train_step(rt, model, optimizer, log=True)
+
+    def train(batches: Sequence[Batch], _folder: Any = folder) -> None:
+        inner(batches)  # _folder: the folder lives as long as the loop
+
+    return train
 
 
 def _train_step(rt: Runtime, model: nn.Module, optimizer: Optimizer, log: bool) -> Loop:

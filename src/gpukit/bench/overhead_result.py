@@ -181,11 +181,13 @@ def as_result(result: OverheadResult, quick: bool = False) -> BenchResult:
         summary={
             "gpukit train defaults x plain-logged": default.baseline_ratio,
             "gpukit x plain": result.variant("gpukit").ratio,
+            "heartbeat x gpukit-train-default": result.variant("gpukit+heartbeat").baseline_ratio,
         },
         notes=[
             "× plain: median of the per-round ratios to plain; lowest/highest: their range",
             "× baseline: the same, to the plain loop doing the same work "
-            "(gpukit-train-default and the loggers: plain-logged)",
+            "(gpukit-train-default and the loggers: plain-logged; gpukit+heartbeat: "
+            "gpukit-train-default)",
             "the limit: 1.000, the plain loop itself; a busy machine widens the range first",
         ],
         parameters={

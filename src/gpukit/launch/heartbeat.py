@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from gpukit import _env
 from gpukit._util import placement
@@ -262,18 +261,23 @@ def read(folder: str | Path, rank: int) -> Beat | None:
     return None
 
 
-_IN_RUNTIME: dict[Any, bool] = {}  # code object -> whether it is the Runtime's own
+# A code object's file -> whether it is the Runtime's own. Keyed by the file's name, whose hash
+# Python keeps: a code object's hash is computed anew at each lookup, over its constants too
+# (microseconds per frame for a large function, several frames a beat).
+_IN_RUNTIME: dict[str, bool] = {}
 _NAMES: dict[str, str] = {}  # a code object's file -> its name alone
+# Calls the program makes without naming a Runtime method: a set-up loader's next batch.
+_CALLS = {"__next__": "next(loader)"}
 
 
 def _caller(frame: FrameType | None) -> str:
     """``rt.backward at train.py:13``: the Runtime method the caller called, and where."""
     inside: FrameType | None = None
     while frame is not None:
-        code = frame.f_code
-        own = _IN_RUNTIME.get(code)
+        path = frame.f_code.co_filename
+        own = _IN_RUNTIME.get(path)
         if own is None:
-            own = _IN_RUNTIME[code] = code.co_filename.startswith(_RUNTIME_DIRS)
+            own = _IN_RUNTIME[path] = path.startswith(_RUNTIME_DIRS)
         if not own:
             break
         inside, frame = frame, frame.f_back
@@ -283,4 +287,6 @@ def _caller(frame: FrameType | None) -> str:
     name = _NAMES.get(path)
     if name is None:
         name = _NAMES[path] = os.path.basename(path)
-    return f"rt.{inside.f_code.co_name} at {name}:{frame.f_lineno}"
+    call = inside.f_code.co_name
+    call = _CALLS.get(call) or f"rt.{call}"
+    return f"{call} at {name}:{frame.f_lineno}"

@@ -37,6 +37,7 @@ from gpukit.launch.faults import FaultPlan
 from gpukit.launch.heartbeat import Heartbeat
 from gpukit.lifecycle.checks import LifecycleSettings, parse_save_every
 from gpukit.lifecycle.preemption import Preemption
+from gpukit.lifecycle.watched import Handed, WatchedRank
 
 
 class Lifecycle:
@@ -81,6 +82,7 @@ class Lifecycle:
                 fix="wait for it, stop it, or give this run another checkpoints folder",
             )
         self.heartbeat = Heartbeat.from_env()
+        self.watched: WatchedRank | None = None  # the heartbeat's figures (see watch)
         self.faults = FaultPlan.from_env(rank)
         self.preemption: Preemption | None = None
         if config.checkpoints is not None:
@@ -114,6 +116,26 @@ class Lifecycle:
         """This rank entered ``phase`` at ``step``: one memory write when a launcher watches."""
         if self.heartbeat is not None:
             self.heartbeat.beat(phase, step)
+
+    def watch(
+        self, device: torch.device, accumulate: int, heartbeat: Heartbeat | None = None
+    ) -> None:
+        """When a launcher watches this rank: its heartbeat carries ``device``'s memory and,
+        from the set-up loaders (:meth:`loader_hooks`), its data phase and the samples a step
+        takes (``accumulate`` batches). Nothing otherwise. ``heartbeat``: one to write in
+        place of the launcher's (``gpukit bench overhead`` times the beats without a job);
+        given before the first loader is set up."""
+        if heartbeat is not None:
+            self.heartbeat = heartbeat
+        if self.heartbeat is not None:
+            self.watched = WatchedRank(self.heartbeat, device, accumulate)
+
+    def loader_hooks(self, handed: Handed) -> tuple[Callable[[], None], Handed]:
+        """A set-up loader's ``on_batch`` (:meth:`at_boundary`) and ``on_handed``
+        (``handed``), each beating too when a launcher watches (``gpukit.lifecycle.watched``)."""
+        if self.watched is None:
+            return self.at_boundary, handed
+        return self.watched.loader_hooks(self.at_boundary, handed)
 
     def before_first_pass(self) -> Any:
         """A loader's pass or a step is about to start: resume first, once (``"auto"``).
@@ -219,6 +241,8 @@ class Lifecycle:
         """After optimizer step ``step``: a periodic checkpoint when one is due, and the
         preemption's save and stop when a signal asked for it, made at the next boundary
         between steps (see :meth:`at_boundary`)."""
+        if self.watched is not None:
+            self.watched.step_ends()
         self.beat("loop", step)
         preempt = self.preemption
         if preempt is not None and preempt.should_stop(step):

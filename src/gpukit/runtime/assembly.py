@@ -1,7 +1,8 @@
 """How a Runtime's parts are made from its settings, before any model exists: the strategy
 for the devices named and the precision it trains in (each checked against the other), the
 stepper, with the non-finite guard it keeps, the run's lifecycle with the checkpoint part it
-saves and resumes through, and the loggers with what they are told.
+saves and resumes through (and the heartbeat's figures, when a launcher watches), and the
+loggers with what they are told (and the launcher's events, on rank 0).
 
 >>> from gpukit.runtime.settings import Settings
 >>> strategy, precision = strategy_and_precision(Settings(devices="cpu"), launched=False)
@@ -11,10 +12,12 @@ saves and resumes through, and the loggers with what they are told.
 
 from __future__ import annotations
 
+from gpukit import _env
 from gpukit.launch.faults import OomFault
 from gpukit.lifecycle.boundaries import Lifecycle
 from gpukit.loggers.registry import make_loggers
 from gpukit.runtime.checkpointing import Checkpointing, RuntimeCalls
+from gpukit.runtime.outputs.job_events import JobEvents
 from gpukit.runtime.outputs.reporting import Reporting
 from gpukit.runtime.parallel_setting import parallel_strategy
 from gpukit.runtime.settings import Settings, record, run_folder
@@ -65,7 +68,9 @@ def make_reporting(settings: Settings, state: TrainState, strategy: Strategy) ->
     """The loggers ``settings`` name (a missing package is refused here, when the Runtime is
     made), told the settings from rank 0 of ``strategy``."""
     loggers = make_loggers(settings.loggers, run_folder(settings.checkpoints))
-    return Reporting(loggers, record(settings), state, strategy)
+    # Rank 0 tells its loggers what gpukit's launcher says of the job (stragglers).
+    events = JobEvents.open(_env.job_dir()) if loggers and strategy.rank == 0 else None
+    return Reporting(loggers, record(settings), state, strategy, events)
 
 
 def make_lifecycle(
@@ -92,6 +97,7 @@ def make_lifecycle(
         deferrable=lambda: any(loader.in_pass for loader in state.loaders),
         settle=lambda: checkpoints.settle("the end of the run"),
     )
+    lifecycle.watch(strategy.device.torch, settings.accumulate)
     stepper = make_stepper(settings, state, strategy, precision, lifecycle)
     checkpoints = Checkpointing(settings, state, strategy, precision, lifecycle, stepper, runtime)
     return lifecycle, stepper, checkpoints

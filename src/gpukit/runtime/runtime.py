@@ -288,6 +288,7 @@ class Runtime:
         self._ensure_ready()
         self._compiler.check_loader(loader)
         shards, shard = self.strategy.sampler_placement()
+        on_batch, on_handed = self.lifecycle.loader_hooks(self._evaluation.batch_handed)
         wrapped = DeviceLoader(
             loader,
             self.device,
@@ -297,8 +298,8 @@ class Runtime:
             steps=lambda: self.state.micro_step,
             on_pass_end=self._end_of_pass,
             on_pass_start=self.lifecycle.before_first_pass,
-            on_batch=self.lifecycle.at_boundary,
-            on_handed=self._evaluation.batch_handed,
+            on_batch=on_batch,
+            on_handed=on_handed,
             wait=self._data_wait,
             local=self.strategy.local_batch,
         )

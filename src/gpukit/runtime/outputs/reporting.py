@@ -4,7 +4,9 @@
 Rank 0 alone talks to the loggers. When the run is ready (its first ``rt.setup``, step or
 collective) they get the Runtime's settings as hyper-parameters, under ``runtime/``; then each
 record ``rt.history`` gains, from a flush of ``rt.log`` or from ``rt.log_metrics``: values
-already read back, so a logger adds no read, copy or collective to the step. They are
+already read back, so a logger adds no read, copy or collective to the step. Under gpukit's
+launcher, the job's events about this run's ranks (a straggler named, one recovered) follow
+each record, at its step (:mod:`gpukit.runtime.outputs.job_events`). They are
 finalized when the function ``rt.launch`` runs returns (``"success"``) or raises
 (``"failed"``), and at ``rt.teardown()`` if not before (``"failed"`` when it runs while an
 exception is on its way out, as in a ``finally:`` block, else ``"success"``).
@@ -34,6 +36,7 @@ from typing import Any, Literal, Protocol
 from gpukit._util.files import write_error
 from gpukit.errors import ConfigError, LoggerError, LoggerWriteError, OutputWriteError
 from gpukit.loggers.base import Logger, logger_name
+from gpukit.runtime.outputs.job_events import JobEvents
 from gpukit.strategies import Strategy
 
 _log = logging.getLogger("gpukit")
@@ -51,13 +54,20 @@ class Reporting:
     been told: first ``settings``, the settings' record as ``metrics.json`` holds it, as
     hyper-parameters; spoken to from rank 0 of ``strategy`` alone (the Runtime gives it the new
     one when ``strategy="auto"`` replaces it, so the settings name the strategy trained with);
-    ``state`` gives the step a failure names."""
+    ``state`` gives the step a failure names; ``events``, the launcher's events of the job
+    (rank 0's, when a launcher keeps them)."""
 
     def __init__(
-        self, loggers: list[Logger], settings: dict[str, Any], state: AtStep, strategy: Strategy
+        self,
+        loggers: list[Logger],
+        settings: dict[str, Any],
+        state: AtStep,
+        strategy: Strategy,
+        events: JobEvents | None = None,
     ) -> None:
         self.loggers = loggers
         self.settings, self.state, self.strategy = settings, state, strategy
+        self.events = events
         self.broken: set[int] = set()  # id() of each logger that raised: said once already
         self.stage: Literal["idle", "started", "finished"] = "idle"
 
@@ -96,6 +106,9 @@ class Reporting:
             self.start()
             metrics = {k: v for k, v in rec.items() if k != "step"}
             self._each("log_metrics", metrics, int(rec["step"]))
+            if self.events is not None:  # a read of memory, unless the launcher said more
+                for told in self.events.news():
+                    self._each("log_metrics", told, int(rec["step"]))
 
     def finish(self, status: Literal["success", "failed"]) -> None:
         """Finalize every started logger once; while failing, their errors are only logged."""
