@@ -64,12 +64,25 @@ MEMORY_EVERY_S = 1.0  # the device's memory is read at a step's end at most this
 # peers at the same count has left their sequence (gpukit.launch.failures.diverged).
 _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
 MEETING_PHASES = _MEETS  # for readers of the beats (the launcher)
+# The phases whose beat names its call and line (the walk up the stack is half a beat's cost):
+# where ranks meet (those that disagree are told apart by it), and a loader's fetch (where a
+# stuck data pipeline waits). The others keep the line of the last call named.
+_NAMED = _MEETS | {"data"}
 
 # seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where;
 # then what a watcher needs for its figures: the seconds spent in each phase so far, the last
 # step's end and length, the samples a step takes, the device's memory and which device.
 _WHERE_BYTES = 120
-_FORMAT = f"<QdqqiiiIQ{_WHERE_BYTES}s{len(PHASES)}dddqqqqi"
+_HEAD = struct.Struct("<QdqqiiiIQ")
+_WHERE = struct.Struct(f"<{_WHERE_BYTES}s")
+_SECONDS = struct.Struct("<d")  # one phase's seconds
+_TAIL = struct.Struct("<ddqqqqi")  # the last step's end and length, samples, memory, device
+_FORMAT = f"{_HEAD.format}{_WHERE_BYTES}s{len(PHASES)}d{_TAIL.format[1:]}"
+# Where each part lies in the record: a beat rewrites only the parts that changed.
+_WHERE_AT = _HEAD.size
+_SPENT_AT = _WHERE_AT + _WHERE_BYTES
+_TAIL_AT = _SPENT_AT + len(PHASES) * _SECONDS.size
+_SEQ = struct.Struct("<Q")
 _SIZE = struct.calcsize(_FORMAT)
 # Where a beat comes from: the Runtime's own modules (the step, the run's boundaries, the
 # checkpoints) are skipped to reach the caller's line.
@@ -163,18 +176,22 @@ class Heartbeat:
         return cls(folder, place.rank, _env.attempt())
 
     def beat(self, phase: str, step: int) -> None:
-        """Record that this rank entered ``phase`` at optimizer step ``step``, now, from the
-        Runtime call it is in and the line that made it (a walk of a few frames, about a
-        microsecond: ranks that disagree on a collective are told apart by these)."""
+        """Record that this rank entered ``phase`` at optimizer step ``step``, now; in a call
+        where ranks meet, from the Runtime call it is in and the line that made it (a walk of
+        a few frames, about a microsecond: ranks that disagree on a collective are told apart
+        by these). Only the parts of the record that changed are written."""
         self.phase, self.step = phase, step
         if phase in _MEETS:
             self.calls += 1
-        self.where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES]
+        # The step's own boundaries (forward, loop) come from within the last call named, or
+        # from the loader that named its fetch: the line stays that call's.
+        where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES] if phase in _NAMED else None
         now = time.time()
-        index = _PHASE_INDEX[phase]
-        self.spent[self._phase_index] += now - self._at
-        self._phase_index, self._at = index, now
-        if phase == "loop":  # a step ended
+        previous = self._phase_index
+        self.spent[previous] += now - self._at
+        self._phase_index, self._at = _PHASE_INDEX[phase], now
+        ended = phase == "loop"  # a step ended
+        if ended:
             if self.step_ended_at:
                 self.last_step_s = now - self.step_ended_at
             self.step_ended_at = now
@@ -182,7 +199,23 @@ class Heartbeat:
             if reader is not None and now - self._memory_at >= MEMORY_EVERY_S:
                 self._memory_at = now
                 self.memory = reader()
-        self._write(now)
+        if not self._seq:  # the first beat writes the whole record
+            if where is not None:
+                self.where = where
+            self._write(now)
+            return
+        memory = self._map
+        self._seq += 1  # odd: a write is under way
+        _SEQ.pack_into(memory, 0, self._seq)
+        self._pack_head(now)
+        if where is not None and where != self.where:
+            self.where = where
+            _WHERE.pack_into(memory, _WHERE_AT, where)
+        _SECONDS.pack_into(memory, _SPENT_AT + previous * _SECONDS.size, self.spent[previous])
+        if ended:
+            self._pack_tail()
+        self._seq += 1  # even: the record is whole
+        _SEQ.pack_into(memory, 0, self._seq)
 
     def saved(self, step: int) -> None:
         """A checkpoint at ``step`` is complete on this rank."""
@@ -195,31 +228,42 @@ class Heartbeat:
         self._write()
 
     def _write(self, now: float | None = None) -> None:
+        """Write the whole record (the first beat, a save, a stop request: rare)."""
+        memory = self._map
         self._seq += 1  # odd: a write is under way
-        struct.pack_into("<Q", self._map, 0, self._seq)
-        struct.pack_into(
-            _FORMAT,
+        _SEQ.pack_into(memory, 0, self._seq)
+        self._pack_head(time.time() if now is None else now)
+        _WHERE.pack_into(memory, _WHERE_AT, self.where)
+        struct.pack_into(f"<{len(PHASES)}d", memory, _SPENT_AT, *self.spent)
+        self._pack_tail()
+        self._seq += 1  # even: the record is whole
+        _SEQ.pack_into(memory, 0, self._seq)
+
+    def _pack_head(self, now: float) -> None:
+        _HEAD.pack_into(
             self._map,
             0,
             self._seq,
-            time.time() if now is None else now,
+            now,
             self.step,
             self.saved_step,
             self._pid,
-            _PHASE_INDEX[self.phase],
+            self._phase_index,
             int(self.stop_requested),
             self._attempt,
             self.calls,
-            self.where,
-            *self.spent,
+        )
+
+    def _pack_tail(self) -> None:
+        _TAIL.pack_into(
+            self._map,
+            _TAIL_AT,
             self.step_ended_at,
             self.last_step_s,
             self.samples_per_step,
             *self.memory,
             self.device,
         )
-        self._seq += 1  # even: the record is whole
-        struct.pack_into("<Q", self._map, 0, self._seq)
 
 
 def read(folder: str | Path, rank: int) -> Beat | None:
