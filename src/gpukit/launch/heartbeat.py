@@ -64,25 +64,29 @@ MEMORY_EVERY_S = 1.0  # the device's memory is read at a step's end at most this
 # peers at the same count has left their sequence (gpukit.launch.failures.diverged).
 _MEETS = frozenset({"setup", "load", "backward", "optimizer", "collective", "save"})
 MEETING_PHASES = _MEETS  # for readers of the beats (the launcher)
-# The phases whose beat names its call and line (the walk up the stack is half a beat's cost):
-# where ranks meet (those that disagree are told apart by it), and a loader's fetch (where a
-# stuck data pipeline waits). The others keep the line of the last call named.
-_NAMED = _MEETS | {"data"}
 
 # seq, time, step, saved step, pid, phase, stop requested (preemption), attempt, calls, where;
 # then what a watcher needs for its figures: the seconds spent in each phase so far, the last
 # step's end and length, the samples a step takes, the device's memory and which device.
 _WHERE_BYTES = 120
-_HEAD = struct.Struct("<QdqqiiiIQ")
-_WHERE = struct.Struct(f"<{_WHERE_BYTES}s")
-_SECONDS = struct.Struct("<d")  # one phase's seconds
-_TAIL = struct.Struct("<ddqqqqi")  # the last step's end and length, samples, memory, device
-_FORMAT = f"{_HEAD.format}{_WHERE_BYTES}s{len(PHASES)}d{_TAIL.format[1:]}"
+# Native byte order (writer and readers share the machine), standard sizes, no padding: every
+# 8-byte field lies at a multiple of 8, so a beat writes its fields through typed views of the
+# map, each a plain store, instead of packing (a beat runs at every boundary of every step).
+_HEAD = struct.Struct("=QdqqiiiIQ")
+_WHERE = struct.Struct(f"={_WHERE_BYTES}s")
+_SECONDS = struct.Struct("=d")  # one phase's seconds
+_TAIL = struct.Struct("=ddqqqqi")  # the last step's end and length, samples, memory, device
+# (padded to whole 8-byte items, for the views)
+_FORMAT = f"{_HEAD.format}{_WHERE_BYTES}s{len(PHASES)}d{_TAIL.format[1:]}4x"
 # Where each part lies in the record: a beat rewrites only the parts that changed.
 _WHERE_AT = _HEAD.size
 _SPENT_AT = _WHERE_AT + _WHERE_BYTES
 _TAIL_AT = _SPENT_AT + len(PHASES) * _SECONDS.size
-_SEQ = struct.Struct("<Q")
+_SEQ = struct.Struct("=Q")
+# The fields a beat writes, as indexes into the map seen as 8-byte or 4-byte items.
+_Q_SEQ, _D_TIME, _Q_STEP, _I_PHASE, _Q_CALLS = 0, 1, 2, 9, 6
+_D_SPENT = _SPENT_AT // 8
+assert _HEAD.size == 56 and _SPENT_AT % 8 == 0 and _TAIL_AT % 8 == 0
 _SIZE = struct.calcsize(_FORMAT)
 # Where a beat comes from: the Runtime's own modules (the step, the run's boundaries, the
 # checkpoints) are skipped to reach the caller's line.
@@ -138,6 +142,9 @@ class Heartbeat:
                     # not met by a later beat's write to the map as a SIGBUS that kills the rank.
                     os.posix_fallocate(fd, 0, _SIZE)
                 self._map = mmap.mmap(fd, _SIZE)
+                view = memoryview(self._map)
+                self._words, self._doubles = view.cast("q"), view.cast("d")
+                self._ints = view.cast("i")
             finally:
                 os.close(fd)
         except OSError as err:
@@ -183,9 +190,11 @@ class Heartbeat:
         self.phase, self.step = phase, step
         if phase in _MEETS:
             self.calls += 1
-        # The step's own boundaries (forward, loop) come from within the last call named, or
-        # from the loader that named its fetch: the line stays that call's.
-        where = _caller(sys._getframe(1)).encode()[:_WHERE_BYTES] if phase in _NAMED else None
+        # Only where ranks meet is the call and its line named (ranks that disagree are told
+        # apart by it; the walk up the stack is half a beat's cost). The step's own boundaries
+        # and a loader's fetch keep the last call's line: a rank stuck there is shown by the
+        # stack the hang watch dumps.
+        where = _caller(sys._getframe(1)) if phase in _MEETS else None
         now = time.time()
         previous = self._phase_index
         self.spent[previous] += now - self._at
@@ -204,18 +213,21 @@ class Heartbeat:
                 self.where = where
             self._write(now)
             return
-        memory = self._map
+        words, doubles = self._words, self._doubles
         self._seq += 1  # odd: a write is under way
-        _SEQ.pack_into(memory, 0, self._seq)
-        self._pack_head(now)
+        words[_Q_SEQ] = self._seq
+        doubles[_D_TIME] = now
+        words[_Q_STEP] = step
+        self._ints[_I_PHASE] = self._phase_index
+        words[_Q_CALLS] = self.calls
         if where is not None and where != self.where:
             self.where = where
-            _WHERE.pack_into(memory, _WHERE_AT, where)
-        _SECONDS.pack_into(memory, _SPENT_AT + previous * _SECONDS.size, self.spent[previous])
+            _WHERE.pack_into(self._map, _WHERE_AT, where)
+        doubles[_D_SPENT + previous] = self.spent[previous]
         if ended:
             self._pack_tail()
         self._seq += 1  # even: the record is whole
-        _SEQ.pack_into(memory, 0, self._seq)
+        words[_Q_SEQ] = self._seq
 
     def saved(self, step: int) -> None:
         """A checkpoint at ``step`` is complete on this rank."""
@@ -309,13 +321,12 @@ def read(folder: str | Path, rank: int) -> Beat | None:
 # Python keeps: a code object's hash is computed anew at each lookup, over its constants too
 # (microseconds per frame for a large function, several frames a beat).
 _IN_RUNTIME: dict[str, bool] = {}
-_NAMES: dict[str, str] = {}  # a code object's file -> its name alone
-# Calls the program makes without naming a Runtime method: a set-up loader's next batch.
-_CALLS = {"__next__": "next(loader)"}
+_SAID: dict[tuple[str, int, str], bytes] = {}  # (file, line, call) -> what the record holds
 
 
-def _caller(frame: FrameType | None) -> str:
-    """``rt.backward at train.py:13``: the Runtime method the caller called, and where."""
+def _caller(frame: FrameType | None) -> bytes:
+    """``rt.backward at train.py:13``: the Runtime method the caller called, and where, as the
+    record holds it (made once per call and line: the walk is most of a beat's cost)."""
     inside: FrameType | None = None
     while frame is not None:
         path = frame.f_code.co_filename
@@ -326,11 +337,11 @@ def _caller(frame: FrameType | None) -> str:
             break
         inside, frame = frame, frame.f_back
     if frame is None or inside is None:
-        return ""
-    path = frame.f_code.co_filename
-    name = _NAMES.get(path)
-    if name is None:
-        name = _NAMES[path] = os.path.basename(path)
-    call = inside.f_code.co_name
-    call = _CALLS.get(call) or f"rt.{call}"
-    return f"{call} at {name}:{frame.f_lineno}"
+        return b""
+    path, line, call = frame.f_code.co_filename, frame.f_lineno, inside.f_code.co_name
+    key = (path, line, call)  # strings and an int: their hashes are kept, a code object's not
+    said = _SAID.get(key)
+    if said is None:
+        name = os.path.basename(path)
+        said = _SAID[key] = f"rt.{call} at {name}:{line}".encode()[:_WHERE_BYTES]
+    return said

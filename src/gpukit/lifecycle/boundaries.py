@@ -171,14 +171,18 @@ class Lifecycle:
             handle.remove()
         self._watching.clear()
 
-    def step_begins(self, step: int) -> None:
+    def step_begins(self, step: int, forward: bool = True) -> None:
         """Optimizer step ``step + 1`` begins (``step`` taken so far): a save still pending
         from the last step is made now, before this step's forward (a loop that reads no
-        batch from a set-up loader in between)."""
+        batch from a set-up loader in between). ``forward``: its forward starts now (else it
+        has run already: rt.backward's first call of a step); beaten unless a set-up
+        loader's batch, handed, began it."""
         self.at_boundary()
         if self.preemption is not None and not self.preemption.installed:
             self.preemption.install()  # from the first step on: before it, nothing to save
-        self.beat("forward", step)
+        heartbeat = self.heartbeat
+        if forward and heartbeat is not None and heartbeat.phase != "forward":
+            heartbeat.beat("forward", step)
         self.faults.step_begins(step + 1)
 
     def poison_loss(self) -> bool:

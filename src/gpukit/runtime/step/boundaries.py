@@ -21,8 +21,8 @@ from typing import Protocol, runtime_checkable
 class StepBoundaries(Protocol):
     """What the Runtime does where a step begins and ends (see ``gpukit.lifecycle.boundaries``)."""
 
-    def step_begins(self, step: int) -> None:
-        """Optimizer step ``step + 1`` begins."""
+    def step_begins(self, step: int, forward: bool = True) -> None:
+        """Optimizer step ``step + 1`` begins; ``forward``: with its forward (else that ran)."""
 
     def beat(self, phase: str, step: int) -> None:
         """The step entered ``phase``."""
@@ -38,7 +38,7 @@ class StepBoundaries(Protocol):
 class NoBoundaries:
     """Boundaries where nothing happens: a step run without a run around it."""
 
-    def step_begins(self, step: int) -> None:
+    def step_begins(self, step: int, forward: bool = True) -> None:
         """Nothing to do when a step begins."""
 
     def beat(self, phase: str, step: int) -> None:

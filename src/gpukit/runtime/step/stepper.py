@@ -106,7 +106,7 @@ class Stepper:
         given = loss = loss if self.strategy.backward_done(loss) else check_loss(loss)
         boundaries = self.boundaries
         if self.state.micro_step == self.state.stepped_at:  # the first of a step's windows
-            boundaries.step_begins(self.state.global_step)
+            boundaries.step_begins(self.state.global_step, forward=False)  # the forward ran
         boundaries.beat("backward", self.state.global_step)
         if boundaries.poison_loss():
             loss = loss * float("nan")
