@@ -3,8 +3,8 @@
 In the job's folder (``JOB``): ``events.jsonl``, one EVENT a line (stragglers and their
 recovery, restarts with their cause, a hang with its report, a node lost, the end with its
 exit code), and ``events.count``, an 8-byte int64 the launcher maps and bumps after each line,
-made before any rank starts: rank 0's Runtime maps it too and, at its log flushes, compares
-a number in memory instead of reading a file. ``live.json`` is written by ``job_view``.
+made before any rank starts: a rank that maps it too (rank 0's Runtime, for its loggers)
+compares a number in memory instead of reading a file. ``live.json`` is written by ``job_view``.
 
 With a record folder (``gpukit train --out OUT``): ``OUT/job`` (the job folder's path, which
 ``gpukit top --out OUT`` follows), ``OUT/events.jsonl`` (the same events) and
