@@ -3,6 +3,7 @@ said and recorded (JOB and --out), samples, several nodes' ranks through their p
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import struct
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpukit.launch.attempt_watch import AttemptWatch
+from gpukit.launch.hang_watch import Found
 from gpukit.launch.heartbeat import PHASES, Beat
 from gpukit.launch.job_records import (
     COUNT_FILE,
@@ -22,6 +25,10 @@ from gpukit.launch.job_records import (
 from gpukit.launch.job_view import STALE_S, JobView
 from gpukit.launch.node_channel import LocalPeers
 from gpukit.launch.restarts import Progress
+from gpukit.launch.signals import Signals
+from gpukit.launch.starters import CommandStarter
+from gpukit.launch.supervisor import Attempt, Settings
+from tests.launch.test_restart_speed import FakeWorker as Process
 
 
 @dataclass
@@ -167,3 +174,34 @@ def test_every_node_shows_the_whole_job_and_a_silent_node_goes_stale(tmp_path: P
     assert any(note.startswith("node 1: no news for ") for note in live["notes"])
     # Only node 0 judges: node 1 recorded no straggler of its own.
     assert not (nodes[1].record.folder / EVENTS_FILE).exists()
+
+
+def test_a_hang_the_watch_reports_is_an_event_with_its_report(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    record = JobRecord(tmp_path, "gpukit launch", ["x"])
+    settings = Settings(
+        ranks=CommandStarter(["x"]),
+        nproc=2,
+        env={},
+        folder=tmp_path,
+        max_restarts=0,
+        hang_timeout=3.0,
+        grace=1.5,
+        stop_timeout=25.0,
+        name="gpukit launch",
+        out=io.StringIO(),
+        record=record,
+    )
+    attempt = Attempt(settings, 0, 0, Signals.__new__(Signals))
+    workers = [Process(0), Process(1)]
+    for w in workers:
+        w.started = 0.0  # type: ignore[attr-defined]
+    attempt.workers = workers  # type: ignore[assignment]
+    watch = AttemptWatch(attempt, Progress(0.0, 2))
+    found = Found("hang", 1, 0, 7, "train.py:9", "rank 1 hung at step 7 (phase loop)", "REPORT")
+    monkeypatch.setattr(watch.hangs, "check", lambda *args: found)
+    watch.check(100.0)
+    (event,) = [json.loads(line) for line in (tmp_path / EVENTS_FILE).open()]
+    assert (event["kind"], event["rank"], event["step"]) == ("hang", 1, 7)
+    assert event["text"] == "rank 1 hung at step 7 (phase loop)" and event["report"] == "REPORT"
