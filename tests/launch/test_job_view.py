@@ -205,3 +205,14 @@ def test_a_hang_the_watch_reports_is_an_event_with_its_report(
     (event,) = [json.loads(line) for line in (tmp_path / EVENTS_FILE).open()]
     assert (event["kind"], event["rank"], event["step"]) == ("hang", 1, 7)
     assert event["text"] == "rank 1 hung at step 7 (phase loop)" and event["report"] == "REPORT"
+
+
+def test_the_counter_counts_every_line_of_a_job_folder_given_again(tmp_path: Path) -> None:
+    first = JobRecord(tmp_path, "gpukit launch", ["x"])
+    first.event({"kind": "restart", "text": "restart 1/1"}, attempt=0)
+    first.end(1, "failed", 0)
+    again = JobRecord(tmp_path, "gpukit launch", ["x"])
+    again.event({"kind": "restart", "text": "restart 1/1"}, attempt=0)
+    with open(tmp_path / COUNT_FILE, "rb") as counter:
+        assert struct.unpack("<q", counter.read(8))[0] == 3 == again.count
+    assert len((tmp_path / EVENTS_FILE).read_text().splitlines()) == 3

@@ -80,11 +80,14 @@ class JobRecord:
         self.restarts = 0
         self.checkpoint = -1  # the job's newest checkpoint every rank took part in
         self.events: deque[dict[str, Any]] = deque(maxlen=KEPT_EVENTS)
-        self.count = 0
+        # The lines already there (a job folder given again): the counter counts every line.
+        self.count = _lines(folder / EVENTS_FILE)
         self.ended: dict[str, Any] | None = None
         self.live: dict[str, Any] | None = None  # the newest live.json written
         self._sampled_at = 0.0
         self._count_map = _count_map(folder / COUNT_FILE)
+        if self._count_map is not None:
+            struct.pack_into("<q", self._count_map, 0, self.count)
 
     def attempt_begins(self, node: int, attempt: int) -> None:
         """This node's place in attempt ``attempt``, about to start; node 0 tells
@@ -107,11 +110,13 @@ class JobRecord:
         }
         self.events.append(full)
         line = json.dumps(full) + "\n"
-        with contextlib.suppress(OSError):
-            append(self.folder / EVENTS_FILE, line, option="TMPDIR")
         if self.out is not None and self.node == 0:
             with contextlib.suppress(OSError):
                 append(self.out / EVENTS_FILE, line)
+        try:
+            append(self.folder / EVENTS_FILE, line, option="TMPDIR")
+        except OSError:
+            return  # the line is lost: the counter counts only the lines there
         self.count += 1
         if self._count_map is not None:
             struct.pack_into("<q", self._count_map, 0, self.count)
@@ -155,6 +160,14 @@ class JobRecord:
             with contextlib.suppress(ValueError):
                 self._count_map.close()
             self._count_map = None
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as lines:
+            return sum(1 for _ in lines)
+    except OSError:
+        return 0
 
 
 def _count_map(path: Path) -> mmap.mmap | None:
