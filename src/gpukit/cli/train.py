@@ -111,8 +111,7 @@ from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.errors import ConfigError, OutOfMemory, RunComplete
-from gpukit.launch import _launched_script, run_job
-from gpukit.launch.job import straggler_settings
+from gpukit.launch import _launched_script, run_job, watch_settings
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings_checks import resolve_devices
@@ -185,7 +184,7 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
             f"--startup-timeout {args.startup_timeout}: give seconds, 0 or more (0: never end "
             "a run whose rank does not begin)"
         )
-    stragglers = straggler_settings(args.straggler_factor, args.straggler_steps, flags=True)
+    recording = watch_settings(args.out, args.straggler_factor, args.straggler_steps)
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
     if args.overwrite and not args.out:
@@ -243,10 +242,8 @@ def _run(args: argparse.Namespace, worker: bool) -> int:
                 hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout,
                 name="gpukit train",
-                record_dir=args.out,
                 total_steps=planned(config)[0],
-                straggler_factor=stragglers[0],
-                straggler_steps=stragglers[1],
+                **recording,
             )
         metrics = rt.launch(fit, config)
     except RunComplete as done:  # --resume with nothing left to train: said, not an error

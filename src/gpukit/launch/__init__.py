@@ -40,7 +40,16 @@ from gpukit.launch.job import (
     INTERRUPTED_EXIT,
     RUNNER,
     run_job,
+    watch_settings,
 )
 from gpukit.launch.rendezvous import Nodes
 
-__all__ = ["DEFAULT_HANG_TIMEOUT", "GRACE_S", "INTERRUPTED_EXIT", "RUNNER", "Nodes", "run_job"]
+__all__ = [
+    "DEFAULT_HANG_TIMEOUT",
+    "GRACE_S",
+    "INTERRUPTED_EXIT",
+    "RUNNER",
+    "Nodes",
+    "run_job",
+    "watch_settings",
+]

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpukit import _env
 from gpukit._util.files import make_folder
@@ -357,6 +357,17 @@ def straggler_settings(factor: object, steps: object, flags: bool = False) -> tu
             f"slow before it is named (default {DEFAULT_STEPS}; 0: never name one)"
         )
     return number, count
+
+
+def watch_settings(record_dir: str | None, factor: object, steps: object) -> dict[str, Any]:
+    """``run_job``'s keywords for the job's watch from a command's flags (``--out``,
+    ``--straggler-factor``, ``--straggler-steps``), or the :class:`ConfigError` of a bad one.
+
+    >>> watch_settings(None, "1.5", "10")
+    {'record_dir': None, 'straggler_factor': 1.5, 'straggler_steps': 10}
+    """
+    factor, steps = straggler_settings(factor, steps, flags=True)
+    return {"record_dir": record_dir, "straggler_factor": factor, "straggler_steps": steps}
 
 
 def _world_changed(name: str, before: int, now: int) -> str:
