@@ -197,6 +197,8 @@ def namespace(**given: Any) -> argparse.Namespace:
         "max_restarts": 0,
         "hang_timeout": None,
         "startup_timeout": None,
+        "straggler_factor": "1.2",
+        "straggler_steps": "20",
         "script": __file__,
         "script_args": ["--x"],
     }
@@ -218,6 +220,13 @@ def namespace(**given: Any) -> argparse.Namespace:
         ({"max_restarts": -1}, "--max-restarts -1: give 0 or more"),
         ({"startup_timeout": -1.0}, "--startup-timeout -1: give seconds, 0 or more"),
         ({"startup_timeout": float("inf")}, "--startup-timeout inf: give seconds, 0 or more"),
+        ({"straggler_factor": "1"}, "--straggler-factor 1: give a number over 1"),
+        ({"straggler_factor": "0.5"}, "--straggler-factor 0.5: give a number over 1"),
+        ({"straggler_factor": "fast"}, "--straggler-factor fast: give a number over 1"),
+        ({"straggler_factor": "inf"}, "--straggler-factor inf: give a number over 1"),
+        ({"straggler_steps": "-1"}, "--straggler-steps -1: give a whole number of steps"),
+        ({"straggler_steps": "2.5"}, "--straggler-steps 2.5: give a whole number of steps"),
+        ({"straggler_steps": "many"}, "--straggler-steps many: give a whole number of steps"),
     ],
 )
 def test_bad_values_are_refused_before_anything_starts(given: dict[str, Any], message: str) -> None:

@@ -52,3 +52,36 @@ def test_restarts_or_a_hang_watch_with_dp_are_refused(capsys: pytest.CaptureFixt
         assert main(args) == 2
         err = capsys.readouterr().err
         assert "drives every device from one process" in err and "--strategy ddp" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--straggler-factor", "1"], "--straggler-factor 1: give a number over 1"),
+        (["--straggler-factor", "slow"], "--straggler-factor slow: give a number over 1"),
+        (["--straggler-steps", "-2"], "--straggler-steps -2: give a whole number of steps"),
+        (["--straggler-steps", "ten"], "--straggler-steps ten: give a whole number of steps"),
+    ],
+)
+def test_straggler_settings_that_cannot_work_are_refused(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main([*RUN, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_launcher_gets_the_straggler_settings_the_out_folder_and_the_steps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    started: list[dict[str, Any]] = []
+
+    def run_job(command: list[str], nproc: int, **options: Any) -> int:
+        started.append(options)
+        return 0
+
+    monkeypatch.setattr(train, "run_job", run_job)
+    flags = ["--hang-timeout", "60", "--straggler-factor", "1.5", "--straggler-steps", "0"]
+    assert main([*RUN, "--devices", "cpu", "--out", str(tmp_path / "o"), *flags]) == 0
+    (job,) = started
+    assert job["straggler_factor"] == 1.5 and job["straggler_steps"] == 0
+    assert job["record_dir"] == str(tmp_path / "o") and job["total_steps"] == 1

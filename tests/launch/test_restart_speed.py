@@ -159,6 +159,8 @@ def test_each_attempt_records_its_times_and_ends(tmp_path: Path) -> None:
         "1": [5, False],
     }
     assert record["started"] <= record["failed"] <= record["gone"]
+    (ended,) = [json.loads(line) for line in (tmp_path / "job" / "events.jsonl").open()]
+    assert (ended["kind"], ended["code"], ended["text"]) == ("ended", 1, "the job failed (exit 1)")
 
 
 @pytest.mark.parametrize(

@@ -311,6 +311,13 @@ def _train(folder: Path, warm: bool | None, monkeypatch: pytest.MonkeyPatch) -> 
         assert "restart 1/1" in out.getvalue()
         parents = {(folder / "notes" / f"{r}-1").read_text() for r in (0, 1)}
         assert (parents == {str(os.getpid())}) is not warm  # the restart was warm, or cold
+        # The job's events: the restart with its cause, then the end with its exit code.
+        lines = (folder / "job" / "events.jsonl").read_text().splitlines()
+        kinds = {e["kind"]: e for e in map(json.loads, lines)}
+        assert (
+            kinds["restart"]["cause"].startswith("rank 1 raised") and kinds["restart"]["rank"] == 1
+        )
+        assert kinds["ended"]["code"] == 0 and lines[-1] == json.dumps(kinds["ended"])
     checkpoints = folder / "run" / "checkpoints"
     newest = checkpoints / (checkpoints / "latest").read_text().strip()
     assert newest.name == f"step-{STEPS:08d}"

@@ -24,6 +24,11 @@ gpukit starts the processes itself, on every machine, and watches them:
     and stops; the command exits 143 and restarts nothing. Copies of the signal count once; a
     second Ctrl-C 2 s or more later stops them at once; GPUKIT_STOP_GRACE (default 25 s) is
     how long the processes get before they are killed;
+  - --straggler-factor X --straggler-steps N (default 1.2 and 20; 0 steps: never): a process
+    whose own time per step (outside the calls where processes meet) stays over X times the
+    median process's for N steps is named in one line, with the phase it loses its time in;
+    the job's folder keeps live.json (every process's figures, for `gpukit top`) and
+    events.jsonl;
   - the processes never outlive the command, even when it is killed with SIGKILL (Linux).
 
 One machine uses 127.0.0.1 and a free port (a fresh one at every restart). Several machines:
@@ -59,7 +64,9 @@ from gpukit.errors import ConfigError
 from gpukit.launch import DEFAULT_HANG_TIMEOUT, RUNNER, Nodes, run_job
 from gpukit.launch.clusters import with_cluster_defaults
 from gpukit.launch.failures import describe_exit
+from gpukit.launch.job import straggler_settings
 from gpukit.launch.ports import check_port
+from gpukit.launch.stragglers import DEFAULT_FACTOR, DEFAULT_STEPS
 
 __all__ = ["RUNNER", "describe_exit", "nodes", "register", "run"]
 
@@ -139,6 +146,22 @@ def register(sub: Any) -> None:
         "its start while another has, naming it and its line (default GPUKIT_STARTUP_TIMEOUT, "
         "else 900; 0: never)",
     )
+    parser.add_argument(
+        "--straggler-factor",
+        default=str(DEFAULT_FACTOR),
+        dest="straggler_factor",
+        metavar="X",
+        help="name a straggler: a process whose own time per step is over X times the "
+        f"median process's (default {DEFAULT_FACTOR:g})",
+    )
+    parser.add_argument(
+        "--straggler-steps",
+        default=str(DEFAULT_STEPS),
+        dest="straggler_steps",
+        metavar="N",
+        help="how many of its steps in a row a process stays that slow before it is named "
+        f"(default {DEFAULT_STEPS}; 0: never name one)",
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     parser.set_defaults(run=run)
@@ -162,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         master_port=port,
         name=f"gpukit {NAME}",
         nodes=several,
+        straggler_factor=args.straggler_factor,
+        straggler_steps=args.straggler_steps,
     )
 
 
@@ -222,6 +247,9 @@ def check(args: argparse.Namespace) -> None:
             f"--startup-timeout {args.startup_timeout:g}: give seconds, 0 or more (0: never "
             "stop a job whose process does not start)"
         )
+    args.straggler_factor, args.straggler_steps = straggler_settings(
+        args.straggler_factor, args.straggler_steps, flags=True
+    )
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise ConfigError(
             f"--master-port {args.master_port}: give a TCP port in 1..65535 (or leave it out "

@@ -112,7 +112,7 @@ from gpukit.diagnostics.memory import MemoryReport
 from gpukit.diagnostics.oom import explain
 from gpukit.diagnostics.oom_message import is_oom
 from gpukit.errors import ConfigError, OutOfMemory, RunComplete
-from gpukit.launch import _launched_script, run_job
+from gpukit.launch import _launched_script, run_job, watch_settings
 from gpukit.planning.remedies import with_figures
 from gpukit.runtime.runtime import Runtime
 from gpukit.runtime.settings_checks import resolve_devices
@@ -197,6 +197,7 @@ def _run(args: argparse.Namespace, worker: bool, outcome: RunEnd) -> int:
             f"--startup-timeout {args.startup_timeout}: give seconds, 0 or more (0: never end "
             "a run whose rank does not begin)"
         )
+    recording = watch_settings(args.out, args.straggler_factor, args.straggler_steps)
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict: continue, or start over")
     if args.overwrite and not args.out:
@@ -255,6 +256,8 @@ def _run(args: argparse.Namespace, worker: bool, outcome: RunEnd) -> int:
                 hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout,
                 name="gpukit train",
+                total_steps=planned(config)[0],
+                **recording,
             )
         outcome.began = True
         metrics = rt.launch(fit, config)

@@ -21,7 +21,11 @@ heartbeats, error records, stack dumps) and ``GPUKIT_ATTEMPT`` (0, 1, ...). Then
 - **preemption**: SIGTERM/SIGINT to the launcher, or to any rank, reaches every rank: they save
   at one step and exit 143, and so does the launcher, without restarting (``supervisor``);
 - **no orphans**: workers die with the launcher, even when it is SIGKILLed (Linux; elsewhere
-  when it exits or is signalled).
+  when it exits or is signalled);
+- **the job's view**: about once a second every rank's figures from its beats (``rank_stats``)
+  and its GPU (``gpu_watch``) go into ``live.json`` in the job's folder, a rank that stays
+  slower than the others is named once (``stragglers``), and the job's events are kept there
+  and in a record folder (``job_view``, ``job_records``).
 
 Several machines (``nodes``): every node runs this same launcher, and the nodes' launchers meet
 at each attempt through torch's c10d rendezvous (``rendezvous``), then tell each other every
@@ -36,7 +40,16 @@ from gpukit.launch.job import (
     INTERRUPTED_EXIT,
     RUNNER,
     run_job,
+    watch_settings,
 )
 from gpukit.launch.rendezvous import Nodes
 
-__all__ = ["DEFAULT_HANG_TIMEOUT", "GRACE_S", "INTERRUPTED_EXIT", "RUNNER", "Nodes", "run_job"]
+__all__ = [
+    "DEFAULT_HANG_TIMEOUT",
+    "GRACE_S",
+    "INTERRUPTED_EXIT",
+    "RUNNER",
+    "Nodes",
+    "run_job",
+    "watch_settings",
+]

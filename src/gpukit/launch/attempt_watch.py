@@ -29,6 +29,8 @@ from gpukit.launch.failures import (
 )
 from gpukit.launch.hang_reports import REPORT_FILE, Frame, stack_file, wait_for_dumps
 from gpukit.launch.hang_watch import HangWatch, Local
+from gpukit.launch.job_records import JobRecord
+from gpukit.launch.job_view import JobView
 from gpukit.launch.node_channel import Peers
 from gpukit.launch.node_messages import NodeLink
 from gpukit.launch.restarts import Progress
@@ -56,6 +58,10 @@ class WatchedSettings(Protocol):
     def name(self) -> str: ...
     @property
     def out(self) -> TextIO: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def record(self) -> JobRecord | None: ...
 
 
 class Watched(Protocol):
@@ -114,6 +120,11 @@ class AttemptWatch:
         self.failed: set[int] = set()  # ranks that ended failing (not stopped, not preempted)
         self.cut_short = 0  # graces ended early: every rank left waited on a failed one
         self.link = NodeLink(attempt.peers, attempt.waiting)
+        # The job's view for `gpukit top` and the straggler watch (about once a second).
+        self.view: JobView | None = None
+        if s.record is not None:
+            visible = s.env.get("CUDA_VISIBLE_DEVICES")
+            self.view = JobView(s.record, attempt, len(attempt.workers), visible, self._say)
 
     @property
     def _settings(self) -> WatchedSettings:
@@ -161,6 +172,13 @@ class AttemptWatch:
             self._deadline(now)  # the grace would only date their consequences
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_all()
+        if self.view is not None and self.hang is None:
+            self.view.tick(now, self.progress)
+
+    def _say(self, line: str) -> None:
+        s = self._settings
+        s.out.write(f"{s.name}: {line}\n")  # one write: a rank's output cannot land inside
+        s.out.flush()
 
     def _ended(self, worker: Worker, now: float) -> None:
         code = worker.returncode
@@ -255,6 +273,9 @@ class AttemptWatch:
         s.out.write(f"{found.report}\n{kept}\n")
         s.out.flush()
         fault = Fault("hung", found.rank, found.where, found.step, found.text, number)
+        if s.record is not None:
+            hang = {"kind": "hang", "rank": found.rank, "node": found.node, "step": found.step}
+            s.record.event({**hang, "text": found.text, "report": found.report}, number)
         self.hang = (fault, now)
         self.first_failure = now
         self.kill_all()
@@ -268,6 +289,8 @@ class AttemptWatch:
         return wait_for_dumps({w.rank: stack_file(s.folder, w.rank, number) for w in alive})
 
     def outcome(self) -> Outcome:
+        if self.view is not None:
+            self.view.close()
         ends = [self._end(w) for w in self.attempt.workers]
         stopped_at = max((w.ended_ns or 0) for w in self.attempt.workers) / 1e9
         progress, number = self.progress, self.attempt.number

@@ -5,12 +5,13 @@ prints what happened and returns the exit code for a command line.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpukit import _env
 from gpukit._util.files import make_folder
@@ -26,6 +27,7 @@ from gpukit.launch.failures import (
 )
 from gpukit.launch.hang_reports import REPORT_FILE
 from gpukit.launch.job_folders import fresh_job_dir, release, swept
+from gpukit.launch.job_records import JobRecord
 from gpukit.launch.node_messages import settle
 from gpukit.launch.rendezvous import JobState, LocalMeeting, Nodes, StoreMeeting
 from gpukit.launch.restarts import (
@@ -39,6 +41,7 @@ from gpukit.launch.restarts import (
 )
 from gpukit.launch.signals import Signals
 from gpukit.launch.starters import CommandStarter, RankStarter
+from gpukit.launch.stragglers import DEFAULT_FACTOR, DEFAULT_STEPS
 from gpukit.launch.supervisor import Attempt, Settings
 from gpukit.launch.warm_restarts import WarmRestarts
 from gpukit.launch.workers import kill_leftovers
@@ -68,6 +71,10 @@ def run_job(
     startup_timeout: float | None = None,
     on_attempt: Callable[[Attempt, Outcome], None] | None = None,
     nodes: Nodes | None = None,
+    record_dir: str | Path | None = None,
+    total_steps: int | None = None,
+    straggler_factor: float = DEFAULT_FACTOR,
+    straggler_steps: int = DEFAULT_STEPS,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this machine; the exit code for a command line:
     0 success, 143 stopped on request (preempted: the ranks saved), 130 stopped at once by a
@@ -97,6 +104,14 @@ def run_job(
     of a job over several (every node calls ``run_job`` with the same command and ``nproc``);
     its ranks are ``node * nproc + 0..nproc-1`` of ``nnodes * nproc``.
 
+    While it runs, the launcher keeps ``JOB/live.json`` (every rank's figures, for ``gpukit
+    top``) and ``JOB/events.jsonl`` in the job's folder (``job_records``), and names
+    stragglers: a rank whose own time per step is over ``straggler_factor`` times the others'
+    median for ``straggler_steps`` steps in a row (0: never). ``record_dir``: a folder that
+    also gets the job's events, samples of its ranks' figures and the job folder's path
+    (``gpukit train --out``); ``total_steps``: the steps the run will take, for an estimate of
+    the time left.
+
     Call it from the thread that will live as long as the job (the main thread, normally): the
     ranks are tied to it, and only there can the launcher catch SIGTERM and SIGINT.
 
@@ -113,6 +128,9 @@ def run_job(
     if startup_timeout is not None and not 0 <= startup_timeout < float("inf"):
         raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
     startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
+    straggler_factor, straggler_steps = straggler_settings(straggler_factor, straggler_steps)
+    if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 0):
+        raise ConfigError(f"total_steps={total_steps!r}: give the run's steps (0 or more) or None")
     if job_dir is None:
         for line in swept(name):
             print(line, file=out if out is not None else sys.stderr, flush=True)
@@ -129,6 +147,18 @@ def run_job(
         ranks, cold_restarts = WarmRestarts.for_job(argv, variables, folder, max_restarts)
     else:
         ranks = command
+    if record_dir is not None:
+        make_folder(record_dir)
+    # Made before any rank starts: rank 0 maps the events' counter when it begins.
+    record = JobRecord(
+        folder,
+        name,
+        _command_of(command),
+        Path(record_dir).resolve() if record_dir is not None else None,
+        total_steps,
+        straggler_factor,
+        straggler_steps,
+    )
     settings = Settings(
         ranks=ranks,
         nproc=nproc,
@@ -142,6 +172,7 @@ def run_job(
         out=out if out is not None else sys.stderr,
         startup_timeout=startup or None,
         on_attempt=on_attempt,
+        record=record,
     )
     if cold_restarts is not None:
         _say(settings, [f"{name}: {cold_restarts}"])
@@ -153,7 +184,9 @@ def run_job(
             ranks.close()
         raise
     try:
-        return _attempts(settings, signals, meeting, crash_loop)
+        code = _attempts(settings, signals, meeting, crash_loop)
+        record.end(code, _how(code, record), record.attempt)
+        return code
     finally:
         signals.restore()
         meeting.close()
@@ -185,6 +218,8 @@ def _attempts(
         number = job.attempt
         attempt = Attempt(s, number, place.port, signals, max(job.checkpoint, 0))
         attempt.peers, attempt.master_addr = place.peers, place.master_addr
+        if s.record is not None:
+            s.record.attempt_begins(place.peers.node, number)
         if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
             attempt.waiting = meeting.waiting
         outcome = attempt.run()
@@ -206,6 +241,8 @@ def _attempts(
             restarts[-1].startup_s = outcome.progress.startup_s()
             restarts[-1].resume_s = outcome.progress.resume_s()
         job.checkpoint = max(job.checkpoint, outcome.progress.checkpoint)
+        if s.record is not None:
+            s.record.checkpoint = job.checkpoint
         if outcome.progress.advanced and outcome.progress.step is not None:
             job.furthest = max(job.furthest, outcome.progress.step)
         faults = job.faults
@@ -232,6 +269,8 @@ def _attempts(
             return PREEMPTED_EXIT
         if outcome.status == "failed" and outcome.lost:
             _say(s, [f"{s.name}: {outcome.lost}"])
+            if s.record is not None:
+                s.record.event({"kind": "node-lost", "text": outcome.lost}, number)
         elif outcome.status == "failed":
             mistake = bad_input(outcome.ends, s.name)
             if mistake:  # as the command says it in one process; a restart would repeat it
@@ -260,6 +299,75 @@ def _attempts(
             Restart(job.used, outcome.fault, lost, outcome.stop_s, rule=rule or "", early=early)
         )
         _say(s, [f"{s.name}: {restarts[-1].line(s.max_restarts)}"])
+        if s.record is not None:
+            s.record.restarts = job.used
+            cause = outcome.fault
+            restart = {"kind": "restart", "rank": cause.rank, "step": cause.step}
+            line = restarts[-1].line(s.max_restarts)
+            s.record.event({**restart, "cause": cause.text, "text": line}, number)
+
+
+def _how(code: int, record: JobRecord) -> str:
+    """The end in a word, for the job's last event."""
+    if code == 0:
+        return "finished"
+    if code in (PREEMPTED_EXIT, INTERRUPTED_EXIT):
+        return "stopped"
+    hung = any(e["kind"] == "hang" for e in record.events)
+    return "hung" if hung and code == 1 else "failed"
+
+
+def _command_of(command: list[str] | RankStarter) -> list[str]:
+    """The command line the ranks run, as shown (a function's ranks have none)."""
+    if isinstance(command, list):
+        return [str(a) for a in command]
+    argv = getattr(command, "command", None)
+    return [str(a) for a in argv] if isinstance(argv, list) else [type(command).__name__]
+
+
+def straggler_settings(factor: object, steps: object, flags: bool = False) -> tuple[float, int]:
+    """The straggler watch's factor and steps from numbers or their text (a command's flags),
+    or a :class:`ConfigError` saying what is allowed (``flags``: in the flags' words).
+
+    >>> straggler_settings("1.5", "10")
+    (1.5, 10)
+    """
+    said_factor = f"--straggler-factor {factor}" if flags else f"straggler_factor={factor!r}"
+    said_steps = f"--straggler-steps {steps}" if flags else f"straggler_steps={steps!r}"
+    try:
+        if isinstance(factor, bool):
+            raise ValueError
+        number = float(factor)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 1 < number < math.inf:
+        raise ConfigError(
+            f"{said_factor}: give a number over 1, how many times the median rank's "
+            f"time a straggler's own time per step is (default {DEFAULT_FACTOR:g})"
+        )
+    try:
+        if isinstance(steps, (bool, float)):
+            raise ValueError
+        count = int(steps)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0:
+        raise ConfigError(
+            f"{said_steps}: give a whole number of steps, 0 or more, a rank must stay "
+            f"slow before it is named (default {DEFAULT_STEPS}; 0: never name one)"
+        )
+    return number, count
+
+
+def watch_settings(record_dir: str | None, factor: object, steps: object) -> dict[str, Any]:
+    """``run_job``'s keywords for the job's watch from a command's flags (``--out``,
+    ``--straggler-factor``, ``--straggler-steps``), or the :class:`ConfigError` of a bad one.
+
+    >>> watch_settings(None, "1.5", "10")
+    {'record_dir': None, 'straggler_factor': 1.5, 'straggler_steps': 10}
+    """
+    factor, steps = straggler_settings(factor, steps, flags=True)
+    return {"record_dir": record_dir, "straggler_factor": factor, "straggler_steps": steps}
 
 
 def _world_changed(name: str, before: int, now: int) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpukit.launch.attempt_watch import AttemptWatch, Outcome
+from gpukit.launch.job_records import JobRecord
 from gpukit.launch.node_channel import LocalPeers, Peers
 from gpukit.launch.restarts import Progress
 from gpukit.launch.signals import Signals
@@ -56,6 +57,7 @@ class Settings:
     out: TextIO
     startup_timeout: float | None = None  # seconds from a rank's start to its first beat
     on_attempt: Callable[[Attempt, Outcome], None] | None = None  # told how each one ended
+    record: JobRecord | None = None  # live.json, events, --out's records (job_records)
 
 
 @dataclass

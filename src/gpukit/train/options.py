@@ -16,7 +16,7 @@ Who reads an option (its :class:`TrainOption`'s ``reader``):
 - ``"command"``: the command itself, before anything starts (``--config``, ``--overwrite``).
 
 >>> [flag_name(f) for f in fields() if option(f).reader == "launcher"]
-['--max-restarts', '--hang-timeout', '--startup-timeout']
+['--max-restarts', '--hang-timeout', '--startup-timeout', '--straggler-factor', '--straggler-steps']
 >>> sorted(record(TrainConfig(workload="mlp", max_restarts=2)))[:4]
 ['batch_size', 'compile_why', 'epochs', 'lr']
 """
@@ -220,6 +220,20 @@ class TrainConfig:
         metavar="SECONDS",
         help="under gpukit's launcher, end the run when a rank has not begun this long after "
         "its start while another has (default GPUKIT_STARTUP_TIMEOUT, else 900; 0: never)",
+    )
+    straggler_factor: str = train_option(
+        "1.2",
+        reader="launcher",
+        metavar="X",
+        help="under gpukit's launcher, name a rank whose own time per step is over X times "
+        "the median rank's (default 1.2)",
+    )
+    straggler_steps: str = train_option(
+        "20",
+        reader="launcher",
+        metavar="N",
+        help="how many of its steps in a row a rank stays that slow before it is named "
+        "(default 20; 0: never name one)",
     )
     # What --compile made of this run and why (gpukit.train.fast), for its summary.
     compile_why: str = train_option("", flag=False, rerun=False)
