@@ -10,7 +10,7 @@ import pytest
 from gpukit.errors import ConfigError
 from gpukit.launch import run_job
 from gpukit.launch.job import straggler_settings
-from gpukit.launch.stragglers import Seen, Stragglers, gpu_words
+from gpukit.launch.stragglers import MIN_READS, Seen, Stragglers, gpu_words
 
 FAST = {"data": 0.002, "forward": 0.010, "optimizer": 0.003, "loop": 0.001}
 
@@ -86,11 +86,14 @@ def test_zero_steps_turns_the_detector_off_and_one_rank_has_nobody_to_compare() 
 def test_the_gpu_words_join_the_line() -> None:
     detector = Stragglers(factor=1.2, steps=5)
     gpu = {"index": 1, "throttle": ["power cap", "sync boost"], "other_processes": 2}
+    for step in (0, 5):  # the reads before the one that names it (MIN_READS)
+        detector.judge(
+            [Seen(0, 0, "h", step, 0.01, FAST), Seen(1, 0, "h", step, 0.05, SLOW_DATA, gpu)], 0, 0.0
+        )
     seen = [
         Seen(0, 0, "h", 10, 0.01, FAST),
         Seen(1, 0, "h", 10, 0.05, SLOW_DATA, gpu),
     ]
-    detector.judge([*seen[:1], Seen(1, 0, "h", 0, 0.05, SLOW_DATA, gpu)], 0, 0.0)
     (event,) = detector.judge(seen, attempt=0, now=1.0)
     assert event["text"].endswith(
         "; GPU 1: clocks throttled (power cap); 2 other process(es) on it"
@@ -128,3 +131,20 @@ def test_run_job_refuses_straggler_settings_that_cannot_work(
 
 def test_settings_given_as_text_are_numbers() -> None:
     assert straggler_settings("1.5", "0") == (1.5, 0)
+
+
+def test_one_noisy_read_names_nobody_even_with_enough_steps_in_it() -> None:
+    detector = Stragglers(factor=1.2, steps=20)
+    fast = [Seen(0, 0, "h", 0, 0.01, FAST), Seen(1, 0, "h", 0, 0.01, FAST)]
+    assert detector.judge(fast, 0, 0.0) == []
+    # 50 steps in one read, rank 1 slow: steps enough, but a single read.
+    noisy = [Seen(0, 0, "h", 50, 0.01, FAST), Seen(1, 0, "h", 50, 0.05, SLOW_DATA)]
+    assert detector.judge(noisy, 0, 1.0) == []
+    calm = [Seen(0, 0, "h", 100, 0.01, FAST), Seen(1, 0, "h", 100, 0.01, FAST)]
+    assert detector.judge(calm, 0, 2.0) == []
+    # Slow over MIN_READS reads in a row: named at the third.
+    found = [
+        detector.judge([Seen(0, 0, "h", s, 0.01, FAST), Seen(1, 0, "h", s, 0.05, SLOW_DATA)], 0, t)
+        for t, s in enumerate((150, 200, 250), start=3)
+    ]
+    assert [len(f) for f in found] == [0, 0, 1] and MIN_READS == 3
