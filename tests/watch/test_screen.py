@@ -77,7 +77,7 @@ def test_notes_stale_nodes_and_events_are_lines_under_the_table() -> None:
         "node 1 (node-b): no news for 12 s, its ranks show their last known state (no post)",
     ]
     assert below[2] == "last events:"
-    assert below[3].endswith("  restart  restart 1 of 3: rank 3 exited with code 1")
+    assert below[3].endswith("  restart 1 of 3: rank 3 exited with code 1")
     assert "  straggler  rank 1 (node 0, host node-a) is 2.4x slower" in below[4]
 
 

@@ -5,8 +5,8 @@ detector judges every rank against the others: slow when its own time per step i
 ``factor`` times the median of the other ranks'. A rank slow for ``steps`` of its steps in a
 row, over :data:`MIN_READS` reads at least (about as many seconds: one window of fast steps can
 hold ``steps`` steps, and one noisy second must name nobody), is named once; once it has been
-no longer slow as long, it has recovered, said once too. Steps, not reads, are counted: a rank seen twice at the same step (a node's post read
-again) counts nothing twice.
+no longer slow as long, it has recovered, said once too. A rank seen twice at the same step (a
+node's post read again) counts nothing twice.
 
 What it says names where the time goes: the phase among data, forward, optimizer and the user's
 code between steps (loop) in which the rank spends the most over the others' median, and what

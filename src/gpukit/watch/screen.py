@@ -200,8 +200,11 @@ def _stale_nodes(view: dict[str, Any]) -> list[str]:
 def _event_line(event: dict[str, Any]) -> str:
     at = number(event.get("time"))
     when = time.strftime("%H:%M:%S", time.localtime(at)) if at is not None else MISSING
-    text = event.get("text") or f"rank {_whole(event.get('rank'))}"
-    return f"{when}  {event.get('kind') or MISSING}  {text}"
+    kind = str(event.get("kind") or MISSING)
+    text = str(event.get("text") or f"rank {_whole(event.get('rank'))}")
+    if text.startswith(kind.split("-")[0]):  # "straggler: rank 1 ...": the kind said once
+        return f"{when}  {text}"
+    return f"{when}  {kind}  {text}"
 
 
 # --- the rank table's columns --------------------------------------------------------------------
