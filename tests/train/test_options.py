@@ -88,6 +88,8 @@ def test_every_rank_gets_the_loop_and_runtime_options_and_not_the_launchers() ->
         "max_restarts",
         "hang_timeout",
         "startup_timeout",
+        "straggler_factor",
+        "straggler_steps",
     }
     for f in options.flags():
         expected = _given(f) if f.name in ranks else f.default
