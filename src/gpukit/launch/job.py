@@ -9,6 +9,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -185,7 +186,8 @@ def run_job(
         raise
     try:
         code = _attempts(settings, signals, meeting, crash_loop)
-        record.end(code, _how(code, record), record.attempt)
+        with _contained(settings, record):
+            record.end(code, _how(code, record), record.attempt)
         return code
     finally:
         signals.restore()
@@ -219,7 +221,8 @@ def _attempts(
         attempt = Attempt(s, number, place.port, signals, max(job.checkpoint, 0))
         attempt.peers, attempt.master_addr = place.peers, place.master_addr
         if s.record is not None:
-            s.record.attempt_begins(place.peers.node, number)
+            with _contained(s, s.record):
+                s.record.attempt_begins(place.peers.node, number)
         if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
             attempt.waiting = meeting.waiting
         outcome = attempt.run()
@@ -270,7 +273,8 @@ def _attempts(
         if outcome.status == "failed" and outcome.lost:
             _say(s, [f"{s.name}: {outcome.lost}"])
             if s.record is not None:
-                s.record.event({"kind": "node-lost", "text": outcome.lost}, number)
+                with _contained(s, s.record):
+                    s.record.event({"kind": "node-lost", "text": outcome.lost}, number)
         elif outcome.status == "failed":
             mistake = bad_input(outcome.ends, s.name)
             if mistake:  # as the command says it in one process; a restart would repeat it
@@ -304,7 +308,13 @@ def _attempts(
             cause = outcome.fault
             restart = {"kind": "restart", "rank": cause.rank, "step": cause.step}
             line = restarts[-1].line(s.max_restarts)
-            s.record.event({**restart, "cause": cause.text, "text": line}, number)
+            with _contained(s, s.record):
+                s.record.event({**restart, "cause": cause.text, "text": line}, number)
+
+
+def _contained(s: Settings, record: JobRecord) -> AbstractContextManager[None]:
+    """Around the launcher's records: their error is said once, never the job's end."""
+    return record.contained(lambda line: _say(s, [f"{s.name}: {line}"]))
 
 
 def _how(code: int, record: JobRecord) -> str:
