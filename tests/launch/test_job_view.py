@@ -14,6 +14,7 @@ from typing import Any
 from gpukit.launch.attempt_watch import AttemptWatch
 from gpukit.launch.hang_watch import Found
 from gpukit.launch.heartbeat import PHASES, Beat
+from gpukit.launch.job import _how
 from gpukit.launch.job_records import (
     COUNT_FILE,
     EVENTS_FILE,
@@ -261,3 +262,13 @@ def test_an_error_in_the_view_is_said_once_and_never_fails_the_job(
     assert "KeyError: 'gpu'" in lines[0] and "the job goes on" in lines[0]
     record.event({"kind": "restart", "text": "restart 1/1"}, attempt=0)  # still records
     assert (tmp_path / EVENTS_FILE).read_text().count("\n") == 1
+
+
+def test_the_end_says_hung_only_when_the_last_attempt_hung(tmp_path: Path) -> None:
+    record = JobRecord(tmp_path, "gpukit launch", ["x"])
+    record.event({"kind": "hang", "rank": 1, "text": "rank 1 hung"}, attempt=0)
+    assert _how(1, record) == "hung"
+    record.attempt_begins(0, 1)  # restarted: this attempt failed another way
+    assert _how(1, record) == "failed"
+    record.event({"kind": "hang", "rank": 0, "text": "rank 0 hung"}, attempt=1)
+    assert _how(1, record) == "hung" and _how(0, record) == "finished"

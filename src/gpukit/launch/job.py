@@ -323,7 +323,8 @@ def _how(code: int, record: JobRecord) -> str:
         return "finished"
     if code in (PREEMPTED_EXIT, INTERRUPTED_EXIT):
         return "stopped"
-    hung = any(e["kind"] == "hang" for e in record.events)
+    # A hang of an earlier attempt, restarted, is not how a later one ended.
+    hung = any(e["kind"] == "hang" and e["attempt"] == record.attempt for e in record.events)
     return "hung" if hung and code == 1 else "failed"
 
 
