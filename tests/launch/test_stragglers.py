@@ -55,6 +55,18 @@ def test_a_rank_slow_for_fewer_steps_than_asked_is_not_named() -> None:
     assert events == []
 
 
+def test_one_slow_window_of_many_steps_names_nobody() -> None:
+    # Fast steps, a read a second: 50 steps a window. A pause of rank 1 (a collection, a
+    # write) makes one window's average slow: no straggler, however many steps it spans.
+    detector = Stragglers(factor=1.2, steps=20)
+    events = run(detector, range(0, 150, 50), {})
+    events += run(detector, range(150, 200, 50), {1: SLOW_DATA})
+    events += run(detector, range(200, 400, 50), {})
+    assert events == []
+    events = run(detector, range(400, 550, 50), {1: SLOW_DATA})  # slow window after window
+    assert [(e["kind"], e["step"]) for e in events] == [("straggler", 450)]
+
+
 def test_a_rank_within_the_factor_is_not_slow() -> None:
     barely = {**FAST, "forward": 0.012}  # 1.13x the others
     assert run(Stragglers(factor=1.2, steps=5), range(0, 50, 5), {3: barely}) == []
