@@ -138,5 +138,11 @@ def test_run_job_refuses_straggler_settings_that_cannot_work(
         run_job(["true"], 1, straggler_factor=factor, straggler_steps=steps)
 
 
+@pytest.mark.parametrize("total", [-1, 2.5, "200", True])
+def test_run_job_refuses_a_total_of_steps_that_is_no_count(total: Any) -> None:
+    with pytest.raises(ConfigError, match=r"total_steps=.*: give the run's steps \(0 or more\)"):
+        run_job(["true"], 1, total_steps=total)
+
+
 def test_settings_given_as_text_are_numbers() -> None:
     assert straggler_settings("1.5", "0") == (1.5, 0)

@@ -130,7 +130,8 @@ def run_job(
         raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
     startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
     straggler_factor, straggler_steps = straggler_settings(straggler_factor, straggler_steps)
-    if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 0):
+    whole = isinstance(total_steps, int) and not isinstance(total_steps, bool)
+    if total_steps is not None and not (whole and total_steps >= 0):
         raise ConfigError(f"total_steps={total_steps!r}: give the run's steps (0 or more) or None")
     if job_dir is None:
         for line in swept(name):
