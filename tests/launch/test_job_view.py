@@ -261,6 +261,18 @@ def test_an_error_in_the_view_is_said_once_and_never_fails_the_job(
     assert lines[0].startswith("gpukit launch: the job's watch (live.json for gpukit top")
     assert "KeyError: 'gpu'" in lines[0] and "the job goes on" in lines[0]
     record.event({"kind": "restart", "text": "restart 1/1"}, attempt=0)  # still records
+    # Said once for the job: a later attempt's failure, or an output that refuses the line,
+    # raises nothing either.
+    with record.contained(out.write):
+        raise OSError("later")
+    fresh = JobRecord(tmp_path, "gpukit launch", ["x"])
+
+    def refusing(line: str) -> None:
+        raise BrokenPipeError(line)
+
+    with fresh.contained(refusing):
+        raise KeyError("gpu")
+    assert len(out.getvalue().splitlines()) == 1
     assert (tmp_path / EVENTS_FILE).read_text().count("\n") == 1
 
 

@@ -104,11 +104,14 @@ class JobRecord:
             if not self.failed:
                 self.failed = True
                 said = str(err).splitlines()[0] if str(err).strip() else ""
-                say(
-                    f"the job's watch (live.json for gpukit top, stragglers, its records) "
-                    f"failed: {type(err).__name__}{': ' + said if said else ''}; the job goes on "
-                    "without it (later failures of the watch are not said)"
-                )
+                # An output that refuses the line too (a closed pipe) is no reason to stop.
+                with contextlib.suppress(Exception):
+                    say(
+                        f"the job's watch (live.json for gpukit top, stragglers, its records) "
+                        f"failed: {type(err).__name__}{': ' + said if said else ''}; the job "
+                        "goes on (the watch tries again at its next refresh; later failures "
+                        "are not said)"
+                    )
 
     def attempt_begins(self, node: int, attempt: int) -> None:
         """This node's place in attempt ``attempt``, about to start; node 0 tells
