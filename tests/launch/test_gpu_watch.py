@@ -77,6 +77,14 @@ def test_a_gpu_is_read_in_words_and_numbers() -> None:
     }
 
 
+def test_other_processes_are_unknown_where_nvml_names_none_of_the_job_s() -> None:
+    # In a container NVML gives the host's pids: the job's rank 11 shows as, say, 4711.
+    reading, _ = GpuWatch(None, nvml=fake_nvml()).read(1, pids={4711}, now=0.0)
+    assert reading is not None and reading["other_processes"] is None
+    reading, _ = GpuWatch(None, nvml=fake_nvml()).read(0, pids={10, 12}, now=0.0)
+    assert reading is not None and reading["other_processes"] == 0
+
+
 def test_the_rank_s_device_is_mapped_through_cuda_visible_devices() -> None:
     nvml = fake_nvml()
     watch = GpuWatch("1,0", nvml=nvml)

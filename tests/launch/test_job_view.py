@@ -14,6 +14,7 @@ from typing import Any
 from gpukit.launch.attempt_watch import AttemptWatch
 from gpukit.launch.hang_watch import Found
 from gpukit.launch.heartbeat import PHASES, Beat
+from gpukit.launch.job import _how
 from gpukit.launch.job_records import (
     COUNT_FILE,
     EVENTS_FILE,
@@ -216,3 +217,70 @@ def test_the_counter_counts_every_line_of_a_job_folder_given_again(tmp_path: Pat
     with open(tmp_path / COUNT_FILE, "rb") as counter:
         assert struct.unpack("<q", counter.read(8))[0] == 3 == again.count
     assert len((tmp_path / EVENTS_FILE).read_text().splitlines()) == 3
+
+
+def test_an_error_in_the_view_is_said_once_and_never_fails_the_job(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    out = io.StringIO()
+    record = JobRecord(tmp_path, "gpukit launch", ["x"])
+    settings = Settings(
+        ranks=CommandStarter(["x"]),
+        nproc=2,
+        env={},
+        folder=tmp_path,
+        max_restarts=0,
+        hang_timeout=0.0,
+        grace=1.5,
+        stop_timeout=25.0,
+        name="gpukit launch",
+        out=out,
+        record=record,
+    )
+    attempt = Attempt(settings, 0, 0, Signals.__new__(Signals))
+    attempt.workers = [Process(0), Process(1)]  # type: ignore[assignment]
+    attempt.signals.received = False  # type: ignore[misc]
+    for w in attempt.workers:
+        w.pid = 2**22 + 1  # type: ignore[attr-defined]  # no such process
+    watch = AttemptWatch(attempt, Progress(0.0, 2))
+    assert watch.view is not None
+
+    def broken(*args: Any) -> None:
+        raise KeyError("gpu")
+
+    monkeypatch.setattr(watch.view.gpus, "read", broken)
+    monkeypatch.setattr(watch.view, "close", broken)
+    watch.progress.last[0] = beat(0, 3, 100.0, 0.01, 0.0)  # a beat: the GPU is read
+    for second in range(3):
+        watch.check(100.0 + second)  # raises nothing
+    for w in attempt.workers:
+        w.returncode = 0  # type: ignore[misc]
+    watch.outcome()  # its close raises too
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("gpukit launch: the job's watch (live.json for gpukit top")
+    assert "KeyError: 'gpu'" in lines[0] and "the job goes on" in lines[0]
+    record.event({"kind": "restart", "text": "restart 1/1"}, attempt=0)  # still records
+    # Said once for the job: a later attempt's failure, or an output that refuses the line,
+    # raises nothing either.
+    with record.contained(out.write):
+        raise OSError("later")
+    fresh = JobRecord(tmp_path, "gpukit launch", ["x"])
+
+    def refusing(line: str) -> None:
+        raise BrokenPipeError(line)
+
+    with fresh.contained(refusing):
+        raise KeyError("gpu")
+    assert len(out.getvalue().splitlines()) == 1
+    assert (tmp_path / EVENTS_FILE).read_text().count("\n") == 1
+
+
+def test_the_end_says_hung_only_when_the_last_attempt_hung(tmp_path: Path) -> None:
+    record = JobRecord(tmp_path, "gpukit launch", ["x"])
+    record.event({"kind": "hang", "rank": 1, "text": "rank 1 hung"}, attempt=0)
+    assert _how(1, record) == "hung"
+    record.attempt_begins(0, 1)  # restarted: this attempt failed another way
+    assert _how(1, record) == "failed"
+    record.event({"kind": "hang", "rank": 0, "text": "rank 0 hung"}, attempt=1)
+    assert _how(1, record) == "hung" and _how(0, record) == "finished"

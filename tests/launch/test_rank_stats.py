@@ -46,6 +46,19 @@ def test_a_window_is_the_steps_between_two_reads_and_its_own_time_leaves_out_mee
     assert stats.samples_per_s() == pytest.approx(16.0)
 
 
+def test_the_seconds_a_rank_took_to_start_are_in_no_window() -> None:
+    stats = RankStats(0)
+    stats.observe(replace(beat(0, 100.0, {}), phase="start"))  # read while it starts
+    # 30 s later it is in its first step: those 30 s went to starting, not to a step.
+    stats.observe(replace(beat(0, 130.0, {"start": 20.0, "setup": 10.0}), phase="forward"))
+    assert stats.window is None
+    stats.observe(beat(10, 131.0, {"start": 20.0, "setup": 10.0, "forward": 0.6}))
+    window = stats.window
+    assert window is not None and window.steps == 10
+    assert window.step_s == pytest.approx(0.1) and window.own_s == pytest.approx(0.1)
+    assert stats.step_s_median == pytest.approx(0.1)
+
+
 def test_the_median_step_is_over_the_last_windows_only() -> None:
     stats = RankStats(0)
     time, step = 0.0, 0

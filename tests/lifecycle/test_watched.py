@@ -71,6 +71,19 @@ def test_each_phase_gets_the_seconds_until_the_next_beat(tmp_path: Path, clock: 
     assert record.last_step_s == step_s
 
 
+def test_what_another_thread_sets_is_in_the_record_from_the_next_beat(tmp_path: Path) -> None:
+    # A background write that landed (its thread) and the preemption's handler set attributes
+    # only, for the main thread's next beat to write: the launcher reads them from the record.
+    beats = Heartbeat(tmp_path, rank=0)
+    beats.beat("loop", 3)
+    beats.saved_step = 3
+    beats.stop_requested = True
+    beats.beat("data", 3)
+    record = heartbeat.read(tmp_path, 0)
+    assert record is not None and record.saved_step == 3 and record.stop_requested
+    assert record.phase == "data" and record.step == 3
+
+
 def test_the_last_step_is_known_from_the_second_step_end(tmp_path: Path, clock: Clock) -> None:
     beats = Heartbeat(tmp_path, rank=0)
     beats.beat("loop", 1)

@@ -142,6 +142,21 @@ def test_out_whose_job_folder_is_gone(tmp_path: Path) -> None:
         find_job(out=str(tmp_path))
 
 
+def test_out_shared_by_the_nodes_read_where_the_job_folder_is_not(tmp_path: Path) -> None:
+    # OUT on a shared disk, read on node 1: OUT/job names node 0's folder, on node 0's disk.
+    (tmp_path / OUT_JOB_FILE).write_text("/tmp/gpukit-job-4242-x1y2z3\n")
+    (tmp_path / ".gpukit.lock").write_text(
+        '{"pid": 4242, "host": "node-a", "started": "2026-11-29 10:00:00", '
+        '"command": "gpukit train"}'
+    )
+    with pytest.raises(ConfigError) as refused:
+        find_job(out=str(tmp_path))
+    said = str(refused.value)
+    assert "is on host node-a, whose pid 4242 on host node-a since" in said
+    assert "run gpukit top there, or `gpukit top` alone on a node of the job" in said
+    assert "ended" not in said
+
+
 @pytest.mark.parametrize("text", ["", '{"step": 4', "[1, 2]", "\xff\xfe"])
 def test_a_view_half_written_or_unreadable_is_none(tmp_path: Path, text: str) -> None:
     (tmp_path / LIVE_FILE).write_text(text, encoding="latin-1")

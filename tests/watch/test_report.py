@@ -7,6 +7,7 @@ import html
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,17 @@ def test_a_running_run_is_reported_from_what_it_recorded_so_far(tmp_path: Path) 
     assert 'class="status-running">running<' in page
     assert "not planned: no metrics.json" in page
     assert {"loss", "throughput", "memory"} <= figure_ids(page)
+
+
+def test_a_run_resumed_in_a_folder_whose_last_run_ended_is_running(tmp_path: Path) -> None:
+    folder = two_rank_run(tmp_path / "run", finished=True)  # its events end with "ended"
+    assert read_run(folder).status == "finished"
+    (folder / ".gpukit.lock").write_text(
+        f'{{"pid": {os.getpid()}, "host": "{socket.gethostname()}", '
+        '"started": "2026-11-29 11:00:00", "command": "gpukit train --resume"}'
+    )
+    run = read_run(folder)
+    assert run.status == "running" and "gpukit train --resume" in run.status_why
 
 
 def test_a_run_whose_process_is_gone_is_failed(tmp_path: Path) -> None:

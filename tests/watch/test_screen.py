@@ -90,6 +90,18 @@ def test_the_gpu_notes_of_ranks_are_said_once_for_the_ranks_that_share_them() ->
     assert "rank 1: odd" in lines
 
 
+def test_a_note_the_launcher_gathered_from_its_ranks_and_nodes_is_said_once() -> None:
+    # As the launcher writes them: its ranks' notes and its nodes' are in the view's notes too.
+    missing = "NVML: not installed (pip install nvidia-ml-py): no GPU readings"
+    view = two_nodes(notes=[missing, "node 1: no post"])
+    for rank in view["ranks"]:
+        rank["gpu_note"] = missing
+    text = shown(view)
+    assert text.count("NVML: not installed") == 1 and missing in text.splitlines()
+    assert text.count("no post") == 1  # in the stale node's own line
+    assert "node 1 (node-b): no news for 12 s" in text
+
+
 def test_ranks_on_cpu_show_their_resident_memory_and_no_gpu_columns() -> None:
     view = two_nodes()
     for rank in view["ranks"]:

@@ -121,10 +121,12 @@ class AttemptWatch:
         self.cut_short = 0  # graces ended early: every rank left waited on a failed one
         self.link = NodeLink(attempt.peers, attempt.waiting)
         # The job's view for `gpukit top` and the straggler watch (about once a second).
+        # Its errors are contained (JobRecord.contained): the watch never fails the job.
         self.view: JobView | None = None
         if s.record is not None:
             visible = s.env.get("CUDA_VISIBLE_DEVICES")
-            self.view = JobView(s.record, attempt, len(attempt.workers), visible, self._say)
+            with s.record.contained(self._say):
+                self.view = JobView(s.record, attempt, len(attempt.workers), visible, self._say)
 
     @property
     def _settings(self) -> WatchedSettings:
@@ -173,7 +175,8 @@ class AttemptWatch:
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_all()
         if self.view is not None and self.hang is None:
-            self.view.tick(now, self.progress)
+            with self.view.record.contained(self._say):
+                self.view.tick(now, self.progress)
 
     def _say(self, line: str) -> None:
         s = self._settings
@@ -275,7 +278,8 @@ class AttemptWatch:
         fault = Fault("hung", found.rank, found.where, found.step, found.text, number)
         if s.record is not None:
             hang = {"kind": "hang", "rank": found.rank, "node": found.node, "step": found.step}
-            s.record.event({**hang, "text": found.text, "report": found.report}, number)
+            with s.record.contained(self._say):
+                s.record.event({**hang, "text": found.text, "report": found.report}, number)
         self.hang = (fault, now)
         self.first_failure = now
         self.kill_all()
@@ -290,7 +294,8 @@ class AttemptWatch:
 
     def outcome(self) -> Outcome:
         if self.view is not None:
-            self.view.close()
+            with self.view.record.contained(self._say):
+                self.view.close()
         ends = [self._end(w) for w in self.attempt.workers]
         stopped_at = max((w.ended_ns or 0) for w in self.attempt.workers) / 1e9
         progress, number = self.progress, self.attempt.number

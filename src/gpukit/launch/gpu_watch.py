@@ -5,7 +5,8 @@ A rank writes the CUDA index of its device in its beat (its own numbering, withi
 ``CUDA_VISIBLE_DEVICES`` the launcher gave it); the watch maps it through that variable to the
 GPU NVML knows (an index, a ``GPU-`` UUID, or a ``MIG-`` one) and reads its utilisation, power
 and limit, temperature, SM clock and its maximum, the reasons its clocks are held back, and
-the processes on it that are not the job's. NVML is initialised once for each attempt's watch;
+the processes on it that are not the job's (unknown where NVML's pids are not the launcher's:
+in a container). NVML is initialised once for each attempt's watch;
 readings are taken at most once a second. NVML missing or refusing is a note to show, never an
 exception: the job runs the same without it.
 
@@ -150,10 +151,21 @@ def _reading(nvml: Any, handle: Any, device: int, pids: set[int]) -> dict[str, A
         "sm_clock_mhz": _optional(nvml.nvmlDeviceGetClockInfo, handle, _CLOCK_SM),
         "max_sm_clock_mhz": _optional(nvml.nvmlDeviceGetMaxClockInfo, handle, _CLOCK_SM),
         "throttle": throttle_words(int(mask)) if mask is not None else [],
-        "other_processes": (
-            len({int(p.pid) for p in processes} - pids) if processes is not None else None
-        ),
+        "other_processes": _others(processes, pids),
     }
+
+
+def _others(processes: Any, pids: set[int]) -> int | None:
+    """The processes on the GPU that are not the job's; None when NVML does not say, or when
+    its list names none of the job's processes while it names some: NVML gives the pids of
+    the machine's namespace, and a launcher in a container (its own pid namespace) would
+    count the job's own ranks as others."""
+    if processes is None:
+        return None
+    found = {int(p.pid) for p in processes}
+    if pids and found and not found & pids:
+        return None
+    return len(found - pids)
 
 
 def _optional(call: Callable[..., Any], *args: Any) -> Any:

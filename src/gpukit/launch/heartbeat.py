@@ -85,6 +85,7 @@ _TAIL_AT = _SPENT_AT + len(PHASES) * _SECONDS.size
 _SEQ = struct.Struct("=Q")
 # The fields a beat writes, as indexes into the map seen as 8-byte or 4-byte items.
 _Q_SEQ, _D_TIME, _Q_STEP, _I_PHASE, _Q_CALLS = 0, 1, 2, 9, 6
+_Q_SAVED, _I_STOP = 3, 10  # set as attributes by other threads and handlers: every beat writes
 _D_SPENT = _SPENT_AT // 8
 assert _HEAD.size == 56 and _SPENT_AT % 8 == 0 and _TAIL_AT % 8 == 0
 _SIZE = struct.calcsize(_FORMAT)
@@ -220,6 +221,10 @@ class Heartbeat:
         words[_Q_STEP] = step
         self._ints[_I_PHASE] = self._phase_index
         words[_Q_CALLS] = self.calls
+        # What a checkpoint's thread (a background write landed) and the preemption's handler
+        # set as attributes, for the next beat to write: this thread alone writes the record.
+        words[_Q_SAVED] = self.saved_step
+        self._ints[_I_STOP] = int(self.stop_requested)
         if where is not None and where != self.where:
             self.where = where
             _WHERE.pack_into(self._map, _WHERE_AT, where)

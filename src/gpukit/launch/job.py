@@ -9,6 +9,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -129,7 +130,8 @@ def run_job(
         raise ConfigError(f"startup_timeout={startup_timeout}: give seconds >= 0 (0: never)")
     startup = _env.startup_timeout() if startup_timeout is None else startup_timeout
     straggler_factor, straggler_steps = straggler_settings(straggler_factor, straggler_steps)
-    if total_steps is not None and not (isinstance(total_steps, int) and total_steps >= 0):
+    whole = isinstance(total_steps, int) and not isinstance(total_steps, bool)
+    if total_steps is not None and not (whole and total_steps >= 0):
         raise ConfigError(f"total_steps={total_steps!r}: give the run's steps (0 or more) or None")
     if job_dir is None:
         for line in swept(name):
@@ -185,7 +187,8 @@ def run_job(
         raise
     try:
         code = _attempts(settings, signals, meeting, crash_loop)
-        record.end(code, _how(code, record), record.attempt)
+        with _contained(settings, record):
+            record.end(code, _how(code, record), record.attempt)
         return code
     finally:
         signals.restore()
@@ -219,7 +222,8 @@ def _attempts(
         attempt = Attempt(s, number, place.port, signals, max(job.checkpoint, 0))
         attempt.peers, attempt.master_addr = place.peers, place.master_addr
         if s.record is not None:
-            s.record.attempt_begins(place.peers.node, number)
+            with _contained(s, s.record):
+                s.record.attempt_begins(place.peers.node, number)
         if isinstance(meeting, StoreMeeting) and meeting.nodes.elastic:
             attempt.waiting = meeting.waiting
         outcome = attempt.run()
@@ -270,7 +274,8 @@ def _attempts(
         if outcome.status == "failed" and outcome.lost:
             _say(s, [f"{s.name}: {outcome.lost}"])
             if s.record is not None:
-                s.record.event({"kind": "node-lost", "text": outcome.lost}, number)
+                with _contained(s, s.record):
+                    s.record.event({"kind": "node-lost", "text": outcome.lost}, number)
         elif outcome.status == "failed":
             mistake = bad_input(outcome.ends, s.name)
             if mistake:  # as the command says it in one process; a restart would repeat it
@@ -304,7 +309,13 @@ def _attempts(
             cause = outcome.fault
             restart = {"kind": "restart", "rank": cause.rank, "step": cause.step}
             line = restarts[-1].line(s.max_restarts)
-            s.record.event({**restart, "cause": cause.text, "text": line}, number)
+            with _contained(s, s.record):
+                s.record.event({**restart, "cause": cause.text, "text": line}, number)
+
+
+def _contained(s: Settings, record: JobRecord) -> AbstractContextManager[None]:
+    """Around the launcher's records: their error is said once, never the job's end."""
+    return record.contained(lambda line: _say(s, [f"{s.name}: {line}"]))
 
 
 def _how(code: int, record: JobRecord) -> str:
@@ -313,7 +324,8 @@ def _how(code: int, record: JobRecord) -> str:
         return "finished"
     if code in (PREEMPTED_EXIT, INTERRUPTED_EXIT):
         return "stopped"
-    hung = any(e["kind"] == "hang" for e in record.events)
+    # A hang of an earlier attempt, restarted, is not how a later one ended.
+    hung = any(e["kind"] == "hang" and e["attempt"] == record.attempt for e in record.events)
     return "hung" if hung and code == 1 else "failed"
 
 

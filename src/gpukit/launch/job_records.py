@@ -10,7 +10,9 @@ With a record folder (``gpukit train --out OUT``): ``OUT/job`` (the job folder's
 ``gpukit top --out OUT`` follows), ``OUT/events.jsonl`` (the same events) and
 ``OUT/ranks.jsonl`` (samples of every rank's figures, appended by node 0 at an interval that
 grows with the run: ``clamp(elapsed / 200, 1 s, 30 s)``, about 200 samples a run). Each write
-appends whole lines; a disk that refuses loses that record, never the job.
+appends whole lines; a disk that refuses loses that record, never the job. Any other error
+of the watch's own code is contained too (:meth:`JobRecord.contained`): said once for the job,
+in one line, and the job runs on as it would without a watch.
 
 >>> import tempfile
 >>> from pathlib import Path
@@ -30,6 +32,7 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +88,30 @@ class JobRecord:
         self.ended: dict[str, Any] | None = None
         self.live: dict[str, Any] | None = None  # the newest live.json written
         self._sampled_at = 0.0
+        self.failed = False  # the watch's own code raised: said once, never again
         self._count_map = _count_map(folder / COUNT_FILE)
         if self._count_map is not None:
             struct.pack_into("<q", self._count_map, 0, self.count)
+
+    @contextlib.contextmanager
+    def contained(self, say: Callable[[str], None]) -> Iterator[None]:
+        """Around the watch's work (the view, the records): an error in it never reaches the
+        job, which runs the same without its watch; the first is said, in one line through
+        ``say``, and no later one (the view tries again at its next refresh)."""
+        try:
+            yield
+        except Exception as err:
+            if not self.failed:
+                self.failed = True
+                said = str(err).splitlines()[0] if str(err).strip() else ""
+                # An output that refuses the line too (a closed pipe) is no reason to stop.
+                with contextlib.suppress(Exception):
+                    say(
+                        f"the job's watch (live.json for gpukit top, stragglers, its records) "
+                        f"failed: {type(err).__name__}{': ' + said if said else ''}; the job "
+                        "goes on (the watch tries again at its next refresh; later failures "
+                        "are not said)"
+                    )
 
     def attempt_begins(self, node: int, attempt: int) -> None:
         """This node's place in attempt ``attempt``, about to start; node 0 tells

@@ -2,7 +2,9 @@
 
 A rank's beat carries running totals (the seconds spent in each phase so far, its step); the
 launcher reads it about once a second and takes the difference to the previous read that was
-a step behind: a *window* of whole steps. Per step of that window:
+a step behind: a *window* of whole steps. A window begins at a read of a rank in its steps, not
+at one still starting (``start``, ``setup``, ``load``): the seconds a rank took to start are
+not its steps'. Per step of that window:
 
 - ``own_s``: the rank's own work, the window's seconds less those spent where ranks meet
   (``backward``, ``collective``): data, forward, optimizer, the user's code. The rank the
@@ -40,6 +42,8 @@ WINDOWS = 20  # windows the median seconds per step is taken over
 WAITING_PHASES = ("backward", "collective")
 # Where a rank's own time goes, the phases a straggler's excess is named by.
 OWN_PHASES = ("data", "forward", "optimizer", "loop")
+# A rank still starting: a read in one of these begins no window.
+STARTING_PHASES = frozenset({"start", "setup", "load"})
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class RankStats:
         if base is not None and (beat.attempt != base.attempt or beat.step < base.step):
             self.reset()  # a new attempt (or a rank that went back to a checkpoint)
         self.beat = beat
-        if self._base is None or not beat.spent:
+        if self._base is None or not beat.spent or self._base.phase in STARTING_PHASES:
             self._base = beat
             return
         steps = beat.step - self._base.step

@@ -3,10 +3,11 @@
 Fed each rank's newest window (its own time per step, ``rank_stats``) about once a second, the
 detector judges every rank against the others: slow when its own time per step is over
 ``factor`` times the median of the other ranks'. A rank slow for ``steps`` of its steps in a
-row, over :data:`MIN_READS` reads at least (about as many seconds: one window of fast steps can
-hold ``steps`` steps, and one noisy second must name nobody), is named once; once it has been
-no longer slow as long, it has recovered, said once too. A rank seen twice at the same step (a
-node's post read again) counts nothing twice.
+row is named once; once it has been no longer slow for ``steps`` steps, it has recovered, said
+once too. Steps, not reads, are counted: a rank seen twice at the same step (a node's post read
+again) counts nothing twice. A window is an average over its steps, so one window alone never
+names a rank (nor says it recovered), however many steps it spans: a pause of a second (a
+collection, a write) in a window of fast steps makes the whole window slow, not the rank.
 
 What it says names where the time goes: the phase among data, forward, optimizer and the user's
 code between steps (loop) in which the rank spends the most over the others' median, and what
@@ -33,7 +34,7 @@ from gpukit.launch.rank_stats import OWN_PHASES
 
 DEFAULT_FACTOR = 1.2
 DEFAULT_STEPS = 20
-MIN_READS = 3  # reads in a row a run of slow (or of good) steps must span
+MIN_WINDOWS = 2  # a run of slow (or good) steps spans at least this many windows
 # The GPU's state words worth saying beside a straggler: others are not its slowness.
 _GPU_WORDS = ("power cap", "thermal", "hardware thermal", "hardware slowdown", "power brake")
 
@@ -71,7 +72,7 @@ class _Run:
     """A rank's current run of slow (or, once named, of good) steps."""
 
     since: int | None = None  # the step the run began at
-    reads: int = 0  # the reads, with steps taken, that the run spans
+    windows: int = 0  # the windows seen in the run (a step moved between two)
     named: dict[str, Any] | None = None  # the event that named it, while it is a straggler
     last_step: int | None = None
 
@@ -109,15 +110,16 @@ class Stragglers:
             # While unnamed the run counts slow steps; once named, steps no longer slow.
             counting = slow if run.named is None else not slow
             if not counting:
-                run.since, run.reads = None, 0
+                run.since = None
                 continue
             if run.since is None:
                 run.since = before if before is not None and before < rank.step else rank.step
+                run.windows = 0
             if before is None or before < rank.step:
-                run.reads += 1
-            if rank.step - run.since < self.steps or run.reads < MIN_READS:
+                run.windows += 1
+            if rank.step - run.since < self.steps or run.windows < MIN_WINDOWS:
                 continue
-            run.since, run.reads = None, 0
+            run.since = None
             if run.named is None:
                 run.named = _named(rank, others, median, attempt, now)
                 run.named["text"] = _line(rank, others, median, self.steps)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from gpukit.checkpoint import lock as folder_lock
 from gpukit.errors import ConfigError
 from gpukit.launch.job_folders import PREFIX, launcher_pid, pid_alive
 
@@ -143,6 +145,14 @@ def _out_job(out: Path) -> Path:
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{given}: cannot read {pointer}: {err}") from err
     if not folder.is_dir():
+        # A shared OUT read on another node than node 0's: the folder is on that machine.
+        holder = folder_lock.holder(out)
+        if holder is not None and holder.host != socket.gethostname():
+            raise ConfigError(
+                f"{given}: the run's job folder {folder} (named in {pointer}) is on host "
+                f"{holder.host}, whose {holder.describe()} holds the run (not checked from "
+                "here): run gpukit top there, or `gpukit top` alone on a node of the job"
+            )
         raise ConfigError(
             f"{given}: the run's job has ended: its folder {folder} (named in {pointer}) is gone"
         )

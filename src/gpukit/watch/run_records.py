@@ -261,6 +261,11 @@ def _status(run: RunRecords, ended: Ended | None) -> tuple[str, str]:
     """(finished | running | failed | stopped, why it is said)."""
     if ended is not None:
         return _from_code(ended.code), ended.how
+    # A live process holding the folder runs now, whatever the records' last end says: that
+    # is an earlier run's, one this run resumes (they append to the same events.jsonl).
+    holder = folder_lock.holder(run.folder)
+    if holder is not None and holder.host == socket.gethostname() and _alive(holder.pid):
+        return "running", f"{holder.describe()} holds the folder"
     last = next((e for e in reversed(run.events) if e.get("kind") == "ended"), None)
     if last is not None and isinstance(last.get("code"), int):
         code = last["code"]

@@ -175,10 +175,18 @@ def _ended(ended: Any) -> str:
 
 
 def _notes(view: dict[str, Any], ranks: Sequence[Rank]) -> list[str]:
-    lines = [str(n) for n in _list(view.get("notes")) if n]
+    """The view's notes, then each rank's GPU note with the ranks that share it. The launcher
+    gathers its ranks' notes and its nodes' into the view's: those said there, or by the line
+    of a stale node, are not said again."""
+    stale = {
+        f"node {_whole(node.get('node'))}: {node.get('note')}"
+        for node in _list(view.get("nodes"))
+        if isinstance(node, dict) and node.get("stale")
+    }
+    lines = [str(n) for n in _list(view.get("notes")) if n and str(n) not in stale]
     by_note: dict[str, list[str]] = {}
     for rank in ranks:
-        if rank.get("gpu_note"):
+        if rank.get("gpu_note") and str(rank["gpu_note"]) not in lines:
             by_note.setdefault(str(rank["gpu_note"]), []).append(_whole(rank.get("rank")))
     for note, which in by_note.items():
         lines.append(f"rank{'s' if len(which) > 1 else ''} {', '.join(which)}: {note}")
