@@ -76,6 +76,20 @@ def test_a_running_run_is_reported_from_what_it_recorded_so_far(tmp_path: Path) 
     assert {"loss", "throughput", "memory"} <= figure_ids(page)
 
 
+@pytest.mark.parametrize(
+    ("ended", "said"),
+    [
+        (Ended.of_code(0), "finished; no checkpoint"),
+        (Ended.of_error(RuntimeError("boom")), "failed: boom; no checkpoint"),
+        (Ended.of_code(143), "stopped on request (SIGTERM or Ctrl-C), after saving; no"),
+        (None, "finished: gpukit train: finished (exit code 0); no checkpoint"),  # events
+    ],
+)
+def test_how_the_run_ended_is_said_once(tmp_path: Path, ended: Ended | None, said: str) -> None:
+    page = page_of(two_rank_run(tmp_path / "run"), **({"ended": ended} if ended else {}))
+    assert f'<p class="sub">{html.escape(said)}' in page
+
+
 def test_a_run_whose_process_is_gone_is_failed(tmp_path: Path) -> None:
     folder = two_rank_run(tmp_path / "run", finished=False)
     assert read_run(folder).status == "failed"
