@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_hex
 
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError, OutputWriteError
 from gpukit.watch.plan_check import plan_check
 from gpukit.watch.report import REPORT, write_report
+from gpukit.watch.report_plots import EVENT_STYLES, timeline
 from gpukit.watch.run_records import Ended, read_run
 from tests.watch.run_folders import HANG_REPORT, metrics, rank, two_rank_run
 
@@ -214,3 +216,15 @@ def test_a_long_run_of_many_ranks_stays_a_small_page(tmp_path: Path) -> None:
     assert {"throughput", "memory", "data-wait"} <= figure_ids(page)
     assert "median of 16 ranks" in page  # one band for the ranks, not 16 lines
     assert len(page) < 2_000_000
+
+
+def test_a_hang_stays_visible_over_the_restart_at_the_same_moment() -> None:
+    events = [
+        {"time": 8.0, "kind": "hang", "rank": 1},
+        {"time": 8.0, "kind": "restart", "rank": 1},
+    ]
+    svg = timeline(events, start=0.0)
+    assert svg is not None
+    purple, red = EVENT_STYLES["hang"][1], EVENT_STYLES["restart"][1]
+    hang, restart = (svg.index(f"fill: {to_hex(colour)}") for colour in (purple, red))
+    assert restart < hang  # drawn first, so under
