@@ -71,6 +71,15 @@ def test_each_phase_gets_the_seconds_until_the_next_beat(tmp_path: Path, clock: 
     assert record.last_step_s == step_s
 
 
+def test_a_background_save_that_landed_goes_out_with_the_next_beat(tmp_path: Path) -> None:
+    beats = Heartbeat(tmp_path, rank=0)
+    beats.beat("forward", 4)
+    beats.saved_step = 4  # what the write's thread sets when it lands (one writer: the beat)
+    beats.beat("backward", 4)
+    record = heartbeat.read(tmp_path, 0)
+    assert record is not None and record.saved_step == 4  # the launcher knows it is there
+
+
 def test_the_last_step_is_known_from_the_second_step_end(tmp_path: Path, clock: Clock) -> None:
     beats = Heartbeat(tmp_path, rank=0)
     beats.beat("loop", 1)

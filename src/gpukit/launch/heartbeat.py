@@ -84,7 +84,7 @@ _SPENT_AT = _WHERE_AT + _WHERE_BYTES
 _TAIL_AT = _SPENT_AT + len(PHASES) * _SECONDS.size
 _SEQ = struct.Struct("=Q")
 # The fields a beat writes, as indexes into the map seen as 8-byte or 4-byte items.
-_Q_SEQ, _D_TIME, _Q_STEP, _I_PHASE, _Q_CALLS = 0, 1, 2, 9, 6
+_Q_SEQ, _D_TIME, _Q_STEP, _Q_SAVED, _I_PHASE, _Q_CALLS = 0, 1, 2, 3, 9, 6
 _D_SPENT = _SPENT_AT // 8
 assert _HEAD.size == 56 and _SPENT_AT % 8 == 0 and _TAIL_AT % 8 == 0
 _SIZE = struct.calcsize(_FORMAT)
@@ -218,6 +218,9 @@ class Heartbeat:
         words[_Q_SEQ] = self._seq
         doubles[_D_TIME] = now
         words[_Q_STEP] = step
+        # A background save's thread sets saved_step when its write lands; the beat, the one
+        # writer of the record, carries it to the launcher.
+        words[_Q_SAVED] = self.saved_step
         self._ints[_I_PHASE] = self._phase_index
         words[_Q_CALLS] = self.calls
         if where is not None and where != self.where:
