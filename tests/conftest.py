@@ -264,11 +264,12 @@ CLUSTER_VARIABLES = ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX")
 def clean_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Tests start with none of the variables that steer device choice or describe a cluster
-    job (restored after), and keep what gpukit remembers about the machine out of the user's
-    own cache folder."""
+    """Tests start with none of the variables that steer device choice, describe a cluster
+    job or set the width of printed text (restored after), and keep what gpukit remembers
+    about the machine out of the user's own cache folder."""
     for name in ("GPUKIT_DEVICE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)  # printed text is laid out the same anywhere
     # Tests run inside a Slurm job or a Kubernetes pod too: gpukit launch would read its nodes.
     for name in list(os.environ):
         if name.startswith(("SLURM_", "PET_")) or name in CLUSTER_VARIABLES:

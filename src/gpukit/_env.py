@@ -348,6 +348,20 @@ def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def columns() -> int | None:
+    """``COLUMNS``: how wide the user asked text to be laid out (a positive whole number),
+    else None; what a program printing off a terminal goes by.
+
+    >>> os.environ["COLUMNS"] = "110"; columns()
+    110
+    >>> os.environ["COLUMNS"] = "wide"; columns() is None
+    True
+    >>> del os.environ["COLUMNS"]
+    """
+    value = os.environ.get("COLUMNS", "").strip()
+    return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else None
+
+
 def cuda_device_order() -> str | None:
     """``CUDA_DEVICE_ORDER`` as set, or None when unset (CUDA then orders fastest first)."""
     return os.environ.get("CUDA_DEVICE_ORDER")

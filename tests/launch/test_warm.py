@@ -27,12 +27,12 @@ SRC = str(Path(gpukit.__file__).resolve().parents[1])
 ROOT = Path(__file__).resolve().parents[2]
 
 REPORT = """
-import json, os, sys
+import json, os, sys, tempfile
 print("to stdout", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 with open(os.environ["OUT"], "w") as file:
     json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(),
-               "path0": sys.path[0], "main": __name__}, file)
+               "path0": sys.path[0], "main": __name__, "tmp": tempfile.gettempdir()}, file)
 """
 
 
@@ -83,7 +83,8 @@ def test_a_warm_rank_gets_exactly_what_a_cold_one_gets(
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    given = {"PATH": os.environ["PATH"], "PYTHONPATH": SRC, **({"LANG": lang} if lang else {})}
+    given = {"PATH": os.environ["PATH"], "PYTHONPATH": SRC, "TMPDIR": str(tmp_path)}
+    given.update({"LANG": lang} if lang else {})
     seen = {}
     for how, socket in (("cold", None), ("warm", server)):
         worker = start(
@@ -101,6 +102,7 @@ def test_a_warm_rank_gets_exactly_what_a_cold_one_gets(
     assert seen["warm"]["cwd"] == str(work)
     assert seen["warm"]["path0"] == str(tmp_path)
     assert seen["warm"]["main"] == "__main__"
+    assert seen["warm"]["tmp"] == str(tmp_path)  # not the server's, which Python kept
     if lang is not None:
         assert seen["warm"]["env"] == given
 

@@ -11,11 +11,13 @@ import socket
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_hex
 
 from gpukit.cli.__main__ import main
 from gpukit.errors import ConfigError, OutputWriteError
 from gpukit.watch.plan_check import plan_check
 from gpukit.watch.report import REPORT, write_report
+from gpukit.watch.report_plots import EVENT_STYLES, timeline
 from gpukit.watch.run_records import Ended, read_run
 from tests.watch.run_folders import HANG_REPORT, metrics, rank, two_rank_run
 
@@ -86,6 +88,20 @@ def test_a_run_resumed_in_a_folder_whose_last_run_ended_is_running(tmp_path: Pat
     )
     run = read_run(folder)
     assert run.status == "running" and "gpukit train --resume" in run.status_why
+
+
+@pytest.mark.parametrize(
+    ("ended", "said"),
+    [
+        (Ended.of_code(0), "finished; no checkpoint"),
+        (Ended.of_error(RuntimeError("boom")), "failed: boom; no checkpoint"),
+        (Ended.of_code(143), "stopped on request (SIGTERM or Ctrl-C), after saving; no"),
+        (None, "finished: gpukit train: finished (exit code 0); no checkpoint"),  # events
+    ],
+)
+def test_how_the_run_ended_is_said_once(tmp_path: Path, ended: Ended | None, said: str) -> None:
+    page = page_of(two_rank_run(tmp_path / "run"), **({"ended": ended} if ended else {}))
+    assert f'<p class="sub">{html.escape(said)}' in page
 
 
 def test_a_run_whose_process_is_gone_is_failed(tmp_path: Path) -> None:
@@ -212,3 +228,15 @@ def test_a_long_run_of_many_ranks_stays_a_small_page(tmp_path: Path) -> None:
     assert {"throughput", "memory", "data-wait"} <= figure_ids(page)
     assert "median of 16 ranks" in page  # one band for the ranks, not 16 lines
     assert len(page) < 2_000_000
+
+
+def test_a_hang_stays_visible_over_the_restart_at_the_same_moment() -> None:
+    events = [
+        {"time": 8.0, "kind": "hang", "rank": 1},
+        {"time": 8.0, "kind": "restart", "rank": 1},
+    ]
+    svg = timeline(events, start=0.0)
+    assert svg is not None
+    purple, red = EVENT_STYLES["hang"][1], EVENT_STYLES["restart"][1]
+    hang, restart = (svg.index(f"fill: {to_hex(colour)}") for colour in (purple, red))
+    assert restart < hang  # drawn first, so under

@@ -3,43 +3,15 @@ DOM holds the figures and the run's headline."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from gpukit.watch.report import write_report
+from tests.watch.browsers import browse, needs_chromium
 from tests.watch.run_folders import two_rank_run
 
-CHROMIUM = shutil.which("chromium")
-# No network, no first-run pages, no background services: the page alone, from the disk.
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-pytestmark = [
-    pytest.mark.processes,
-    pytest.mark.skipif(
-        CHROMIUM is None,
-        reason="chromium is not installed (make install installs it as root: "
-        "apt-get install chromium)",
-    ),
-]
-
-
-def browse(tmp_path: Path, page: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    profile = tmp_path / "chromium-profile"
-    command = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+pytestmark = [pytest.mark.processes, needs_chromium]
 
 
 def test_chromium_shows_the_figures_and_the_headline(tmp_path: Path) -> None:

@@ -84,6 +84,18 @@ def test_once_prints_one_screen(job: Path, capsys: pytest.CaptureFixture[str]) -
     assert "   0   1 slow     40   61 / 61 ms" in out
 
 
+@pytest.mark.parametrize("columns", [100, 120])
+def test_once_off_a_terminal_is_as_wide_as_columns_says(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, columns: int
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["top", "--job", str(job), "--once"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "gpukit train  2 nodes x 2 ranks  step 37/200 (18%)"
+    assert max(map(len, lines)) <= columns
+    assert any(line.startswith("   0   1 slow     40") for line in lines)
+
+
 def test_once_retries_a_view_being_written(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (job / LIVE_FILE).write_text('{"step": 4')
     with Publisher(job, period=0.3):  # its next write is whole

@@ -3,20 +3,17 @@ launcher's view changes, quits on q and on Ctrl-C, and leaves the terminal as it
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
 import shlex
 import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.watch.live_views import Publisher, job_folder
+from tests.watch.terminals import Pane, tmux_pane
 
 pytestmark = [
     pytest.mark.processes,
@@ -24,45 +21,10 @@ pytestmark = [
 ]
 
 
-class Pane:
-    """One tmux pane running bash, on a tmux server of its own (a private socket)."""
-
-    def __init__(self, socket: str) -> None:
-        self.socket = socket
-
-    def tmux(self, *args: str) -> str:
-        done = subprocess.run(
-            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    def type(self, *keys: str) -> None:
-        self.tmux("send-keys", "-t", "top", *keys)
-
-    def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-t", "top")
-
-    def command(self) -> str:
-        return self.tmux("display-message", "-p", "-t", "top", "#{pane_current_command}").strip()
-
-    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, f"waited for {what}; the pane:\n{self.screen()}"
-            time.sleep(0.1)
-
-
 @pytest.fixture
 def pane() -> Iterator[Pane]:
-    socket = f"gpukit-top-{os.getpid()}-{secrets.token_hex(4)}"  # one per test, across workers
-    pane = Pane(socket)
-    shell = "env PS1='$ ' bash --norc --noprofile"
-    pane.tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50", shell)
-    try:
+    with tmux_pane() as pane:
         yield pane
-    finally:
-        subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=30)
 
 
 def shown_step(screen: str) -> int | None:

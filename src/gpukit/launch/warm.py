@@ -61,6 +61,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from gpukit.launch import warm_exit
@@ -278,8 +279,11 @@ def _reopen_stdio(env: dict[str, str]) -> None:
 
 
 def _fresh_state(env: dict[str, str]) -> None:
-    """Seed what the fork copied (random's own fork hook reseeds it) and size torch's CPU
-    thread pool from the rank's ``OMP_NUM_THREADS``, which torch read at import."""
+    """Seed what the fork copied (random's own fork hook reseeds it), size torch's CPU
+    thread pool from the rank's ``OMP_NUM_THREADS``, which torch read at import, and forget
+    the server's temporary folder, which ``tempfile`` keeps once asked: the rank's is found
+    again from its own ``TMPDIR``."""
+    tempfile.tempdir = None
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()

@@ -28,6 +28,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from gpukit import _env
 from gpukit.errors import ConfigError
 from gpukit.watch.jobs import LIVE_FILE, read_view, stopped
 from gpukit.watch.screen import screen
@@ -43,8 +44,8 @@ Mode = Literal["live", "json", "once"]
 QUIT_KEYS = frozenset("qQ")
 # --once reads again for this long when the view is being rewritten or not written yet.
 ONCE_WAIT_S = 3.0
-# Off a terminal the screen is laid out this wide rather than rich's 80 columns: the rank
-# table folds its cells below about 170.
+# Off a terminal, without COLUMNS, the screen is laid out this wide rather than rich's 80
+# columns: the rank table drops its least needed columns below about 170.
 PLAIN_WIDTH = 180
 
 
@@ -62,9 +63,12 @@ def watch(folder: Path, *, interval: float = 1.0, mode: Mode = "live") -> int:
 
 
 def _console() -> Console:
-    """A console on stdout, :data:`PLAIN_WIDTH` wide off a terminal."""
+    """A console on stdout; off a terminal as wide as ``COLUMNS`` says (``COLUMNS=110 gpukit
+    top --once`` for a page or a README), else :data:`PLAIN_WIDTH`."""
     console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=PLAIN_WIDTH)
+    if console.is_terminal:
+        return console
+    return Console(highlight=False, width=_env.columns() or PLAIN_WIDTH)
 
 
 def _once(folder: Path) -> int:

@@ -162,10 +162,11 @@ def _headline_section(run: RunRecords) -> str:
     )
     newest = newest_checkpoint(run)
     saved = f"newest checkpoint: {newest}" if newest else "no checkpoint"
-    return (
-        f'<table id="headline">{rows}</table>'
-        f'<p class="sub">{e(run.status)}: {e(run.status_why)}; {e(saved)}</p>'
-    )
+    # How a run ended is mostly said starting with its status ("failed: boom", "finished"):
+    # the status is put in front only where the words do not already begin with it.
+    why = run.status_why
+    ended = why if why.startswith(run.status) else f"{run.status}: {why}"
+    return f'<table id="headline">{rows}</table><p class="sub">{e(ended)}; {e(saved)}</p>'
 
 
 def _notes_section(run: RunRecords) -> str:

@@ -238,7 +238,17 @@ def timeline(events: list[dict[str, Any]], start: float | None) -> str | None:
         y = y_of.get(rank, 0) if isinstance(rank, int) else 0
         label = kind if kind not in drawn else None
         drawn.add(kind)
-        ax.scatter([float(event["time"]) - origin], [y], marker=marker, c=colour, s=70, label=label)
+        # A hang and the restart after it fall on one point: the restart's disc goes under.
+        layer = 2 if kind == "restart" else 3
+        ax.scatter(
+            [float(event["time"]) - origin],
+            [y],
+            marker=marker,
+            c=colour,
+            s=70,
+            label=label,
+            zorder=layer,
+        )
     ax.set_yticks(range(len(rows) + 1), ["job", *[f"rank {r}" for r in rows]])
     ax.set_ylim(-0.6, len(rows) + 0.6)
     ax.set_xlabel("seconds since the start")
