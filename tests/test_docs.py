@@ -47,6 +47,7 @@ NEEDS = {
     "long run": "a long run (minutes): `make demo`, `make test`, a full benchmark",
     "script": "runs a script of the reader's that the page does not show",
     "launcher": "a script for a launcher alone (torchrun): the console block after it runs it",
+    "a running job": "watches a job that another command runs at the same time",
 }
 LANGUAGES = {"python", "console", "sh", "json", "yaml", "text"}
 # Generated pages that a link may name before the generator has written them.
