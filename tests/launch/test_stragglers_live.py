@@ -115,11 +115,16 @@ def test_a_rank_slow_in_its_data_is_named_with_the_phase(tmp_path: Path) -> None
 def test_a_rank_sharing_its_core_with_a_busy_process_is_named(tmp_path: Path) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to pin the ranks to")
+    # Each competitor in a session of its own: the kernel shares a core between sessions
+    # (autogroups) before processes, so three sessions on core 1 leave rank 1 a quarter of
+    # it, whatever else runs on the machine.
     busy = [
         subprocess.Popen(
-            [sys.executable, "-c", "import os; os.sched_setaffinity(0, {1})\nwhile True: pass"]
+            [sys.executable, "-c", "import os; os.sched_setaffinity(0, {1})\nwhile True: pass"],
+            executable=sys.executable,
+            start_new_session=True,
         )
-        for _ in range(2)
+        for _ in range(3)
     ]
     try:
         code, said, folder = _job(tmp_path, "pin", 100)
