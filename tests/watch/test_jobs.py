@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -133,6 +136,24 @@ def test_out_that_is_no_run(tmp_path: Path) -> None:
 def test_out_of_a_run_that_ended(tmp_path: Path) -> None:
     (tmp_path / "metrics.json").write_text("{}")
     with pytest.raises(ConfigError, match="no job is running for this run"):
+        find_job(out=str(tmp_path))
+
+
+def test_out_of_a_running_run_of_one_process_says_it_has_no_live_view(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / ".gpukit.lock").write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": "2026-11-29 15:00:00",
+                "command": "gpukit train --workload mlp",
+            }
+        )
+    )
+    with pytest.raises(
+        ConfigError, match=r"one process, not under gpukit's launcher .*--devices N"
+    ):
         find_job(out=str(tmp_path))
 
 

@@ -132,9 +132,24 @@ def _out_job(out: Path) -> Path:
     pointer = out / OUT_JOB_FILE
     if not pointer.is_file():
         if any((out / name).exists() for name in _RUN_FILES):
+            holder = folder_lock.holder(out)
+            running = (
+                holder is not None
+                and holder.host == socket.gethostname()
+                and pid_alive(holder.pid)
+                and not (out / "metrics.json").exists()
+            )
+            if running and holder is not None:  # one process, the one holding the folder
+                raise ConfigError(
+                    f"{given}: this run is one process, not under gpukit's launcher (pid "
+                    f"{holder.pid}: {holder.command}), so no heartbeat is read and there is "
+                    f"no live view of it; `gpukit report {out}` draws it so far. To watch a "
+                    "run live, start it under the launcher: --devices N, or --hang-timeout 300"
+                )
             raise ConfigError(
                 f"{given}: no job is running for this run (it has no {pointer.name} file: the "
-                "run ended, or was started by a gpukit that writes none)"
+                f"run ended, or was started by a gpukit that writes none); `gpukit report "
+                f"{out}` shows it"
             )
         raise ConfigError(
             f"{given}: not the --out folder of a gpukit train run (no {pointer.name}, "
