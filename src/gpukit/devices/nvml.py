@@ -85,12 +85,14 @@ def gpu_memory(uuids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]
     try:
         wanted, found = set(uuids), {}
         for index in range(int(nvml.nvmlDeviceGetCount())):
-            handle = _optional(nvml.nvmlDeviceGetHandleByIndex, index)
+            handle = optional(nvml.nvmlDeviceGetHandleByIndex, index)
             uuid = (
-                _text(_optional(nvml.nvmlDeviceGetUUID, handle) or "") if handle is not None else ""
+                as_text(optional(nvml.nvmlDeviceGetUUID, handle) or "")
+                if handle is not None
+                else ""
             )
             if uuid in wanted:
-                memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
+                memory = optional(nvml.nvmlDeviceGetMemoryInfo, handle)
                 free = int(memory.free) if memory is not None else None
                 found[uuid] = (free, _other_processes(nvml, handle, os.getpid()))
         return found
@@ -158,14 +160,14 @@ def pcie_link(gpu: str) -> PcieLink | None:
         return None
     try:
         for index in range(int(nvml.nvmlDeviceGetCount())):
-            handle = _optional(nvml.nvmlDeviceGetHandleByIndex, index)
+            handle = optional(nvml.nvmlDeviceGetHandleByIndex, index)
             if handle is None or not _is_gpu(nvml, handle, gpu):
                 continue
             link = PcieLink(
-                generation=_int(_optional(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)),
-                max_generation=_int(_optional(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)),
-                width=_int(_optional(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)),
-                max_width=_int(_optional(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle)),
+                generation=_int(optional(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)),
+                max_generation=_int(optional(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)),
+                width=_int(optional(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)),
+                max_width=_int(optional(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle)),
             )
             return None if link == PcieLink(None, None, None, None) else link
         return None
@@ -178,9 +180,9 @@ def pcie_link(gpu: str) -> PcieLink | None:
 
 def _is_gpu(nvml: Any, handle: Any, gpu: str) -> bool:
     if gpu.startswith("GPU-") or gpu.startswith("MIG-"):
-        return _text(_optional(nvml.nvmlDeviceGetUUID, handle) or "") == gpu
-    pci = _optional(nvml.nvmlDeviceGetPciInfo, handle)
-    bus = _bus_id(_text(getattr(pci, "busId", "") or ""))
+        return as_text(optional(nvml.nvmlDeviceGetUUID, handle) or "") == gpu
+    pci = optional(nvml.nvmlDeviceGetPciInfo, handle)
+    bus = _bus_id(as_text(getattr(pci, "busId", "") or ""))
     return bus is not None and bus == _bus_id(gpu)
 
 
@@ -209,11 +211,11 @@ def _int(value: Any) -> int | None:
 
 
 def _other_processes(nvml: Any, handle: Any, own_pid: int) -> int | None:
-    compute = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+    compute = optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
     if compute is None:
         return None
     # Compute-only GPUs may not support the graphics query: they run no graphics processes.
-    graphics = _optional(nvml.nvmlDeviceGetGraphicsRunningProcesses, handle) or []
+    graphics = optional(nvml.nvmlDeviceGetGraphicsRunningProcesses, handle) or []
     used: dict[int, int | None] = {}
     for proc in [*compute, *graphics]:
         if int(proc.pid) == own_pid:
@@ -228,8 +230,8 @@ def _other_processes(nvml: Any, handle: Any, own_pid: int) -> int | None:
 
 
 def _read_initialised(nvml: Any) -> NvmlInfo:
-    driver = _text(nvml.nvmlSystemGetDriverVersion())
-    cuda = _optional(nvml.nvmlSystemGetCudaDriverVersion)
+    driver = as_text(nvml.nvmlSystemGetDriverVersion())
+    cuda = optional(nvml.nvmlSystemGetCudaDriverVersion)
     gpus = tuple(_read_gpu_or_error(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount())))
     return NvmlInfo(
         available=True,
@@ -249,15 +251,15 @@ def _read_gpu_or_error(nvml: Any, index: int) -> NvmlGpu:
 
 def _read_gpu(nvml: Any, index: int) -> NvmlGpu:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
-    util = _optional(nvml.nvmlDeviceGetUtilizationRates, handle)
-    capability = _optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
-    pci = _optional(nvml.nvmlDeviceGetPciInfo, handle)
+    memory = optional(nvml.nvmlDeviceGetMemoryInfo, handle)
+    util = optional(nvml.nvmlDeviceGetUtilizationRates, handle)
+    capability = optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    pci = optional(nvml.nvmlDeviceGetPciInfo, handle)
     return NvmlGpu(
         index=index,
-        name=_text(nvml.nvmlDeviceGetName(handle)),
-        uuid=_text(_optional(nvml.nvmlDeviceGetUUID, handle) or ""),
-        pci_bus_id=_text(getattr(pci, "busId", "") or ""),
+        name=as_text(nvml.nvmlDeviceGetName(handle)),
+        uuid=as_text(optional(nvml.nvmlDeviceGetUUID, handle) or ""),
+        pci_bus_id=as_text(getattr(pci, "busId", "") or ""),
         memory_total=int(memory.total) if memory is not None else None,
         memory_used=int(memory.used) if memory is not None else None,
         memory_free=int(memory.free) if memory is not None else None,
@@ -266,15 +268,17 @@ def _read_gpu(nvml: Any, index: int) -> NvmlGpu:
     )
 
 
-def _optional(call: Callable[..., T], *args: Any) -> T | None:
-    """Some queries are unsupported on some GPUs (NVML_ERROR_NOT_SUPPORTED): None then."""
+def optional(call: Callable[..., T], *args: Any) -> T | None:
+    """``call(*args)``, or None where NVML refuses it: some queries are unsupported on some
+    GPUs (NVML_ERROR_NOT_SUPPORTED)."""
     try:
         return call(*args)
     except Exception:
         return None
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """An NVML string (bytes in older bindings) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
 from typing import Any
+
+from gpukit.devices.nvml import as_text, optional
 
 EVERY_S = 1.0  # NVML is asked at most this often
 # The clocks' event reasons NVML reports (nvmlClocksEventReason* bits), in words; the GPU
@@ -132,24 +133,24 @@ class GpuWatch:
 
 def _reading(nvml: Any, handle: Any, device: int, pids: set[int]) -> dict[str, Any]:
     """One GPU's figures; each query NVML does not support on it is None."""
-    util = _optional(nvml.nvmlDeviceGetUtilizationRates, handle)
-    power = _optional(nvml.nvmlDeviceGetPowerUsage, handle)  # milliwatts
-    limit = _optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    util = optional(nvml.nvmlDeviceGetUtilizationRates, handle)
+    power = optional(nvml.nvmlDeviceGetPowerUsage, handle)  # milliwatts
+    limit = optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
     reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
         nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
     )
-    mask = _optional(reasons, handle) if reasons is not None else None
-    processes = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
-    name = _optional(nvml.nvmlDeviceGetName, handle)
+    mask = optional(reasons, handle) if reasons is not None else None
+    processes = optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+    name = optional(nvml.nvmlDeviceGetName, handle)
     return {
         "index": device,
-        "name": _text(name) if name is not None else "",
+        "name": as_text(name) if name is not None else "",
         "util": int(util.gpu) if util is not None else None,
         "power_w": round(power / 1000, 1) if power is not None else None,
         "power_limit_w": round(limit / 1000, 1) if limit is not None else None,
-        "temp_c": _optional(nvml.nvmlDeviceGetTemperature, handle, _TEMPERATURE_GPU),
-        "sm_clock_mhz": _optional(nvml.nvmlDeviceGetClockInfo, handle, _CLOCK_SM),
-        "max_sm_clock_mhz": _optional(nvml.nvmlDeviceGetMaxClockInfo, handle, _CLOCK_SM),
+        "temp_c": optional(nvml.nvmlDeviceGetTemperature, handle, _TEMPERATURE_GPU),
+        "sm_clock_mhz": optional(nvml.nvmlDeviceGetClockInfo, handle, _CLOCK_SM),
+        "max_sm_clock_mhz": optional(nvml.nvmlDeviceGetMaxClockInfo, handle, _CLOCK_SM),
         "throttle": throttle_words(int(mask)) if mask is not None else [],
         "other_processes": _others(processes, pids),
     }
@@ -166,18 +167,6 @@ def _others(processes: Any, pids: set[int]) -> int | None:
     if pids and found and not found & pids:
         return None
     return len(found - pids)
-
-
-def _optional(call: Callable[..., Any], *args: Any) -> Any:
-    """A query NVML does not support on this GPU (NVML_ERROR_NOT_SUPPORTED) is None."""
-    try:
-        return call(*args)
-    except Exception:
-        return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _said(err: Exception) -> str:
